@@ -1,0 +1,3 @@
+from mbolt.cli import main
+
+main()

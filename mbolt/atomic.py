@@ -1,0 +1,40 @@
+"""Write outputs so that nothing is ever lost: temp file beside the target, fsync, rename."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+from mbolt.errors import MboltError
+
+
+@contextlib.contextmanager
+def atomic_output(path: str | os.PathLike, *, force: bool = True, mode: str = "wb"):
+    """Yield a file object whose contents appear at `path` only if the block completes.
+
+    On any exception (including KeyboardInterrupt) the temporary file is removed and `path`
+    is left as it was.
+    """
+    path = Path(path)
+    if path.exists() and not force:
+        raise MboltError(f"{path}: output exists (use --force to overwrite)")
+    if not path.parent.exists():
+        raise MboltError(f"{path.parent}: output directory does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    with atomic_output(path, mode="w") as f:
+        f.write(text)

@@ -1,0 +1,177 @@
+"""The MoE map of a GGUF: which tensors are indexed by expert, and where each expert's bytes are.
+
+Found by name pattern and shape (a dimension equal to `{arch}.expert_count`), never by a
+per-architecture table, so new MoE families work as long as they keep llama.cpp's naming.
+Every expert-indexed tensor has the expert as its outermost dimension (ne[-1]), so expert e is
+one contiguous slice at `data_offset + e * slice_bytes`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+
+from mbolt.errors import MboltError
+from mbolt.gguf.header import GGUFHeader, TensorInfo, read_header
+
+PAGE = 4096
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# suffix after "blk.N." -> role. Weights of the routed experts, then small expert-indexed tensors.
+ROLES = {
+    "ffn_gate_exps.weight": "gate",
+    "ffn_up_exps.weight": "up",
+    "ffn_down_exps.weight": "down",
+    "ffn_gate_up_exps.weight": "gate_up",
+    "ffn_gate_inp.weight": "router",
+    "ffn_gate_inp.bias": "router_bias",
+    "exp_probs_b.bias": "probs_bias",
+    "ffn_gate_exps.bias": "gate_bias",
+    "ffn_up_exps.bias": "up_bias",
+    "ffn_down_exps.bias": "down_bias",
+    "ffn_gate_up_exps.bias": "gate_up_bias",
+}
+WEIGHT_ROLES = ("gate", "up", "down", "gate_up")  # the big slices an engine streams
+
+
+@dataclass
+class ExpertTensor:
+    name: str
+    role: str  # one of ROLES' values, or "unknown" (expert-indexed but not understood)
+    type: str  # ggml type name
+    ne: tuple[int, ...]
+    data_offset: int  # absolute file offset of expert 0's slice
+    nbytes: int
+    slice_bytes: int
+    aligned: bool  # every slice starts on a 4 KiB boundary
+    why: str = ""  # for "unknown": what is not understood
+
+    def slice_offset(self, expert: int) -> int:
+        return self.data_offset + expert * self.slice_bytes
+
+
+@dataclass
+class MoeLayer:
+    index: int
+    dense: bool  # a layer with a plain FFN (no routed experts)
+    experts: list[ExpertTensor] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)  # shared-expert tensors: not routed, never permuted
+
+    def role(self, role: str) -> ExpertTensor | None:
+        return next((t for t in self.experts if t.role == role), None)
+
+    @property
+    def weights(self) -> list[ExpertTensor]:
+        """The routed weight tensors in file order (what an engine reads per expert)."""
+        return sorted((t for t in self.experts if t.role in WEIGHT_ROLES), key=lambda t: t.data_offset)
+
+    @property
+    def expert_bytes(self) -> int:
+        return sum(t.slice_bytes for t in self.weights)
+
+
+@dataclass
+class MoeMap:
+    path: str
+    arch: str
+    n_layers: int
+    n_experts: int
+    n_used: int
+    layers: list[MoeLayer]
+    header: GGUFHeader
+
+    @property
+    def fingerprint(self) -> str:
+        return self.header.fingerprint
+
+    @property
+    def source_fingerprint(self) -> str:
+        """The fingerprint of the original model: a rewritten file carries its source's."""
+        return self.header.get("mbolt.source.fingerprint", self.header.fingerprint)
+
+    @property
+    def moe_layers(self) -> list[MoeLayer]:
+        return [layer for layer in self.layers if not layer.dense]
+
+    def unknown(self) -> list[ExpertTensor]:
+        return [t for layer in self.layers for t in layer.experts if t.role == "unknown"]
+
+    def to_dict(self) -> dict:
+        return {
+            "path": self.path,
+            "arch": self.arch,
+            "n_layers": self.n_layers,
+            "n_experts": self.n_experts,
+            "n_used": self.n_used,
+            "fingerprint": self.fingerprint,
+            "source_fingerprint": self.source_fingerprint,
+            "layout": self.header.get("mbolt.layout", "stock"),
+            "file_size": self.header.file_size,
+            "layers": [
+                {
+                    "index": layer.index,
+                    "dense": layer.dense,
+                    "expert_bytes": layer.expert_bytes,
+                    "tensors": [
+                        {
+                            "name": t.name, "role": t.role, "type": t.type, "ne": list(t.ne),
+                            "slice_bytes": t.slice_bytes, "offset": t.data_offset,
+                            "aligned_4k": t.aligned, **({"why": t.why} if t.why else {}),
+                        }
+                        for t in layer.experts
+                    ],
+                    "shared": layer.shared,
+                }
+                for layer in self.layers
+            ],
+        }
+
+
+def _is_expertish(suffix: str) -> bool:
+    return "shexp" not in suffix and ("exps" in suffix or "exp_probs" in suffix or suffix.startswith("ffn_gate_inp."))
+
+
+def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
+    """Build the MoE map of a GGUF file; raises MboltError for non-MoE or damaged files."""
+    header = src if isinstance(src, GGUFHeader) else read_header(src)
+    path = header.path
+    arch = header.get("general.architecture")
+    if not isinstance(arch, str):
+        raise MboltError(f"{path}: no general.architecture in the metadata")
+    n_experts = int(header.get(f"{arch}.expert_count", 0) or 0)
+    n_used = int(header.get(f"{arch}.expert_used_count", 0) or 0)
+    n_layers = int(header.get(f"{arch}.block_count", 0) or 0)
+    by_layer: dict[int, list[TensorInfo]] = {}
+    for t in header.tensors:
+        m = _BLK.match(t.name)
+        if m:
+            by_layer.setdefault(int(m.group(1)), []).append(t)
+    if n_experts <= 1:
+        raise MboltError(f"{path}: not a MoE model ({arch}.expert_count is {n_experts or 'missing'})")
+    n_layers = max(n_layers, max(by_layer, default=-1) + 1)
+    layers = []
+    for i in range(n_layers):
+        layer = MoeLayer(i, dense=True)
+        for t in by_layer.get(i, []):
+            suffix = _BLK.match(t.name).group(2)
+            if "shexp" in suffix:
+                layer.shared.append(t.name)
+                continue
+            if not _is_expertish(suffix):
+                continue
+            role = ROLES.get(suffix, "unknown")
+            why = "" if role != "unknown" else "expert-indexed tensor of a kind mbolt does not know"
+            if not t.ne or t.ne[-1] != n_experts:
+                role, why = "unknown", f"outermost dimension {t.ne[-1] if t.ne else None} != expert_count {n_experts}"
+            slice_bytes = t.nbytes // n_experts
+            aligned = t.data_offset % PAGE == 0 and slice_bytes % PAGE == 0
+            layer.experts.append(
+                ExpertTensor(t.name, role, t.type_name, t.ne, t.data_offset, t.nbytes, slice_bytes, aligned, why)
+            )
+        layer.dense = not any(t.role in WEIGHT_ROLES for t in layer.experts)
+        layers.append(layer)
+    if all(layer.dense for layer in layers):
+        raise MboltError(f"{path}: not a MoE model (no ffn_*_exps tensors with {n_experts} experts)")
+    if n_used <= 0 or n_used > n_experts:
+        raise MboltError(f"{path}: {arch}.expert_used_count is {n_used}, expected 1..{n_experts}")
+    return MoeMap(str(path), arch, n_layers, n_experts, n_used, layers, header)
