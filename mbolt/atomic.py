@@ -22,7 +22,8 @@ def atomic_output(path: str | os.PathLike, *, force: bool = True, mode: str = "w
         raise MboltError(f"{path}: output exists (use --force to overwrite)")
     if not path.parent.exists():
         raise MboltError(f"{path.parent}: output directory does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
+    # The pid in the name lets clean_stale_parts() tell a killed writer's leftover from a live one.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".part", dir=path.parent)
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -38,3 +39,36 @@ def atomic_output(path: str | os.PathLike, *, force: bool = True, mode: str = "w
 def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     with atomic_output(path, mode="w") as f:
         f.write(text)
+
+
+def clean_stale_parts(path: str | os.PathLike) -> list[Path]:
+    """Remove temp files that a writer of `path` killed by SIGKILL (or a power cut) left behind.
+
+    Only `.NAME.PID.*.part` files whose PID is no longer running are removed; returns them.
+    """
+    path = Path(path)
+    removed = []
+    for p in path.parent.glob(f".{glob_escape(path.name)}.*.part"):
+        pid = p.name[len(path.name) + 2:].split(".", 1)[0]
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+            removed.append(p)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from mbolt.errors import MboltError
 
@@ -33,7 +34,8 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except MboltError as e:
-            err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+            # The message is the user's file names and bytes: print it literally (no markup, no emoji).
+            err_console.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False, soft_wrap=True)
             raise typer.Exit(2)
 
     return wrapper
@@ -90,6 +92,467 @@ def inspect_cmd(
         print_json(m.to_dict())
     else:
         console.print(moe_map_table(m))
+
+
+@app.command("cache")
+@user_errors
+def cache_cmd(
+    trace: Path = typer.Argument(..., help="A routing trace (.mbtrace, or a file the importers read)."),
+    budgets: str = typer.Option("4,8,16", "--budgets", help="Expert slots per layer, comma separated."),
+    in_sample: bool = typer.Option(False, "--in-sample", help="Pin set from the measured tokens (optimistic)."),
+    pin_share: float = typer.Option(0.75, "--pin-share", help="Share of each layer's slots that are pinned."),
+    train_share: float = typer.Option(0.5, "--train-share", help="Held-out mode: leading share of tokens that trains."),
+    phase: str = typer.Option("decode", "--phase", help="Tokens replayed: decode, prefill or all."),
+    nuthatch_lines: bool = typer.Option(False, "--nuthatch-lines",
+                                        help="Read a nuthatch text export line by line, as nuthatch's trace_replay did."),
+    as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
+):
+    """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady) over a trace."""
+    from mbolt.bench.replay import cache_sweep, load_trace, nuthatch_lines_trace
+    from mbolt.report.bench_tables import cache_table
+
+    try:
+        bs = [int(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        raise MboltError(f"--budgets: expected comma-separated integers, got {budgets!r}") from None
+    t = nuthatch_lines_trace(trace) if nuthatch_lines else load_trace(trace)
+    sweep = cache_sweep(t, bs, in_sample=in_sample, pin_share=pin_share, train_share=train_share,
+                        phase="all" if nuthatch_lines else phase)
+    if as_json:
+        print_json(sweep.to_dict())
+    else:
+        console.print(cache_table(sweep))
+
+
+@app.command("synth")
+@user_errors
+def synth_cmd(
+    out: Path = typer.Argument(..., help="Output GGUF path."),
+    arch: str = typer.Option(None, "--arch", help="qwen3moe (default), olmoe, mixtral or qwen2moe."),
+    preset: str = typer.Option(None, "--preset", help="Real model geometry: qwen3-30b-a3b, qwen3-next-80b-a3b, "
+                               "olmoe-1b-7b, granite-moe-1b (other options override it)."),
+    layers: int = typer.Option(None, "--layers", help="Number of layers (scales a preset down)."),
+    experts: int = typer.Option(None, "--experts", help="Routed experts per layer."),
+    k: int = typer.Option(None, "--k", help="Experts used per token."),
+    hidden: int = typer.Option(None, "--hidden", help="Hidden size."),
+    expert_ff: int = typer.Option(None, "--expert-ff", help="Expert FFN size."),
+    heads: int = typer.Option(None, "--heads", help="Attention heads."),
+    kv_heads: int = typer.Option(None, "--kv-heads", help="KV heads."),
+    head_dim: int = typer.Option(None, "--head-dim", help="Head dimension."),
+    shared_ff: int = typer.Option(None, "--shared-ff", help="Shared expert FFN size (qwen2moe)."),
+    expert_type: str = typer.Option(None, "--type", help="Expert tensor type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 MXFP4."),
+    dense_type: str = typer.Option(None, "--dense-type", help="Attention/output matrices: F32 or F16."),
+    seed: int = typer.Option(None, "--seed", help="Random seed (same seed, same bytes)."),
+    structure: str = typer.Option(None, "--structure", help="planted (default) or none (null control)."),
+    groups: int = typer.Option(None, "--groups", help="Planted expert groups (default experts / (2k))."),
+    strength: float = typer.Option(None, "--strength", help="Planted structure strength in [0, 1] (default 0.5)."),
+    heat_skew: float = typer.Option(None, "--heat-skew", help="Per-expert heat skew >= 0 (default 0.5)."),
+    fast_random: bool = typer.Option(False, "--fast-random", help="Random valid expert/matrix blocks: disk speed, "
+                                     "routing still planted, forward pass not meaningful."),
+    probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (llama.cpp refuses it)."),
+    expert_bias: bool = typer.Option(False, "--expert-bias", help="Add ffn_*_exps.bias (llama.cpp refuses it)."),
+    dense_layers: int = typer.Option(None, "--dense-layers", help="Leading dense-FFN layers (llama.cpp refuses them)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite the output."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+):
+    """Write a synthetic MoE GGUF (llama.cpp-loadable) with planted co-activation structure."""
+    import dataclasses
+
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from mbolt.gguf.synth import SynthConfig, synth_size, write_synth_info
+
+    given = dict(arch=arch, n_layers=layers, n_experts=experts, n_used=k, hidden=hidden, expert_ff=expert_ff,
+                 n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, shared_ff=shared_ff,
+                 expert_type=expert_type.upper() if expert_type else None, dense_type=dense_type, seed=seed,
+                 structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew,
+                 dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
+                 expert_bias=expert_bias or None)
+    given = {key: v for key, v in given.items() if v is not None}
+    cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
+    if out.exists() and not force:
+        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    total = synth_size(cfg)
+    if total > 64 << 20 and not as_json:
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                      TransferSpeedColumn(), TimeRemainingColumn(), console=err_console) as bar:
+            task = bar.add_task(f"writing {out.name}", total=total)
+            info = write_synth_info(out, cfg, force=force, progress=lambda d, t: bar.update(task, completed=d))
+    else:
+        info = write_synth_info(out, cfg, force=force)
+    if as_json:
+        print_json(dataclasses.asdict(info))
+    else:
+        g = info.geometry
+        console.print(
+            f"wrote [bold]{info.path}[/] ({info.bytes / 1e6:,.1f} MB): {info.arch}"
+            f"{' (' + info.preset + ')' if info.preset else ''}, {g['n_layers']} layers x {g['n_experts']} experts, "
+            f"k={g['n_used']}, hidden {g['hidden']}, expert ff {g['expert_ff']}, experts {info.expert_type}, "
+            f"structure {info.structure} ({g['n_groups']} groups){', fast-random' if info.fast_random else ''}",
+            highlight=False,
+        )
+
+
+@app.command("ab")
+@user_errors
+def ab_cmd(
+    arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S]. The first is the baseline."),
+    replay_trace: Path = typer.Option(None, "--replay", help="Held-out trace: read exactly what each token needs (I/O only)."),
+    decode: bool = typer.Option(False, "--decode", help="Generate with the reference engine (compute + I/O)."),
+    prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
+    n_prompts: int = typer.Option(2, "--n-prompts", help="Decode: prompts used."),
+    new_tokens: int = typer.Option(8, "--new-tokens", help="Decode: tokens generated per prompt."),
+    rounds: int = typer.Option(5, "--rounds", help="Rounds (arm order alternates every round)."),
+    qd: int = typer.Option(1, "--io-threads", "--qd", help="Default queue depth for arms."),
+    direct: bool = typer.Option(False, "--direct", help="Default: O_DIRECT reads for arms."),
+    gap: int = typer.Option(0, "--gap", help="Default merge gap (bytes)."),
+    cache_slots: int = typer.Option(0, "--cache-slots", help="Default per-layer slot cache."),
+    no_aa: bool = typer.Option(False, "--no-aa", help="Drop the A/A control arm."),
+    threshold: float = typer.Option(0.01, "--threshold", help="Reject a round whose resident share exceeds this."),
+    max_tokens: int = typer.Option(0, "--max-tokens", help="Replay at most this many held-out tokens (0 = all)."),
+    name: str = typer.Option("", "--name", help="Result name: results/<name>.json."),
+    out_dir: Path = typer.Option(Path("results"), "--out-dir", help="Where the result JSON goes."),
+    prereg: Path = typer.Option(None, "--prereg", help="Run a pre-registration (prereg/x.toml): arms and rule from the file."),
+    plan: Path = typer.Option(None, "--plan", help="Plan of the treatment: print the prediction next to the measurement."),
+    probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures for the prediction."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Controlled cold A/B of arms (files + reader options): alternating order, eviction proven, A/A control."""
+    from rich.progress import Progress
+
+    from mbolt.bench.ab import parse_arm, run_ab, write_result
+    from mbolt.report.bench_tables import ab_table
+
+    pr = None
+    if prereg is not None:
+        from mbolt.bench.prereg import check_and_lock, load_prereg
+
+        if arms:
+            raise MboltError("--prereg defines the arms: do not also pass arms")
+        pr = load_prereg(prereg)
+        arm_list = pr.arms
+        if pr.trace and replay_trace is None and pr.mode == "replay":
+            replay_trace = Path(pr.trace)
+        decode = pr.mode == "decode"
+        rounds = pr.rounds
+        name = name or pr.name
+    else:
+        if not arms:
+            raise MboltError("give at least one arm (or --prereg)")
+        defaults = dict(io_threads=qd, direct=direct, gap=gap, cache_slots=cache_slots)
+        arm_list = [parse_arm(a, i, defaults) for i, a in enumerate(arms)]
+    if decode == (replay_trace is not None):
+        raise MboltError("choose one mode: --replay TRACE or --decode")
+    trace = None
+    prompt_ids = None
+    if replay_trace is not None:
+        from mbolt.bench.replay import load_trace
+
+        trace = load_trace(replay_trace)
+        if max_tokens and trace.n_tokens > max_tokens:
+            import numpy as np
+
+            trace = trace.select(np.arange(trace.n_tokens) < max_tokens)
+    else:
+        from mbolt.bench.ab import load_prompt_ids
+
+        prompt_ids = load_prompt_ids(arm_list[0].path, prompts, n_prompts)
+    if pr is not None:
+        lock = check_and_lock(pr)
+        console.print(f"pre-registration {pr.path}: sha256 {pr.sha256[:16]}, run {lock['runs']} "
+                      f"(locked {lock['locked_at']})")
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)))
+        res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", rounds=rounds,
+                     threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
+                     progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
+                     prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""))
+    if pr is not None:
+        from mbolt.bench.prereg import verdict
+
+        res.prereg["result"] = verdict(pr, res.summary)
+    if plan is not None:
+        from mbolt.bench.predict import predict_vs_measured
+
+        res.prediction = predict_vs_measured(res, plan, trace, probe_json)
+    out = write_result(out_dir / f"{res.name}.json", res)
+    if as_json:
+        print_json(res.to_dict())
+        return
+    console.print(ab_table(res))
+    for f in res.flags:
+        console.print(f"[yellow]flag:[/] {f}")
+    for n in res.notes:
+        console.print(f"[red]note:[/] {n}")
+    if res.prediction:
+        from mbolt.report.bench_tables import prediction_table
+
+        console.print(prediction_table(res.prediction))
+    if pr is not None:
+        v = res.prereg["result"]
+        colour = "green" if v["verdict"] == "PASS" else "red"
+        console.print(f"[bold {colour}]{v['verdict']}[/]: {pr.treatment} vs {pr.baseline} "
+                      f"{v.get('measured_speedup', float('nan')):.3f}x (95% CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}), "
+                      f"threshold {pr.pass_threshold}, predicted {pr.predicted_speedup}")
+    console.print(f"wrote {out}")
+
+
+@app.command("reorder")
+@user_errors
+def reorder_cmd(
+    src: Path = typer.Argument(..., help="Source MoE GGUF (stock, or a file mbolt already rewrote)."),
+    dst: Path = typer.Argument(..., help="Output GGUF (a new path; the source is never modified)."),
+    plan: Path = typer.Option(None, "--plan", help="plan.json from `mbolt plan` (perms name original expert ids)."),
+    layout: str = typer.Option("reorder", "--layout", help="reorder: standard tensor names, loads in unmodified "
+                               "llama.cpp. packed: each expert's gate|up|down adjacent in one blob per layer "
+                               "(blk.N.ffn_exps_packed) for explicit-read engines; the reference engine and "
+                               "the store read it, llama.cpp does NOT load this layout."),
+    identity: bool = typer.Option(False, "--identity", help="Identity plan: stock order plus a route map "
+                                  "(a control for the whole pipeline; restores stock order of a rewritten file)."),
+    trace: Path = typer.Option(None, "--trace", help="Plan inline from this .mbtrace with the default method."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Rewrite a MoE GGUF bit-exactly with experts in plan order (+ route map and JSON sidecar).
+
+    Streams with bounded memory (os.copy_file_range); writes a temp file beside the output,
+    fsyncs and renames, so an interrupted run never leaves a partial output."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from mbolt.report.rewrite_tables import reorder_table
+    from mbolt.rewrite.reorder import reorder_file
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task(f"writing {dst.name}", total=None)
+        r = reorder_file(src, dst, plan=plan, trace=trace, identity=identity, layout=layout, force=force,
+                         progress=lambda d, t: bar.update(task, completed=d, total=t))
+    if as_json:
+        print_json(r.to_dict())
+    else:
+        console.print(reorder_table(r))
+
+
+@app.command("verify")
+@user_errors
+def verify_cmd(
+    src: Path = typer.Argument(..., help="The source GGUF."),
+    out: Path = typer.Argument(..., help="The file `mbolt reorder` wrote from it."),
+    prompts: Path = typer.Option(None, "--prompts", help="Prompts for routing parity: .jsonl (prompt/text field) "
+                                 "or one per line (default: a built-in set)."),
+    n_prompts: int = typer.Option(8, "--n-prompts", help="Use at most this many prompts."),
+    tokens: int = typer.Option(8, "--tokens", help="Greedy tokens generated per prompt."),
+    no_parity: bool = typer.Option(False, "--no-parity", help="Skip the reference-engine routing parity "
+                                   "(bit-identity only)."),
+    llama: bool = typer.Option(False, "--llama", help="Also load both in llama.cpp (reorder layout): same "
+                               "greedy tokens, logits within tolerance."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+):
+    """Check a rewritten GGUF: every tensor byte-identical through the route map, metadata
+    identical apart from mbolt.* and alignment, routing parity; exit 1 on any failure."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from mbolt.report.rewrite_tables import verify_table
+    from mbolt.rewrite.parity import PROMPTS, load_prompts
+    from mbolt.rewrite.verify import verify
+
+    texts = load_prompts(prompts, n_prompts) if prompts else PROMPTS[:n_prompts]
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task(f"comparing {out.name}", total=None)
+        rep = verify(src, out, parity=not no_parity, prompts=texts, n_tokens=tokens, llama=llama,
+                     progress=lambda d, t: bar.update(task, completed=d, total=t))
+    if as_json:
+        print_json(rep.to_dict())
+    else:
+        console.print(verify_table(rep))
+    if not rep.ok:
+        raise typer.Exit(1)
+
+
+@app.command("trace-stats")
+@user_errors
+def trace_stats_cmd(
+    trace: Path = typer.Argument(..., help="A .mbtrace, or MBOLT_TRACE / nuthatch text / NUTHTRC1 (auto-detected)."),
+    fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text or nuthatch-bin."),
+    as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
+):
+    """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap."""
+    from mbolt.trace.stats import stats_renderables, trace_stats
+
+    s = trace_stats(trace, fmt)
+    if as_json:
+        print_json(s)
+    else:
+        for r in stats_renderables(s):
+            console.print(r, highlight=False)
+
+
+@app.command("import-trace")
+@user_errors
+def import_trace_cmd(
+    src: Path = typer.Argument(..., help="MBOLT_TRACE, nuthatch text or NUTHTRC1 trace (auto-detected)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace path."),
+    fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text or nuthatch-bin."),
+    n_layers: int = typer.Option(None, "--layers", help="Model layers (when the file implies fewer)."),
+    n_experts: int = typer.Option(None, "--experts", help="Experts per layer (when the file implies fewer)."),
+    prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="NUTHTRC1: leading positions that were the prompt."),
+    force: bool = typer.Option(False, "--force", help="Overwrite the output."),
+    as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
+):
+    """Convert a routing trace from another tool into .mbtrace (flags and drops corrupt rows)."""
+    from mbolt.trace.format import write_trace
+    from mbolt.trace.importers import detect_format, import_trace
+
+    kind = detect_format(src) if fmt == "auto" else fmt
+    tr = import_trace(src, kind, n_layers=n_layers, n_experts=n_experts, prefill_tokens=prefill_tokens)
+    write_trace(out, tr, force=force)
+    info = {"source": str(src), "format": kind, "out": str(out), "n_layers": tr.n_layers,
+            "n_experts": tr.n_experts, "k": tr.k, "tokens": tr.n_tokens,
+            "prefill": int((tr.phase == 0).sum()), "decode": int((tr.phase == 1).sum()),
+            "sequences": int(len(set(tr.seq.tolist()))), "notes": tr.notes}
+    if as_json:
+        print_json(info)
+    else:
+        console.print(f"wrote [bold]{out}[/]: {kind} -> {tr.n_tokens:,} tokens ({info['prefill']:,} prefill, "
+                      f"{info['decode']:,} decode, {info['sequences']} sequences), {tr.n_layers} layers x "
+                      f"{tr.n_experts} experts, k={tr.k}", highlight=False)
+        for note in tr.notes:
+            console.print(f"[yellow]note:[/] {note}", highlight=False)
+
+
+@app.command("probe")
+@user_errors
+def probe_cmd(
+    file: Path = typer.Option(None, "--file", help="A file (or directory) on the drive to measure; a temp file "
+                              "is created beside it when it is small or missing."),
+    size_mb: int = typer.Option(256, "--size-mb", help="Size of the temp probe file."),
+    out: Path = typer.Option(Path("results/probe.json"), "-o", "--out", help="Where the figures go (predict reads them)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+):
+    """Cold random-read cost of a drive: t_op and bandwidth per read size, queue depth, buffered/O_DIRECT."""
+    import json
+
+    from rich.progress import Progress
+
+    from mbolt.atomic import write_text_atomic
+    from mbolt.bench.probe import probe
+    from mbolt.report.bench_tables import probe_table
+
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("probing", total=1.0)
+        d = probe(file, size_mb=size_mb, progress=lambda i, n: bar.update(task, completed=i / n))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out, json.dumps(d, indent=1) + "\n")
+    if as_json:
+        print_json(d)
+        return
+    console.print(probe_table(d))
+    for k, f in d["fits"].items():
+        console.print(f"{k}: t_op {f['t_op_s'] * 1e6:.0f} us, BW {f['bw_bytes_s'] / 1e6:.0f} MB/s "
+                      f"(best measured {f['best_mb_per_s']:.0f} MB/s)")
+    console.print(f"wrote {out}")
+
+
+@app.command("predict")
+@user_errors
+def predict_cmd(
+    model: Path = typer.Argument(..., help="The GGUF as it is now (usually stock)."),
+    plan: Path = typer.Option(None, "--plan", help="plan.json: predict its reorder and packed layouts."),
+    trace: Path = typer.Option(..., "--trace", help="Held-out trace."),
+    probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures (mbolt probe)."),
+    qd: int = typer.Option(1, "--io-threads", "--qd", help="Queue depth of the reader."),
+    direct: bool = typer.Option(False, "--direct", help="O_DIRECT reader."),
+    gap: int = typer.Option(0, "--gap", help="Merge gap (bytes)."),
+    cache_slots: int = typer.Option(0, "--cache-slots", help="Per-layer LRU slot cache."),
+    s: float = typer.Option(1.0, "--s", help="Share of decode time spent on cold reads (1 = I/O only)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the prediction as JSON."),
+):
+    """Predict reads/token, bytes/token, per-expert gain g and speedup of a plan before rewriting."""
+    from rich.table import Table
+
+    from mbolt.bench.predict import predict
+    from mbolt.bench.replay import load_trace
+
+    d = predict(str(model), str(plan) if plan else None, load_trace(trace), str(probe_json), qd=qd, direct=direct,
+                gap=gap, cache_slots=cache_slots, s=s)
+    if as_json:
+        print_json(d)
+        return
+    t = Table(title=f"prediction: t_op {d['t_op_us']:.0f} us, BW {d['bw_mb_s']:.0f} MB/s, s = {s:g} "
+                    f"(QD{qd}, {'O_DIRECT' if direct else 'buffered'}, gap {gap})", header_style="bold")
+    for c in ("layout", "reads/tok", "MB/tok", "io ms/tok", "g", "g (law)", "speedup"):
+        t.add_column(c, justify="left" if c == "layout" else "right")
+    for r in d["rows"]:
+        t.add_row(r["layout"], f"{r['reads_per_token']:.1f}", f"{r['bytes_per_token'] / 1e6:.3f}",
+                  f"{r['io_ms_per_token']:.3f}", f"{r['g_measured_model']:.3f}", f"{r['g_law']:.3f}",
+                  f"{r['speedup']:.3f}x")
+    console.print(t)
+
+
+@app.command("generate")
+@user_errors
+def generate_cmd(
+    model: Path = typer.Argument(..., help="A MoE GGUF the reference engine runs (qwen3moe, olmoe, mixtral, qwen2moe)."),
+    prompt: str = typer.Argument(..., help="Prompt text."),
+    n: int = typer.Option(32, "-n", "--n-tokens", help="Tokens to generate (greedy)."),
+    route: str = typer.Option("file", help="Reordered files: 'file' (router rows permuted in the file) or 'map'."),
+    as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
+):
+    """Greedy decode with the numpy reference engine, with tokens/s."""
+    from mbolt.engine import load_model
+    from mbolt.engine.generate import generate
+
+    m = load_model(model, route=route)
+    if as_json:
+        print_json(generate(m, prompt, n))
+        return
+    from rich.progress import Progress
+
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("generating", total=n)
+        res = generate(m, prompt, n, on_token=lambda i, t: bar.update(task, completed=i + 1))
+    console.print(prompt, end="", highlight=False, markup=False)
+    console.print(res["text"], style="bold", highlight=False, markup=False)
+    console.print(f"[dim]prompt {len(res['prompt_ids'])} tokens at {res['prefill_tokens_per_s']:.1f} tok/s, "
+                  f"generated {len(res['ids'])} at {res['decode_tokens_per_s']:.1f} tok/s[/]")
+
+
+@app.command("trace")
+@user_errors
+def trace_cmd(
+    model: Path = typer.Argument(..., help="A MoE GGUF file."),
+    prompts: Path = typer.Option(..., "--prompts", "-p", help="Prompts: .jsonl ({\"prompt\", \"source\"} per line) or text (one per line)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace file."),
+    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Greedy decode tokens per prompt."),
+    engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp' (eval callback, any llama.cpp arch)."),
+    limit: int = typer.Option(0, "--limit", help="Only the first N prompts (0 = all)."),
+    threads: int = typer.Option(0, "--threads", help="llama.cpp threads (0 = all cores)."),
+    route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Run prompts and record every token's routing (prefill and decode) into an .mbtrace."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mbolt.trace.tracer import read_prompts, trace_prompts
+
+    items = read_prompts(prompts, limit or None)
+    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console,
+                  transient=as_json) as bar:
+        task = bar.add_task(f"tracing ({engine})", total=len(items), rate="")
+
+        def progress(done, total, toks, secs):
+            bar.update(task, completed=done, rate=f"{toks} tok, {toks / secs if secs > 0 else 0:.1f} tok/s")
+
+        res = trace_prompts(model, items, out, max_new_tokens=max_new_tokens, engine=engine,
+                            route=route, threads=threads or None, on_progress=progress)
+    if as_json:
+        print_json(res)
+    else:
+        console.print(f"wrote [bold]{res['out']}[/]: {res['prompts']} prompts, {res['prefill_tokens']} prefill + "
+                      f"{res['decode_tokens']} decode tokens in {res['seconds']:.1f} s "
+                      f"({res['tokens_per_s']:.1f} tok/s, {engine})")
 
 
 def main() -> None:

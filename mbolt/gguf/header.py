@@ -41,6 +41,7 @@ class KV:
     type: GGUFValueType
     value: object  # python scalar, str, numpy array (numeric arrays) or list[str]
     sub_type: GGUFValueType | None = None  # element type of arrays
+    span: tuple[int, int] = (0, 0)  # [start, end) bytes of this key/value pair in the file (copied verbatim by the rewriter)
 
 
 @dataclass
@@ -158,10 +159,11 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         raise MboltError(f"{path}: corrupt GGUF header (tensor count {n_tensors}, kv count {n_kv})")
     kv: dict[str, KV] = {}
     for i in range(n_kv):
+        start = c.pos
         key = c.string(f"metadata key #{i}")
         vtype = c._vtype(c.scalar("<I", key), key)
         value, sub = c.value(vtype, key)
-        kv[key] = KV(key, vtype, value, sub)
+        kv[key] = KV(key, vtype, value, sub, (start, c.pos))
     infos = []
     for i in range(n_tensors):
         name = c.string(f"tensor info #{i}")

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from mbolt.errors import MboltError
 from mbolt.gguf.header import GGUFHeader, TensorInfo, read_header
+from mbolt.gguf.packed import read_packed
 
 PAGE = 4096
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -30,6 +31,7 @@ ROLES = {
     "ffn_up_exps.bias": "up_bias",
     "ffn_down_exps.bias": "down_bias",
     "ffn_gate_up_exps.bias": "gate_up_bias",
+    "ffn_exps_packed": "packed",  # packed layout: one I8 blob per layer (see gguf/packed.py)
 }
 WEIGHT_ROLES = ("gate", "up", "down", "gate_up")  # the big slices an engine streams
 
@@ -45,9 +47,12 @@ class ExpertTensor:
     slice_bytes: int
     aligned: bool  # every slice starts on a 4 KiB boundary
     why: str = ""  # for "unknown": what is not understood
+    stride: int = 0  # bytes between positions; 0 = slice_bytes (a real tensor). Packed: the slot size
+    container: str = ""  # packed layout: the blob tensor holding this virtual tensor ("" = real tensor)
 
     def slice_offset(self, expert: int) -> int:
-        return self.data_offset + expert * self.slice_bytes
+        """File offset of the slice at POSITION `expert` (original id only in a stock file)."""
+        return self.data_offset + expert * (self.stride or self.slice_bytes)
 
 
 @dataclass
@@ -117,6 +122,7 @@ class MoeMap:
                             "name": t.name, "role": t.role, "type": t.type, "ne": list(t.ne),
                             "slice_bytes": t.slice_bytes, "offset": t.data_offset,
                             "aligned_4k": t.aligned, **({"why": t.why} if t.why else {}),
+                            **({"stride": t.stride, "container": t.container} if t.container else {}),
                         }
                         for t in layer.experts
                     ],
@@ -129,6 +135,28 @@ class MoeMap:
 
 def _is_expertish(suffix: str) -> bool:
     return "shexp" not in suffix and ("exps" in suffix or "exp_probs" in suffix or suffix.startswith("ffn_gate_inp."))
+
+
+def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertTensor]:
+    """The routed weight tensors stored inside a packed blob, as virtual tensors with a stride."""
+    from gguf import GGMLQuantizationType
+
+    if pl is None:
+        raise MboltError(f"{path}: tensor {blob.name} has no mbolt.packed.* metadata for its layer")
+    if blob.nbytes != pl.slot_bytes * n_experts:
+        raise MboltError(f"{path}: tensor {blob.name} is {blob.nbytes} bytes, metadata says {n_experts} x {pl.slot_bytes}")
+    out = []
+    for r in pl.roles:
+        suffix = _BLK.match(r.name).group(2) if _BLK.match(r.name) else r.name
+        role = ROLES.get(suffix, "unknown")
+        start = blob.data_offset + r.offset
+        aligned = start % PAGE == 0 and pl.slot_bytes % PAGE == 0
+        out.append(ExpertTensor(
+            r.name, role, GGMLQuantizationType(r.type).name, r.ne, start, r.slice_bytes * n_experts,
+            r.slice_bytes, aligned, "" if role != "unknown" else "packed role mbolt does not know",
+            stride=pl.slot_bytes, container=blob.name,
+        ))
+    return out
 
 
 def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
@@ -149,6 +177,7 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
     if n_experts <= 1:
         raise MboltError(f"{path}: not a MoE model ({arch}.expert_count is {n_experts or 'missing'})")
     n_layers = max(n_layers, max(by_layer, default=-1) + 1)
+    packed = read_packed(header)
     layers = []
     for i in range(n_layers):
         layer = MoeLayer(i, dense=True)
@@ -168,6 +197,8 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
             layer.experts.append(
                 ExpertTensor(t.name, role, t.type_name, t.ne, t.data_offset, t.nbytes, slice_bytes, aligned, why)
             )
+            if role == "packed":
+                layer.experts.extend(_packed_virtuals(t, packed.get(i), n_experts, path))
         layer.dense = not any(t.role in WEIGHT_ROLES for t in layer.experts)
         layers.append(layer)
     if all(layer.dense for layer in layers):

@@ -1,0 +1,96 @@
+"""The environment a measurement ran in: kernel, filesystem, device, memory, load, git revision."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _mount_of(path: str) -> tuple[str, str, str]:
+    """(device, mount point, filesystem type) of the mount holding `path`, from /proc/mounts."""
+    path = os.path.realpath(path)
+    best = ("?", "/", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                dev, mnt, fs = line.split()[:3]
+                mnt = mnt.replace("\\040", " ")
+                if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[1]):
+                    best = (dev, mnt, fs)
+    except OSError:
+        pass
+    return best
+
+
+def _block_info(dev: str) -> dict:
+    name = Path(dev).name
+    out: dict = {"name": name}
+    base = Path("/sys/class/block") / name
+    if not base.exists():
+        return out
+    if (base / "partition").exists():
+        base = base.resolve().parent  # the whole disk
+        out["disk"] = base.name
+    q = base / "queue"
+    for key in ("rotational", "logical_block_size", "max_sectors_kb", "nr_requests", "scheduler", "read_ahead_kb"):
+        try:
+            out[key] = (q / key).read_text().strip()
+        except OSError:
+            pass
+    for key in ("device/model", "device/vendor"):
+        try:
+            out[key.split("/")[1]] = (base / key).read_text().strip()
+        except OSError:
+            pass
+    return out
+
+
+def _meminfo() -> dict:
+    out = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                if k in ("MemTotal", "MemFree", "MemAvailable", "Cached"):
+                    out[k] = int(v.split()[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def git_revision(root: str | os.PathLike | None = None) -> str:
+    root = root or Path(__file__).resolve().parents[2]
+    try:
+        r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
+        rev = r.stdout.strip() if r.returncode == 0 else "no commit yet"
+        d = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5)
+        if d.returncode == 0 and d.stdout.strip():
+            rev += " (dirty)"
+        return rev
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def environment(path: str | os.PathLike) -> dict:
+    dev, mnt, fs = _mount_of(str(path))
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "kernel": platform.release(),
+        "system": platform.system(),
+        "python": sys.version.split()[0],
+        "cpus": os.cpu_count(),
+        "loadavg": load,
+        "filesystem": fs,
+        "mount": mnt,
+        "device": dev,
+        "block": _block_info(dev),
+        "memory": _meminfo(),
+        "git": git_revision(),
+        "page_size": os.sysconf("SC_PAGE_SIZE"),
+    }

@@ -1,0 +1,134 @@
+"""Page-cache control: evict a file's cached pages and prove it with mincore.
+
+Linux only, no privileges: posix_fadvise(POSIX_FADV_DONTNEED) drops a file's clean, unmapped
+pages; mincore on a fresh read-only mapping reports which pages are still resident. The file is
+fsync'ed first (dirty pages cannot be dropped). A cold arm starts only after `evict` returns a
+resident share at or below the threshold; where that cannot be shown (no mincore, a filesystem
+that ignores the advice) callers mark the run "not cold" instead of pretending.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from mbolt.errors import MboltError
+
+PAGE = mmap.PAGESIZE
+
+_libc = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                               ctypes.c_int, ctypes.c_long]
+        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    return _libc
+
+
+def resident_pages(path: str | os.PathLike) -> np.ndarray:
+    """Per page of the file, whether it is in the page cache (bool array), via mincore."""
+    size = os.path.getsize(path)
+    n = (size + PAGE - 1) // PAGE
+    if size == 0:
+        return np.zeros(0, bool)
+    lib = _lib()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise MboltError(f"{path}: mmap for mincore failed (errno {ctypes.get_errno()})")
+        try:
+            vec = (ctypes.c_ubyte * n)()
+            if lib.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                raise MboltError(f"{path}: mincore failed (errno {ctypes.get_errno()})")
+            return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+        finally:
+            lib.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+
+
+def resident_share(path: str | os.PathLike, spans=None) -> float:
+    """Share of the file's pages resident in the page cache (0..1); with `spans` [(start, end)],
+    the share of the pages covering those byte spans only (e.g. the expert tensors)."""
+    r = resident_pages(path)
+    if spans is not None:
+        keep = np.zeros(r.size, bool)
+        for a, b in spans:
+            keep[int(a) // PAGE: -(-int(b) // PAGE)] = True
+        r = r[keep]
+    return float(r.mean()) if r.size else 0.0
+
+
+def expert_spans(mm) -> list[tuple[int, int]]:
+    """Byte spans of every routed expert weight tensor (or packed blob) of a MoE map."""
+    out = set()
+    for layer in mm.moe_layers:
+        for w in layer.weights:
+            n = (w.stride or w.slice_bytes) * mm.n_experts
+            out.add((int(w.data_offset), int(w.data_offset) + int(n)))
+    return sorted(out)
+
+
+def drop_range(fd: int, start: int, length: int) -> None:
+    """Drop the cached pages covering [start, start+length), widened to whole pages."""
+    a = start - start % PAGE
+    b = start + length
+    b += (-b) % PAGE
+    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+
+
+@dataclass
+class Eviction:
+    path: str
+    resident_before: float
+    resident_after: float
+    proven: bool  # mincore ran and showed resident_after <= threshold
+    threshold: float
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def evict(path: str | os.PathLike, threshold: float = 0.01, tries: int = 3) -> Eviction:
+    """fsync + posix_fadvise(DONTNEED) the whole file, then measure what stays resident."""
+    path = str(path)
+    try:
+        before = resident_share(path)
+    except (OSError, MboltError, AttributeError) as e:
+        before = float("nan")
+        note = f"mincore unavailable: {e}"
+    else:
+        note = ""
+    after = float("nan")
+    for _ in range(tries):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            try:
+                os.fsync(fd)
+            except OSError:
+                pass
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        if note:
+            break
+        after = resident_share(path)
+        if after <= threshold:
+            break
+    proven = not note and after <= threshold
+    if not note and not proven:
+        note = f"{100 * after:.2f}% of the pages stayed resident after DONTNEED"
+    return Eviction(path, before, after, proven, threshold, note)

@@ -1,0 +1,153 @@
+"""`mbolt predict`: the gain of a layout before rewriting, from the trace and the probe.
+
+Counts come from THE evaluator (`mbolt.layout.evaluate.evaluate`, which merges with the shared
+`merge_ranges_batched`); time comes from the probe's per-read cost:
+
+    io time per token  T = reads/token * t_op + bytes/token / BW        (t_op, BW at the arm's QD/mode)
+    per-cold-expert gain  g = T_stock / T_layout
+                          ~= 1 + saved_ops * t_op / (slice_bytes / BW)  (DESIGN.md's law, per expert)
+    end-to-end speedup = 1 / ((1 - s) + s / g),  s = share of decode time spent on cold reads
+
+In replay mode (I/O only) s = 1 and the speedup is g. A packed file pads expert slots; the store
+reads through the padding, so predicted bytes add it (padding x merged neighbours).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.bench.probe import cost, load_probe
+from mbolt.errors import MboltError
+from mbolt.gguf.moe_map import MoeMap, moe_map
+from mbolt.layout.evaluate import Geometry, evaluate
+from mbolt.trace.model import Trace
+
+
+def _geometry(mm: MoeMap, layout: str) -> Geometry:
+    ws = mm.moe_layers[0].weights
+    return Geometry("packed" if layout == "packed" else "reorder", tuple(int(w.slice_bytes) for w in ws),
+                    tuple(w.role for w in ws))
+
+
+def counts(trace: Trace, perm: np.ndarray, mm: MoeMap, layout: str, gap: int = 0, cache_slots: int = 0,
+           pad: int = 0) -> dict:
+    """Reads, bytes and useful bytes per token of `trace` over a file of this geometry."""
+    geo = _geometry(mm, layout)
+    ev = evaluate(trace, perm, geo, gap=max(gap, pad), cache_slots=cache_slots)
+    if layout == "packed" and pad:
+        # evaluate() assumes slots of exactly expert_bytes; the file pads them by `pad`, so
+        # positions are farther apart by pad each: every expert merged into a run reads a pad
+        miss_experts = ev["useful_bytes_per_token"] / geo.expert_bytes
+        ev["bytes_per_token"] = ev["useful_bytes_per_token"] + pad * max(miss_experts - ev["reads_per_token"], 0.0)
+    return ev
+
+
+def io_time(reads: float, nbytes: float, t_op: float, bw: float) -> float:
+    return reads * t_op + nbytes / bw
+
+
+def law(saved_ops_per_expert: float, slice_bytes: float, t_op: float, bw: float, s: float = 1.0) -> tuple[float, float]:
+    """DESIGN.md: g ~= 1 + saved_ops * t_op / (slice_bytes / BW); speedup = 1/((1-s) + s/g)."""
+    g = 1.0 + saved_ops_per_expert * t_op / (slice_bytes / bw)
+    return g, 1.0 / ((1.0 - s) + s / g)
+
+
+def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *, layouts=("reorder", "packed"),
+            qd: int = 1, direct: bool = False, gap: int = 0, cache_slots: int = 0, s: float = 1.0) -> dict:
+    """Predicted reads/token, bytes/token, g and speedup of the plan's layouts vs the stock file."""
+    mm = moe_map(model)
+    if (trace.n_layers, trace.n_experts) != (mm.n_layers, mm.n_experts):
+        raise MboltError(f"{model}: trace is for {trace.n_layers} x {trace.n_experts}, the model has "
+                         f"{mm.n_layers} x {mm.n_experts}")
+    from mbolt.rewrite.routemap import read_route_map
+
+    rm = read_route_map(mm)
+    if trace.fingerprint and trace.fingerprint != rm.source_fingerprint:
+        raise MboltError(f"{model}: the trace was recorded on another model (fingerprint differs)")
+    pr = load_probe(probe_path)
+    t_op, bw = cost(pr, direct, qd)
+    base_perm = rm.perm  # the file as it is (stock: identity)
+    base = counts(trace, base_perm, mm, rm.layout if rm.layout != "stock" else "reorder", gap, cache_slots)
+    rows = [{"layout": f"{rm.layout} (this file)", **_timed(base, t_op, bw)}]
+    if plan_path is not None:
+        from mbolt.layout.plan import load_plan
+
+        plan = load_plan(plan_path, mm.n_layers, mm.n_experts)
+        perm = np.asarray(plan.perm)
+        ident = np.tile(np.arange(mm.n_experts), (mm.n_layers, 1))
+        pad = _packed_pad(mm)
+        for lay in layouts:
+            for name, p in ((f"{lay}({plan.method})", perm), (f"{lay}(identity)", ident)):
+                if lay == "reorder" and p is ident:
+                    continue
+                c = counts(trace, p, mm, lay, gap, cache_slots, pad if lay == "packed" else 0)
+                rows.append({"layout": name, **_timed(c, t_op, bw)})
+    T0 = rows[0]["io_ms_per_token"]
+    slice_b = float(sum(w.slice_bytes for w in mm.moe_layers[0].weights))
+    miss0 = base["useful_bytes_per_token"] / slice_b
+    for r in rows:
+        g = T0 / r["io_ms_per_token"] if r["io_ms_per_token"] else float("nan")
+        r["g_measured_model"] = g
+        saved = (base["reads_per_token"] - r["reads_per_token"]) / max(miss0, 1e-12)
+        r["saved_ops_per_expert"] = saved
+        r["g_law"], _ = law(saved, slice_b, t_op, bw, s)
+        r["speedup"] = 1.0 / ((1.0 - s) + s / g)
+    return {"model": str(model), "plan": str(plan_path) if plan_path else None, "tokens": trace.n_tokens,
+            "reader": {"qd": qd, "direct": direct, "gap": gap, "cache_slots": cache_slots},
+            "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "s": s, "expert_bytes": slice_b, "rows": rows,
+            "probe": str(probe_path)}
+
+
+def _timed(c: dict, t_op: float, bw: float) -> dict:
+    return {"reads_per_token": c["reads_per_token"], "bytes_per_token": c["bytes_per_token"],
+            "hit_rate": c["hit_rate"],
+            "io_ms_per_token": io_time(c["reads_per_token"], c["bytes_per_token"], t_op, bw) * 1e3}
+
+
+def _packed_pad(mm: MoeMap) -> int:
+    """Padding per expert slot the rewriter will use for a packed file (4 KiB / 512 B slots)."""
+    try:
+        from mbolt.rewrite.reorder import _slot_stride
+    except ImportError:  # pragma: no cover
+        return 0
+    eb = mm.moe_layers[0].expert_bytes
+    return int(_slot_stride(eb)[0] - eb)
+
+
+def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> list[dict]:
+    """Per arm of an `ab` result: predicted reads and I/O time per token next to the measured."""
+    if trace is None:
+        return []
+    pr = load_probe(probe_path)
+    from mbolt.rewrite.routemap import read_route_map
+
+    rows = []
+    base_pred = None
+    for a, s in zip(result.arms, result.summary):
+        if a["mode"] == "os" or not s.get("rounds"):
+            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"})
+            continue
+        mm = moe_map(a["path"])
+        rm = read_route_map(mm)
+        pad = 0
+        if rm.layout == "packed":
+            w = mm.moe_layers[0].weights[0]
+            pad = int((w.stride or 0) - mm.moe_layers[0].expert_bytes)
+        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"],
+                   a["cache_slots"], pad)
+        t_op, bw = cost(pr, a["direct"], a["io_threads"])
+        T = io_time(c["reads_per_token"], c["bytes_per_token"], t_op, bw)
+        if base_pred is None:
+            base_pred = T
+        meas = s["io_ms_per_token_median"]
+        meas_sp = s["speedup_vs_baseline_median"]
+        rows.append({"arm": a["name"], "pred_reads_per_token": c["reads_per_token"],
+                     "meas_reads_per_token": s["reads_per_token"], "pred_bytes_per_token": c["bytes_per_token"],
+                     "meas_bytes_per_token": s["mb_per_token"] * 1e6, "pred_ms_per_token": T * 1e3,
+                     "meas_ms_per_token": meas, "pred_speedup": base_pred / T, "meas_speedup": meas_sp,
+                     "speedup_error": (meas_sp / (base_pred / T) - 1) if meas_sp else None,
+                     "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6})
+    _ = Path(plan_path) if plan_path else None
+    return rows

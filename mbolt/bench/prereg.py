@@ -1,0 +1,140 @@
+"""Pre-registration: write the prediction and the decision rule down before measuring.
+
+`prereg/NAME.toml`:
+
+    name = "packed_tsp_64k_qd1"
+    question = "Does packing + co-activation order cut cold I/O time at QD1, buffered?"
+    mode = "replay"                      # replay | decode
+    trace = "${MBOLT_BENCH}/held.mbtrace"  # environment variables are expanded
+    rounds = 7
+    metric = "io_s"                      # io_s (replay) or wall_s (decode), per token
+    baseline = "stock"                   # arm names
+    treatment = "packed-tsp"
+    predicted_speedup = 1.45             # baseline time / treatment time
+    pass_threshold = 1.30                # PASS if the median per-round speedup >= this
+    [[arm]]
+    name = "stock"
+    file = "${MBOLT_BENCH}/stock.gguf"
+    qd = 1
+    direct = false
+
+Its SHA-256 is recorded in `NAME.toml.lock` before the first run; a later run of an edited
+file is refused (delete the lock only to start a new pre-registration, and say so).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+from mbolt.atomic import write_text_atomic
+from mbolt.bench.ab import Arm, file_sha256
+from mbolt.errors import MboltError
+
+
+@dataclass
+class Prereg:
+    path: str
+    sha256: str
+    name: str
+    question: str
+    mode: str
+    trace: str | None
+    rounds: int
+    metric: str
+    baseline: str
+    treatment: str
+    predicted_speedup: float
+    pass_threshold: float
+    arms: list[Arm]
+    raw: dict
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "name": self.name, "question": self.question,
+                "metric": self.metric, "baseline": self.baseline, "treatment": self.treatment,
+                "predicted_speedup": self.predicted_speedup, "pass_threshold": self.pass_threshold,
+                "rounds": self.rounds, "mode": self.mode}
+
+
+def _expand(s: str) -> str:
+    out = os.path.expandvars(s)
+    if "$" in out:
+        raise MboltError(f"prereg: unresolved variable in {s!r} (set it in the environment)")
+    return out
+
+
+def load_prereg(path: str | os.PathLike) -> Prereg:
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except OSError as e:
+        raise MboltError(f"{p}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise MboltError(f"{p}: not valid TOML ({e})") from None
+    need = ("name", "mode", "metric", "baseline", "treatment", "predicted_speedup", "pass_threshold", "arm")
+    miss = [k for k in need if k not in raw]
+    if miss:
+        raise MboltError(f"{p}: missing {', '.join(miss)}")
+    arms = []
+    for i, a in enumerate(raw["arm"]):
+        if "file" not in a or "name" not in a:
+            raise MboltError(f"{p}: arm {i} needs name and file")
+        arms.append(Arm(name=a["name"], path=_expand(a["file"]), gap=int(a.get("gap", 0)),
+                        io_threads=int(a.get("qd", 1)), direct=bool(a.get("direct", False)),
+                        mode="os" if a.get("os") else "read", cache_slots=int(a.get("cache", 0))))
+    names = [a.name for a in arms]
+    for k in ("baseline", "treatment"):
+        if raw[k] not in names:
+            raise MboltError(f"{p}: {k} {raw[k]!r} is not one of the arms ({', '.join(names)})")
+    if names[0] != raw["baseline"]:  # the harness compares every arm with the first
+        arms.sort(key=lambda a: a.name != raw["baseline"])
+    return Prereg(str(p), file_sha256(p), raw["name"], raw.get("question", ""), raw["mode"],
+                  _expand(raw["trace"]) if raw.get("trace") else None, int(raw.get("rounds", 5)), raw["metric"],
+                  raw["baseline"], raw["treatment"], float(raw["predicted_speedup"]), float(raw["pass_threshold"]),
+                  arms, raw)
+
+
+def lock_path(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    return p.with_name(p.name + ".lock")
+
+
+def check_and_lock(pr: Prereg) -> dict:
+    """Refuse an edited pre-registration; lock a new one. Returns the lock record."""
+    lp = lock_path(pr.path)
+    if lp.exists():
+        try:
+            lock = json.loads(lp.read_text())
+        except ValueError:
+            raise MboltError(f"{lp}: damaged lock file") from None
+        if lock.get("sha256") != pr.sha256:
+            raise MboltError(f"{pr.path} was edited after its first run (hash {pr.sha256[:12]} vs locked "
+                             f"{str(lock.get('sha256'))[:12]} at {lock.get('locked_at')}): refusing; "
+                             f"a new prediction needs a new pre-registration file")
+        lock["runs"] = int(lock.get("runs", 0)) + 1
+    else:
+        lock = {"sha256": pr.sha256, "locked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": 1}
+    write_text_atomic(lp, json.dumps(lock, indent=1) + "\n")
+    return lock
+
+
+def verdict(pr: Prereg, summary: list[dict]) -> dict:
+    row = next((s for s in summary if s["arm"] == pr.treatment), None)
+    if row is None or row.get("speedup_vs_baseline_median") is None:
+        return {"verdict": "NO RESULT", "why": f"no valid rounds for {pr.treatment}"}
+    got = row["speedup_vs_baseline_median"]
+    lo, hi = row["speedup_ci95"]
+    ok = got >= pr.pass_threshold
+    return {
+        "verdict": "PASS" if ok else "FAIL",
+        "measured_speedup": got,
+        "ci95": [lo, hi],
+        "pass_threshold": pr.pass_threshold,
+        "predicted_speedup": pr.predicted_speedup,
+        "prediction_error": got / pr.predicted_speedup - 1,
+        "prediction_in_ci": lo <= pr.predicted_speedup <= hi,
+    }

@@ -1,0 +1,167 @@
+"""`mbolt probe`: cold random-read cost of the drive holding a file (t_op and bandwidth).
+
+For every read size x queue depth x (buffered | O_DIRECT): evict the probe file, then issue
+random aligned reads (distinct offsets, never the same page twice in a config) with that many
+threads. Per config: median latency per read and throughput. Per (mode, QD): a least-squares fit
+of time per read = t_op + size / BW over the sizes, the two numbers the slice-size law uses.
+Buffered reads run with POSIX_FADV_RANDOM (no readahead) and drop what they read, as the store.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.bench.env import environment
+from mbolt.bench.pagecache import evict
+from mbolt.errors import MboltError
+
+SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20)
+QDS = (1, 4)
+MODES = ("buffered", "direct")
+ALIGN = 4096
+
+
+def _make_file(dirpath: Path, size: int, progress=None) -> Path:
+    fd, name = tempfile.mkstemp(prefix=".mbolt-probe-", dir=dirpath)
+    chunk = 8 << 20
+    rng = np.random.default_rng(0)
+    try:
+        written = 0
+        while written < size:
+            n = min(chunk, size - written)
+            os.write(fd, rng.integers(0, 256, n, dtype=np.uint8).tobytes())
+            written += n
+            if progress:
+                progress(written / size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return Path(name)
+
+
+def _run_config(path: str, size: int, qd: int, direct: bool, n_reads: int, seed: int) -> dict:
+    fsize = os.path.getsize(path)
+    slots = (fsize - size) // ALIGN
+    if slots < n_reads:
+        raise MboltError(f"{path}: too small for {n_reads} reads of {size} B")
+    rng = np.random.default_rng(seed)
+    # distinct, non-overlapping offsets: sample slots on a size-sized grid
+    grid = np.arange(0, fsize - size, max(size, ALIGN) + ALIGN, dtype=np.int64)
+    offs = rng.choice(grid, size=min(n_reads, len(grid)), replace=False)
+    ev = evict(path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+    if not direct:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    bufs = [mmap.mmap(-1, size) for _ in range(qd)]
+    lat = np.zeros(len(offs))
+
+    def one(i, buf):
+        t = time.perf_counter()
+        n = os.preadv(fd, [buf], int(offs[i]))
+        lat[i] = time.perf_counter() - t
+        if n != size:
+            raise MboltError(f"{path}: short read ({n} of {size} B)")
+
+    try:
+        t0 = time.perf_counter()
+        if qd == 1:
+            for i in range(len(offs)):
+                one(i, bufs[0])
+        else:
+            with ThreadPoolExecutor(qd) as pool:
+                def worker(w):
+                    for i in range(w, len(offs), qd):
+                        one(i, bufs[w])
+                list(pool.map(worker, range(qd)))
+        wall = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        for b in bufs:
+            b.close()
+    if not direct:
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    return {"mode": "direct" if direct else "buffered", "qd": qd, "size": size, "reads": len(offs),
+            "t_op_us": float(np.median(lat) * 1e6), "wall_per_read_us": wall / len(offs) * 1e6,
+            "mb_per_s": len(offs) * size / wall / 1e6, "resident_before": ev.resident_after,
+            "cold_proven": ev.proven}
+
+
+def fit_law(rows: list[dict]) -> dict:
+    """Per (mode, QD): time per read (wall / reads) = t_op + size / BW, least squares on
+    relative error (so the small reads that fix t_op weigh as much as the large ones)."""
+    fits = {}
+    for mode in MODES:
+        for qd in sorted({r["qd"] for r in rows}):
+            rs = [r for r in rows if r["mode"] == mode and r["qd"] == qd]
+            if len(rs) < 2:
+                continue
+            x = np.array([r["size"] for r in rs], float)
+            y = np.array([r["wall_per_read_us"] * 1e-6 for r in rs])
+            slope, icpt = np.polyfit(x, y, 1, w=1.0 / y)  # relative error: small reads count
+            bw = 1.0 / slope if slope > 0 else float(max(r["mb_per_s"] for r in rs) * 1e6)
+            fits[f"{mode}_qd{qd}"] = {"mode": mode, "qd": qd, "t_op_s": float(max(icpt, 0.0)), "bw_bytes_s": float(bw),
+                                     "best_mb_per_s": float(max(r["mb_per_s"] for r in rs))}
+    return fits
+
+
+def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=MODES, size_mb: int = 256,
+          reads_mb: int = 24, max_reads: int = 192, min_reads: int = 24, progress=None) -> dict:
+    """Measure cold random reads on the drive holding `file` (a temp file beside it when `file`
+    is a directory, missing or under 64 MiB). `reads_mb` caps the bytes read per config."""
+    tmp = None
+    target = Path(file) if file is not None else Path.cwd()
+    if target.is_file() and target.stat().st_size >= 64 << 20:
+        path = target
+    else:
+        d = target if target.is_dir() else target.parent if target.parent.exists() else Path.cwd()
+        path = tmp = _make_file(d, size_mb << 20)
+    try:
+        rows = []
+        configs = [(m, q, s) for m in modes for q in qds for s in sizes]
+        for i, (m, q, s) in enumerate(configs):
+            n = int(max(min_reads, min(max_reads, (reads_mb << 20) // s)))
+            rows.append(_run_config(str(path), s, q, m == "direct", n, seed=i))
+            if progress:
+                progress(i + 1, len(configs))
+        env = environment(path)
+    finally:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+    return {"file": str(path), "temp_file": tmp is not None, "device": env["device"], "filesystem": env["filesystem"],
+            "rows": rows, "fits": fit_law(rows), "environment": env,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "note": "t_op_us = median latency of one read; fits use wall time per read (queue depth included)"}
+
+
+def load_probe(path: str | os.PathLike) -> dict:
+    import json
+
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except OSError:
+        raise MboltError(f"{p}: no probe figures (run `mbolt probe -o {p}` first)") from None
+    except ValueError:
+        raise MboltError(f"{p}: not a probe JSON") from None
+    if "fits" not in d:
+        raise MboltError(f"{p}: not a probe JSON (no fits)")
+    return d
+
+
+def cost(probe_d: dict, direct: bool, qd: int) -> tuple[float, float]:
+    """(t_op seconds, bandwidth bytes/s) for a reader; nearest measured QD."""
+    mode = "direct" if direct else "buffered"
+    fits = [f for f in probe_d["fits"].values() if f["mode"] == mode]
+    if not fits:
+        raise MboltError(f"probe has no {mode} figures")
+    f = min(fits, key=lambda f: abs(f["qd"] - qd))
+    return f["t_op_s"], f["bw_bytes_s"]

@@ -1,0 +1,351 @@
+"""Cache-policy replay: one loop, interchangeable policies (nuthatch's Replay/CachePolicy shape).
+
+Every policy answers `access(layer, expert) -> hit`. `replay(trace, policy)` walks the tokens in
+order, each token's MoE layers in order and each layer's experts in rank order, and counts hits.
+A miss is an expert that must be read from disk.
+
+Policies (budget = expert slots per layer; the OS policy pools the same total):
+- `LruPolicy`        per-layer LRU, starts empty.
+- `LearnedPinPolicy` per layer, the `pin` hottest experts of a training split are resident from
+                     the start (always hit; their preload is a one-off start-up cost) and the
+                     remaining `budget - pin` slots are a per-layer LRU. pin = ceil(share*budget).
+- `OsPolicy`         one global LRU over (layer, expert) with budget * n_moe_layers slots: what a
+                     page cache does when nothing is layer-aware.
+- `BeladyPolicy`     the clairvoyant optimum for the same per-layer slots (evict the slot whose
+                     next use is farthest). Its cache starts filled with the first `budget`
+                     distinct experts, i.e. the initial fill is free, as it is for learned-pin's
+                     pinned set: so it is an upper bound for every policy with `budget` slots per
+                     layer, whatever their start state. `scope="global"` bounds the OS policy.
+
+How nuthatch counted (chen3feng/nuthatch src/cache: cache_policy.cc Replay, trace_sweep.cc,
+learned_pin_policy.cc): every record of the trace in file order, no warm-up, hit rate =
+hits / accesses; pin = (3*budget + 3) // 4 (= ceil(0.75 * budget)); pin set from a usage histogram
+of the same trace (in-sample); OS capacity budget * n_layers. `nuthatch_lines_trace` rebuilds
+their record sequence from the text export (one pseudo-token per line) to reproduce their table.
+Ties in the histogram: lowest expert id first (nuthatch's order is unordered_map's; in-sample
+on granite it makes no difference at the printed precision).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.errors import MboltError
+from mbolt.trace.model import DECODE, PREFILL, Trace
+
+POLICIES = ("learned-pin", "lru", "os", "belady")
+
+
+# ---- the access sequence ----
+
+
+def accesses(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """The flat (layer, expert) access sequence replay walks: token-major, layer, rank order."""
+    ex = np.asarray(trace.experts)
+    n, L, k = ex.shape
+    layer = np.broadcast_to(np.arange(L, dtype=np.int32)[None, :, None], ex.shape).reshape(-1)
+    flat = ex.reshape(-1).astype(np.int32)
+    keep = flat >= 0
+    return layer[keep], flat[keep]
+
+
+def usage_histogram(trace: Trace) -> np.ndarray:
+    """Per layer, how often each expert was selected: int64 [n_layers, n_experts]."""
+    L, E = trace.n_layers, trace.n_experts
+    ly, ex = accesses(trace)
+    h = np.zeros(L * E, dtype=np.int64)
+    np.add.at(h, ly.astype(np.int64) * E + ex, 1)
+    return h.reshape(L, E)
+
+
+def pin_count(budget: int, share: float) -> int:
+    """Pinned slots out of `budget`: ceil(share * budget), at least 1 when budget > 0."""
+    if budget <= 0:
+        return 0
+    return max(1, min(budget, math.ceil(share * budget - 1e-9)))
+
+
+# ---- policies ----
+
+
+class CachePolicy:
+    name = "policy"
+
+    def start(self, layers: np.ndarray, experts: np.ndarray) -> None:  # noqa: B027
+        """Called once before the loop with the whole access sequence (only Belady looks)."""
+
+    def access(self, layer: int, expert: int) -> bool:
+        raise NotImplementedError
+
+
+class _Lru:
+    __slots__ = ("cap", "d")
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.d: OrderedDict = OrderedDict()
+
+    def access(self, key) -> bool:
+        d = self.d
+        if key in d:
+            d.move_to_end(key)
+            return True
+        if self.cap <= 0:
+            return False
+        d[key] = None
+        if len(d) > self.cap:
+            d.popitem(last=False)
+        return False
+
+
+class LruPolicy(CachePolicy):
+    name = "lru"
+
+    def __init__(self, n_layers: int, slots: int):
+        self.layers = [_Lru(slots) for _ in range(n_layers)]
+
+    def access(self, layer, expert):
+        return self.layers[layer].access(expert)
+
+
+class LearnedPinPolicy(CachePolicy):
+    name = "learned-pin"
+
+    def __init__(self, usage: np.ndarray, budget: int, share: float = 0.75):
+        self.pin = pin_count(budget, share)
+        self.lru_slots = budget - self.pin
+        # Hottest first; ties -> lowest expert id (stable sort on -count).
+        order = np.argsort(-usage, axis=1, kind="stable")
+        self.pinned = [set(order[l, : self.pin].tolist()) for l in range(usage.shape[0])]
+        self.layers = [_Lru(self.lru_slots) for _ in range(usage.shape[0])]
+
+    def access(self, layer, expert):
+        if expert in self.pinned[layer]:
+            return True
+        return self.layers[layer].access(expert)
+
+
+class OsPolicy(CachePolicy):
+    name = "os"
+
+    def __init__(self, capacity: int):
+        self.lru = _Lru(capacity)
+
+    def access(self, layer, expert):
+        return self.lru.access((layer, expert))
+
+
+class BeladyPolicy(CachePolicy):
+    """Clairvoyant optimum with a free initial fill (see the module docstring)."""
+
+    name = "belady"
+
+    def __init__(self, n_layers: int, slots: int, scope: str = "layer"):
+        if scope not in ("layer", "global"):
+            raise ValueError(scope)
+        self.n_layers, self.slots, self.scope = n_layers, slots, scope
+
+    def start(self, layers, experts):
+        n = len(layers)
+        keys = layers.astype(np.int64) * (1 << 20) + experts
+        # next_use[i] = index of the next access to the same key (n = never)
+        self._next = np.full(n, n, dtype=np.int64)
+        last: dict[int, int] = {}
+        for i in range(n - 1, -1, -1):
+            k = int(keys[i])
+            self._next[i] = last.get(k, n)
+            last[k] = i
+        self._i = 0
+        if self.scope == "layer":
+            self._cache = [dict() for _ in range(self.n_layers)]  # expert -> next use
+            self._cap = self.slots
+        else:
+            self._cache = [dict()]
+            self._cap = self.slots  # caller passes the pooled capacity
+        self._filled = [0] * len(self._cache)  # distinct experts admitted for free
+
+    def access(self, layer, expert):
+        i = self._i
+        self._i += 1
+        nxt = int(self._next[i])
+        c = self._cache[layer if self.scope == "layer" else 0]
+        key = expert if self.scope == "layer" else (layer, expert)
+        if key in c:
+            c[key] = nxt
+            return True
+        if self._cap <= 0:
+            return False
+        slot = layer if self.scope == "layer" else 0
+        if self._filled[slot] < self._cap:
+            # The initial fill: the first `cap` distinct items are resident from the start.
+            self._filled[slot] += 1
+            c[key] = nxt
+            return True
+        victim = max(c, key=c.__getitem__)
+        if c[victim] > nxt:  # bypass when the newcomer is the farthest-needed item
+            del c[victim]
+            c[key] = nxt
+        return False
+
+
+# ---- the loop ----
+
+
+@dataclass
+class ReplayStats:
+    accesses: int = 0
+    hits: int = 0
+
+    @property
+    def misses(self) -> int:
+        return self.accesses - self.hits
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+
+def replay(trace: Trace, policy: CachePolicy) -> ReplayStats:
+    """Feed every access of `trace` to `policy` in order; count hits. The one replay loop."""
+    layers, experts = accesses(trace)
+    policy.start(layers, experts)
+    hits = 0
+    acc = policy.access
+    for lay, e in zip(layers.tolist(), experts.tolist()):
+        if acc(lay, e):
+            hits += 1
+    return ReplayStats(len(layers), hits)
+
+
+# ---- the sweep `mbolt cache` runs ----
+
+
+@dataclass
+class CacheSweep:
+    budgets: list[int]
+    rows: list[dict]  # per budget: {budget, pin, learned-pin, lru, os, belady, belady_global}
+    mode: str  # "in-sample" | "held-out"
+    train_tokens: int
+    test_tokens: int
+    pin_share: float
+    phase: str
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode, "phase": self.phase, "pin_share": self.pin_share,
+            "train_tokens": self.train_tokens, "test_tokens": self.test_tokens,
+            "rows": self.rows, "notes": self.notes,
+        }
+
+
+def select_phase(trace: Trace, phase: str) -> Trace:
+    if phase == "all":
+        return trace
+    want = {"decode": DECODE, "prefill": PREFILL}.get(phase)
+    if want is None:
+        raise MboltError(f"phase must be all, decode or prefill, not {phase!r}")
+    sub = trace.select(np.asarray(trace.phase) == want)
+    if sub.n_tokens == 0:
+        raise MboltError(f"the trace has no {phase} tokens")
+    return sub
+
+
+def split_trace(trace: Trace, train_share: float = 0.5) -> tuple[Trace, Trace]:
+    """First `train_share` of the tokens (in trace order) train, the rest is held out."""
+    n = trace.n_tokens
+    cut = int(n * train_share)
+    if cut <= 0 or cut >= n:
+        raise MboltError(f"cannot split {n} tokens at {train_share:.2f}: one side would be empty")
+    idx = np.arange(n)
+    return trace.select(idx < cut), trace.select(idx >= cut)
+
+
+def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
+                pin_share: float = 0.75, train_share: float = 0.5, phase: str = "decode") -> CacheSweep:
+    """Hit rate of every policy at every per-layer budget.
+
+    Held-out (default): the pin set comes from the first `train_share` of the tokens and every
+    policy is measured on the rest. `in_sample`: pin set and measurement on the same tokens.
+    """
+    trace = select_phase(trace, phase)
+    if in_sample:
+        train = test = trace
+    else:
+        train, test = split_trace(trace, train_share)
+    usage = usage_histogram(train)
+    n_moe = max(1, len(trace.moe_layers()))
+    L = trace.n_layers
+    rows = []
+    for b in budgets:
+        b = int(b)
+        if b <= 0:
+            raise MboltError(f"budget must be positive, got {b}")
+        pin = LearnedPinPolicy(usage, b, pin_share)
+        row = {"budget": b, "pin": pin.pin, "lru_slots": pin.lru_slots}
+        for pol in (pin, LruPolicy(L, b), OsPolicy(b * n_moe), BeladyPolicy(L, b)):
+            st = replay(test, pol)
+            row[pol.name] = st.hit_rate
+            row["accesses"] = st.accesses
+        row["belady_global"] = replay(test, BeladyPolicy(L, b * n_moe, scope="global")).hit_rate
+        rows.append(row)
+    return CacheSweep([int(b) for b in budgets], rows, "in-sample" if in_sample else "held-out",
+                      train.n_tokens, test.n_tokens, pin_share, phase, list(trace.notes))
+
+
+def nuthatch_lines_trace(path: str | Path) -> Trace:
+    """nuthatch's own reading of its text export: every line `layer e0 .. ek` is one record.
+
+    Replaying this reproduces `trace_replay --text` exactly, including the 93 prompt lines that
+    the export bug corrupted (DESIGN.md); use the shared importer for real analyses.
+    """
+    path = Path(path)
+    rows = []
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise MboltError(f"{path}: {e.strerror}") from None
+    for i, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts:
+            continue
+        try:
+            vals = [int(x) for x in parts]
+        except ValueError:
+            raise MboltError(f"{path}:{i}: not a line of integers") from None
+        if len(vals) < 2 or min(vals) < 0:
+            raise MboltError(f"{path}:{i}: expected `layer e0 .. ek` with non-negative ids")
+        rows.append(vals)
+    if not rows:
+        raise MboltError(f"{path}: no records")
+    L = max(r[0] for r in rows) + 1
+    E = max(max(r[1:]) for r in rows) + 1
+    k = max(len(r) - 1 for r in rows)
+    ex = np.full((len(rows), L, k), -1, dtype=np.int16)
+    for t, r in enumerate(rows):
+        ex[t, r[0], : len(r) - 1] = r[1:]
+    n = len(rows)
+    return Trace(L, E, k, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32),
+                 np.arange(n, dtype=np.int32),
+                 notes=[f"{path.name}: nuthatch line records (one pseudo-token per line)"])
+
+
+def load_trace(path: str | Path) -> Trace:
+    """A `.mbtrace` through trace/format.py; any other file through the shared importers."""
+    path = Path(path)
+    if not path.exists():
+        raise MboltError(f"{path}: no such file")
+    if path.suffix == ".mbtrace":
+        from mbolt.trace.format import read_trace
+
+        return read_trace(path)
+    try:
+        from mbolt.trace.importers import import_trace
+    except ImportError:  # pragma: no cover - the importer lands with the trace worker
+        raise MboltError(f"{path}: not an .mbtrace and the trace importers are not available") from None
+    return import_trace(path)

@@ -1,0 +1,10 @@
+"""Mixtral = llama.cpp `llama` with expert tensors: normal (adjacent-pair) RoPE, optional
+attention biases, softmax router with top-k weights renormalised to sum to 1."""
+
+from mbolt.engine.model import Model
+
+
+class Mixtral(Model):
+    rope_mode = "norm"
+    qk_norm = None
+    norm_topk = True

@@ -1,0 +1,338 @@
+"""The expert store: serve experts to the engine with explicit, merged reads.
+
+Per call `fetch(layer, expert_ids)`: experts already in the layer's slot cache are hits; the
+missed experts' byte ranges (every routed weight tensor, from the route map, indexed by ORIGINAL
+expert id so stock, reorder and packed files are read through the same trace) are sorted and
+merged by `mbolt.layout.ranges.merge_ranges` (the planner's function, so a layout is read exactly
+as it was scored) and read with `os.preadv` into one reusable buffer arena.
+
+Reader options (an A/B "arm" is a file plus these):
+- `gap`          merge gap in bytes (read through holes up to this size); a packed file's slot
+                 padding is always read through (merge gap = max(gap, padding)).
+- `io_threads`   queue depth: reads of one call are issued by that many threads at once.
+- `direct`       O_DIRECT: page-aligned arena (anonymous mmap), offsets and lengths aligned to
+                 4 KiB; the extra head/tail bytes are read and counted.
+- `cache_slots`  per-layer LRU slot cache (experts kept in memory across calls); or
+  `resident_frac`  the same budget as a share of each layer's experts.
+- `mode="os"`    map the file and let page faults read (layout-blind baseline); counters then
+                 come from major faults and /proc/self/io.
+- `drop_pages`   buffered and os modes drop the pages they read (posix_fadvise DONTNEED, after
+                 MADV_DONTNEED for the mapping) so the page cache never serves a second read: the
+                 slot cache is then the only expert memory, standing for a model larger than RAM.
+                 Buffered reads also set POSIX_FADV_RANDOM (no kernel readahead: the store reads
+                 what the merge decided, nothing more).
+
+Counters: calls, experts requested, hits, misses, reads, bytes (what the reader asked for, holes
+and alignment included), useful bytes, io time (wall time of the read batches), device bytes
+(/proc/self/io read_bytes delta, when available) and major faults (os mode).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import resource
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from mbolt.errors import MboltError
+from mbolt.gguf.moe_map import MoeMap, moe_map
+from mbolt.layout.ranges import merge_ranges
+
+ALIGN = 4096
+PAGE = mmap.PAGESIZE
+
+
+def layer_ranges(mm: MoeMap, layer: int) -> np.ndarray:
+    """int64 [E, n_roles, 2] absolute (start, size) per original expert id, roles in file order."""
+    try:
+        from mbolt.rewrite.routemap import expert_ranges
+    except ImportError:  # pragma: no cover - before the rewriter lands: stock files only
+        if mm.header.get("mbolt.layout") is not None:
+            raise MboltError(f"{mm.path}: rewritten file but mbolt.rewrite.routemap is missing") from None
+        ws = mm.layers[layer].weights
+        E = mm.n_experts
+        out = np.zeros((E, len(ws), 2), np.int64)
+        for r, t in enumerate(ws):
+            out[:, r, 0] = t.data_offset + np.arange(E, dtype=np.int64) * t.slice_bytes
+            out[:, r, 1] = t.slice_bytes
+        return out
+    return np.asarray(expert_ranges(mm, layer), dtype=np.int64)
+
+
+def proc_read_bytes() -> int | None:
+    """Bytes this process caused to be fetched from storage (/proc/self/io), None if unknown."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+@dataclass
+class StoreCounters:
+    calls: int = 0
+    experts: int = 0
+    hits: int = 0
+    misses: int = 0
+    reads: int = 0
+    bytes: int = 0
+    useful_bytes: int = 0
+    io_time: float = 0.0
+    compute_time: float = 0.0
+    major_faults: int = 0
+    device_bytes: int | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ExpertStore:
+    def __init__(self, path, *, gap: int = 0, io_threads: int = 1, direct: bool = False,
+                 cache_slots: int = 0, resident_frac: float | None = None, mode: str = "read",
+                 drop_pages: bool = True, mm: MoeMap | None = None):
+        if mode not in ("read", "os"):
+            raise MboltError(f"store mode must be 'read' or 'os', not {mode!r}")
+        if mode == "os" and direct:
+            raise MboltError("the os arm maps the file: it cannot use O_DIRECT")
+        if io_threads < 1:
+            raise MboltError(f"--io-threads must be at least 1, got {io_threads}")
+        if gap < 0:
+            raise MboltError(f"merge gap must be >= 0, got {gap}")
+        self.path = str(path)
+        self.mm = mm or moe_map(self.path)
+        self.gap, self.io_threads, self.direct, self.mode = int(gap), int(io_threads), bool(direct), mode
+        self.drop_pages = drop_pages
+        E = self.mm.n_experts
+        if resident_frac is not None:
+            if not 0 <= resident_frac <= 1:
+                raise MboltError(f"--resident-frac must be within 0..1, got {resident_frac}")
+            cache_slots = int(round(resident_frac * E))
+        self.cache_slots = max(0, min(int(cache_slots), E))
+        self._ranges = {l.index: layer_ranges(self.mm, l.index) for l in self.mm.moe_layers}
+        self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
+        self._slots: dict[int, OrderedDict] = {l: OrderedDict() for l in self._ranges}
+        # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.
+        self.pad_gap = max((int(w.stride or 0) - l.expert_bytes for l in self.mm.moe_layers
+                            for w in l.weights[:1] if w.stride), default=0)
+        self.merge_gap = max(self.gap, self.pad_gap)
+        self.counters = StoreCounters()
+        self._arena: mmap.mmap | None = None
+        self._pool = ThreadPoolExecutor(self.io_threads) if self.io_threads > 1 else None
+        self._dev0 = proc_read_bytes()
+        flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        try:
+            self.fd = os.open(self.path, flags)
+        except OSError as e:
+            raise MboltError(f"{self.path}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
+        self.file_size = os.fstat(self.fd).st_size
+        self._map = None
+        if mode == "os":
+            self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+        elif not direct:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+    # ---- public ----
+
+    def fetch(self, layer: int, expert_ids) -> dict[int, dict[str, np.ndarray]]:
+        """{orig_id: {role: uint8 slice}} for the requested experts (copies, safe to keep)."""
+        return self._serve(layer, expert_ids, want=True)
+
+    def read(self, layer: int, expert_ids) -> None:
+        """Do the I/O `fetch` would do, without handing out bytes (replay mode)."""
+        self._serve(layer, expert_ids, want=False)
+
+    def snapshot(self) -> StoreCounters:
+        c = StoreCounters(**self.counters.to_dict())
+        now = proc_read_bytes()
+        c.device_bytes = None if (now is None or self._dev0 is None) else now - self._dev0
+        return c
+
+    def reset_counters(self) -> None:
+        self.counters = StoreCounters()
+        self._dev0 = proc_read_bytes()
+
+    def clear_cache(self) -> None:
+        for d in self._slots.values():
+            d.clear()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ---- internals ----
+
+    def _serve(self, layer, expert_ids, want):
+        R = self._ranges.get(layer)
+        if R is None:
+            raise MboltError(f"{self.path}: layer {layer} has no routed experts")
+        ids = [int(e) for e in np.asarray(expert_ids).reshape(-1) if int(e) >= 0]
+        ids = list(dict.fromkeys(ids))  # unique, first-seen order
+        E = R.shape[0]
+        for e in ids:
+            if e >= E:
+                raise MboltError(f"{self.path}: layer {layer}: expert {e} out of range (0..{E - 1})")
+        c = self.counters
+        c.calls += 1
+        c.experts += len(ids)
+        slots = self._slots[layer]
+        out: dict[int, dict[str, np.ndarray]] = {}
+        missed = []
+        for e in ids:
+            # A hit is an expert resident as of the previous call (the evaluator's rule).
+            if self.cache_slots and e in slots and (slots[e] is not None or not want):
+                c.hits += 1
+                if want:
+                    out[e] = slots[e]
+            else:
+                missed.append(e)
+        c.misses += len(missed)
+        got = {}
+        if missed:
+            keep = want or self.cache_slots > 0
+            got = self._read_os(layer, missed, keep) if self.mode == "os" else self._read(layer, missed, keep)
+            if want:
+                out.update(got)
+        if self.cache_slots:
+            # Every requested expert becomes most recently used, in request (rank) order.
+            for e in ids:
+                if e in got:
+                    slots[e] = got[e] if want else None
+                slots.move_to_end(e)
+            while len(slots) > self.cache_slots:
+                slots.popitem(last=False)
+        return out
+
+    def _arena_view(self, size: int) -> memoryview:
+        if self._arena is None or len(self._arena) < size:
+            if self._arena is not None:
+                self._arena.close()
+            cap = max(size, 1 << 20)
+            cap += (-cap) % ALIGN
+            self._arena = mmap.mmap(-1, cap)  # anonymous: page aligned, as O_DIRECT wants
+        return memoryview(self._arena)
+
+    def _read(self, layer, missed, keep):
+        R = self._ranges[layer][missed]  # [m, n_roles, 2]
+        starts = R[..., 0].reshape(-1)
+        ends = starts + R[..., 1].reshape(-1)
+        rs, re_ = merge_ranges(starts, ends, self.merge_gap)
+        if self.direct:
+            a = rs - rs % ALIGN
+            b = re_ + (-re_) % ALIGN
+        else:
+            a, b = rs, re_
+        lens = b - a
+        # Arena slots for the reads, each starting on an ALIGN boundary.
+        slot = lens + (-lens) % ALIGN
+        where = np.concatenate([[0], np.cumsum(slot)[:-1]]).astype(np.int64)
+        view = self._arena_view(int(slot.sum()))
+        jobs = [(int(a[i]), int(lens[i]), int(where[i])) for i in range(len(a))]
+        t0 = time.perf_counter()
+        if self._pool is None or len(jobs) == 1:
+            for j in jobs:
+                self._pread(view, *j)
+        else:
+            for f in [self._pool.submit(self._pread, view, *j) for j in jobs]:
+                f.result()
+        dt = time.perf_counter() - t0
+        c = self.counters
+        c.io_time += dt
+        c.reads += len(jobs)
+        c.bytes += int(lens.sum())
+        c.useful_bytes += int(R[..., 1].sum())
+        if self.drop_pages and not self.direct:
+            _drop_span(self.fd, int(a.min()), int(b.max()))
+        got = {}
+        if keep:
+            roles = self._roles[layer]
+            # Each wanted range lies inside exactly one read: find it by its start.
+            idx = np.searchsorted(a, starts, side="right") - 1
+            pos = where[idx] + (starts - a[idx])
+            for i, e in enumerate(missed):
+                d = {}
+                for r, role in enumerate(roles):
+                    j = i * len(roles) + r
+                    p, n = int(pos[j]), int(R[i, r, 1])
+                    d[role] = np.frombuffer(view[p:p + n], dtype=np.uint8).copy()
+                got[e] = d
+        return got
+
+    def _pread(self, view, off, n, where):
+        done = 0
+        while done < n:
+            k = os.preadv(self.fd, [view[where + done:where + n]], off + done)
+            if k <= 0:
+                if self.direct and off + done >= self.file_size:
+                    break  # aligned tail past the end of the file
+                raise MboltError(f"{self.path}: short read at byte {off + done} (wanted {n - done} more)")
+            done += k
+
+    def _read_os(self, layer, missed, keep):
+        R = self._ranges[layer][missed]
+        starts = R[..., 0].reshape(-1)
+        sizes = R[..., 1].reshape(-1)
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        t0 = time.perf_counter()
+        roles = self._roles[layer]
+        got = {}
+        m = self._map
+        sink = 0
+        for i, e in enumerate(missed):
+            d = {}
+            for r, role in enumerate(roles):
+                j = i * len(roles) + r
+                s, n = int(starts[j]), int(sizes[j])
+                if keep:
+                    d[role] = np.frombuffer(m, dtype=np.uint8, count=n, offset=s).copy()
+                else:
+                    # touch one byte per page: the faults do the reading
+                    sink += int(np.frombuffer(m, dtype=np.uint8, count=n, offset=s)[::PAGE].sum())
+            got[e] = d
+        dt = time.perf_counter() - t0
+        c = self.counters
+        c.io_time += dt
+        c.major_faults += (faults := resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0)
+        c.reads += faults  # each major fault is one read the kernel issued (readahead included)
+        c.useful_bytes += int(sizes.sum())
+        c.bytes += int(sizes.sum())
+        if self.drop_pages:
+            a = int(starts.min()) // DROP_ALIGN * DROP_ALIGN
+            b = min(-(-int((starts + sizes).max()) // DROP_ALIGN) * DROP_ALIGN, self.file_size)
+            m.madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
+            _drop_span(self.fd, a, b)
+        return got
+
+
+# The page cache holds large folios (up to 2 MiB on current kernels): a read brings in whole
+# folios, and DONTNEED only drops folios entirely inside the range. Drop whole 2 MiB blocks.
+DROP_ALIGN = 2 << 20
+
+
+def _drop_span(fd, a, b):
+    a = a // DROP_ALIGN * DROP_ALIGN
+    b = -(-b // DROP_ALIGN) * DROP_ALIGN
+    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)

@@ -1,0 +1,184 @@
+"""Run both files and compare: the reference engine (exact) and llama.cpp (within tolerance).
+
+routing_parity: the reference engine on source and output over N prompts, prefill then greedy
+  decode; every layer's routing (ORIGINAL expert ids, the engine maps positions through the
+  output's route map) must be identical and the logits bit-identical.
+llama_parity: llama.cpp on both (reorder layout only; llama.cpp knows nothing of route maps, so
+  its top-k ids of the output are positions, mapped here through perm to original ids); the
+  greedy tokens must match and the logits agree within LLAMA_ATOL + LLAMA_RTOL * max|logit|
+  (llama.cpp's router softmax sums in position order, so last bits move under permutation).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mbolt.gguf.header import read_header
+from mbolt.rewrite.routemap import read_route_map
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
+    "In 1905 Einstein published four papers that changed physics.",
+    "Mixture-of-experts models route every token to a few experts.",
+    "Bonjour, comment allez-vous aujourd'hui ?",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
+    "1 2 3 5 8 13 21 34 55 89",
+    "She sells sea shells by the sea shore.",
+]
+LLAMA_ATOL = 1e-4
+LLAMA_RTOL = 1e-4
+MIN_LLAMA_ROUTING = 0.99  # share of llama.cpp routing decisions that must map through the perm
+
+
+def byte_tokens(header, text: str) -> list[int]:
+    """Token ids of `text` as single bytes of a byte-level (gpt2) vocabulary.
+
+    Parity does not need a real tokenizer, only the same ids on both files; bytes missing from
+    the vocabulary fall back to byte value modulo the vocabulary size."""
+    from mbolt.gguf.synth import bytes_to_unicode
+
+    tokens = header.get("tokenizer.ggml.tokens") or []
+    index = {t: i for i, t in enumerate(tokens)}
+    n_vocab = len(tokens) or 256
+    b2u = bytes_to_unicode()
+    return [index.get(b2u[b], b % n_vocab) for b in text.encode("utf-8")]
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8) -> dict:
+    """Reference engine on both files; see the module docstring."""
+    from mbolt.engine import load_model
+
+    prompts = prompts or PROMPTS
+    a, b = load_model(src, route="file"), load_model(out, route="file")
+    decisions = same = 0
+    logits_steps = logits_equal = 0
+    first_bad = ""
+    try:
+        h = a.header
+        for pi, text in enumerate(prompts):
+            ids = byte_tokens(h, text)[:64] or [0]
+            ca, cb = a.new_cache(), b.new_cache()
+            step_ids = ids
+            for step in range(n_tokens + 1):
+                la, lb = a.forward(step_ids, ca), b.forward(step_ids, cb)
+                for li, (ra, rb) in enumerate(zip(a.last_routing, b.last_routing)):
+                    if ra is None and rb is None:
+                        continue
+                    if ra is None or rb is None:
+                        decisions += 1
+                        first_bad = first_bad or f"prompt {pi} step {step} layer {li}: routed in one file only"
+                        continue
+                    eq = ra.experts == rb.experts
+                    decisions += eq.size
+                    same += int(eq.sum())
+                    if not eq.all() and not first_bad:
+                        t, r = np.argwhere(~eq)[0]
+                        first_bad = (f"prompt {pi} step {step} layer {li} token {t} rank {r}: expert "
+                                     f"{ra.experts[t, r]} in the source, {rb.experts[t, r]} in the output")
+                logits_steps += 1
+                if np.array_equal(_bits(la), _bits(lb)):
+                    logits_equal += 1
+                elif not first_bad:
+                    first_bad = (f"prompt {pi} step {step}: logits differ "
+                                 f"(max |diff| {float(np.max(np.abs(la - lb))):.3g})")
+                step_ids = [int(np.argmax(la))]
+                a.last_routing = [None] * len(a.last_routing)
+                b.last_routing = [None] * len(b.last_routing)
+    finally:
+        a.close()
+        b.close()
+    ok = decisions > 0 and same == decisions and logits_equal == logits_steps
+    detail = (f"{same:,}/{decisions:,} routing decisions identical, logits bit-identical at "
+              f"{logits_equal}/{logits_steps} steps ({len(prompts)} prompts, {n_tokens} greedy tokens)")
+    if first_bad:
+        detail += f"; first difference: {first_bad}"
+    return {"ok": ok, "detail": detail, "decisions": decisions, "identical": same,
+            "logit_steps": logits_steps, "logits_bit_identical": logits_equal, "prompts": len(prompts),
+            "n_tokens": n_tokens, "first_difference": first_bad}
+
+
+def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, n_threads: int | None = None) -> dict:
+    """llama.cpp on both files (reorder layout); see the module docstring."""
+    from mbolt.trace.llama_backend import LlamaRunner
+
+    prompts = prompts or PROMPTS
+    perm = read_route_map(read_header(out)).perm
+    max_diff = 0.0
+    tol_used = 0.0
+    tokens_same = tokens_total = 0
+    decisions = same = 0
+    first_bad = ""
+    with LlamaRunner(src, n_threads=n_threads) as ra, LlamaRunner(out, n_threads=n_threads) as rb:
+        for pi, text in enumerate(prompts):
+            ra.reset()
+            rb.reset()
+            ids = ra.tokenize(text)[:64] or [0]
+            if rb.tokenize(text)[:64] != ids:
+                first_bad = first_bad or f"prompt {pi}: tokenization differs"
+            step_ids = ids
+            for step in range(n_tokens + 1):
+                la, lb = ra.eval(step_ids), rb.eval(step_ids)
+                tol = LLAMA_ATOL + LLAMA_RTOL * float(np.max(np.abs(la)))
+                d = float(np.max(np.abs(la - lb)))
+                max_diff, tol_used = max(max_diff, d), max(tol_used, tol)
+                if d > tol and not first_bad:
+                    first_bad = f"prompt {pi} step {step}: max |logit diff| {d:.3g} > {tol:.3g}"
+                ka, kb = ra.topk(), rb.topk()
+                for li, xa in ka.items():
+                    xb = kb.get(li)
+                    if xb is None or xb.shape != xa.shape:
+                        decisions += xa.size
+                        continue
+                    mapped = perm[li][xb]  # llama.cpp reports positions in the output file
+                    # compare as sets per token: rank order can swap on near-ties
+                    eq = np.sort(mapped, axis=1) == np.sort(xa, axis=1)
+                    decisions += eq.size
+                    same += int(eq.sum())
+                ta, tb = int(np.argmax(la)), int(np.argmax(lb))
+                tokens_total += 1
+                tokens_same += ta == tb
+                if ta != tb and not first_bad:
+                    first_bad = f"prompt {pi} step {step}: greedy token {ta} vs {tb}"
+                step_ids = [ta]
+    share = same / decisions if decisions else 0.0
+    ok = tokens_same == tokens_total and not first_bad and share >= MIN_LLAMA_ROUTING
+    detail = (f"greedy tokens {tokens_same}/{tokens_total} identical, max |logit diff| {max_diff:.3g} "
+              f"(tolerance {tol_used:.3g}), routing {share:.2%} of {decisions:,} decisions map through the perm")
+    if first_bad:
+        detail += f"; first difference: {first_bad}"
+    return {"ok": ok, "detail": detail, "tokens_identical": tokens_same, "tokens": tokens_total,
+            "max_logit_diff": max_diff, "tolerance": tol_used, "routing_share": share,
+            "routing_decisions": decisions, "first_difference": first_bad}
+
+
+def load_prompts(path, n: int | None = None) -> list[str]:
+    """Prompts from a .jsonl file ("prompt" or "text" field per line) or a text file (one per line)."""
+    import json
+    from pathlib import Path
+
+    from mbolt.errors import MboltError
+
+    p = Path(path)
+    try:
+        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
+    except OSError as e:
+        raise MboltError(f"{p}: cannot read prompts ({e})") from None
+    out = []
+    for i, ln in enumerate(lines):
+        if p.suffix == ".jsonl":
+            try:
+                d = json.loads(ln)
+                out.append(str(d.get("prompt") or d.get("text") or ""))
+            except (json.JSONDecodeError, AttributeError):
+                raise MboltError(f"{p}: line {i + 1} is not a JSON object") from None
+        else:
+            out.append(ln)
+    out = [x for x in out if x]
+    if not out:
+        raise MboltError(f"{p}: no prompts")
+    return out[:n] if n else out

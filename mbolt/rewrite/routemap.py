@@ -1,0 +1,219 @@
+"""The route map of a rewritten GGUF: which original expert sits at which position.
+
+`reorder` writes it twice: as `mbolt.*` metadata inside the GGUF and as a JSON sidecar
+(`out.gguf.mbolt.json`) for engines that do not read GGUF metadata. A stock file has the
+identity route map. `expert_ranges` turns a MoE map plus its route map into the byte ranges of
+every expert, by ORIGINAL expert id, for stock, reorder and packed files alike: the streaming
+store, the evaluator and the verifier all locate experts through it.
+
+Keys (DESIGN.md; compatible with the original mbolt where they overlap):
+  mbolt.version (u32), mbolt.layout ("reorder" | "packed"), mbolt.n_layers (u32),
+  mbolt.n_experts (u32), mbolt.perm (i32 [n_layers*E], perm[l*E + p] = original id at
+  position p; identity for dense layers), mbolt.heat (f32 [n_layers*E], per position),
+  mbolt.source.fingerprint (str), mbolt.plan.method (str), and for packed files the
+  mbolt.packed.* keys of gguf/packed.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.errors import MboltError
+from mbolt.gguf.header import GGUFHeader, read_header
+from mbolt.gguf.moe_map import MoeLayer, MoeMap
+
+ROUTE_MAP_VERSION = 1
+ROUTE_MAP_KEYS = ("mbolt.version", "mbolt.layout", "mbolt.n_layers", "mbolt.n_experts", "mbolt.perm",
+                  "mbolt.heat", "mbolt.source.fingerprint", "mbolt.plan.method")
+
+
+def is_route_map_key(key: str) -> bool:
+    """Keys `reorder` owns (rewritten on every run); other mbolt.* keys (e.g. mbolt.synth.*) are kept."""
+    return key in ROUTE_MAP_KEYS or key.startswith("mbolt.packed.")
+LAYOUTS = ("stock", "reorder", "packed")
+SIDECAR_SUFFIX = ".mbolt.json"
+_BLK = re.compile(r"^blk\.(\d+)\.")
+
+
+@dataclass
+class RouteMap:
+    layout: str  # "stock" | "reorder" | "packed"
+    perm: np.ndarray  # int32 [n_layers, E]: perm[l, p] = original expert id stored at position p
+    heat: np.ndarray  # float32 [n_layers, E], per position (zeros when unknown)
+    method: str  # plan method ("stock" for a stock file)
+    source_fingerprint: str  # fingerprint of the original (stock) file's header
+    version: int = ROUTE_MAP_VERSION
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.perm.shape[0])
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.perm.shape[1])
+
+    @property
+    def pos(self) -> np.ndarray:
+        """int32 [n_layers, E]: pos[l, e] = position of original expert e."""
+        return inverse_perm(self.perm)
+
+    @property
+    def is_identity(self) -> bool:
+        return bool((self.perm == np.arange(self.n_experts, dtype=np.int32)).all())
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version,
+            "layout": self.layout,
+            "n_layers": self.n_layers,
+            "n_experts": self.n_experts,
+            "method": self.method,
+            "source_fingerprint": self.source_fingerprint,
+            "perm": self.perm.tolist(),
+            "heat": [[float(x) for x in row] for row in self.heat],
+        }
+
+
+def inverse_perm(perm: np.ndarray) -> np.ndarray:
+    perm = np.asarray(perm)
+    inv = np.empty_like(perm, dtype=np.int32)
+    rows = np.arange(perm.shape[0])[:, None]
+    inv[rows, perm] = np.arange(perm.shape[1], dtype=np.int32)[None, :]
+    return inv
+
+
+def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> np.ndarray:
+    """Validate an [n_layers, E] array of per-layer permutations; returns it as int32."""
+    perm = np.asarray(perm)
+    if perm.ndim != 2 or perm.shape[1] != n_experts:
+        got = perm.shape[1] if perm.ndim == 2 else f"shape {perm.shape}"
+        raise MboltError(f"{where}: {got} experts per layer, the model has {n_experts}")
+    if perm.shape[0] != n_layers:
+        raise MboltError(f"{where}: {perm.shape[0]} layers, the model has {n_layers}")
+    ok = np.sort(perm, axis=1) == np.arange(n_experts)[None, :]
+    bad = np.flatnonzero(~ok.all(axis=1))
+    if bad.size:
+        raise MboltError(f"{where}: layer {bad[0]} is not a permutation of 0..{n_experts - 1}")
+    return perm.astype(np.int32)
+
+
+def _model_shape(header: GGUFHeader) -> tuple[int, int]:
+    arch = header.get("general.architecture")
+    n_experts = int(header.get(f"{arch}.expert_count", 0) or 0)
+    n_layers = int(header.get(f"{arch}.block_count", 0) or 0)
+    blks = [int(m.group(1)) for t in header.tensors if (m := _BLK.match(t.name))]
+    return max(n_layers, max(blks, default=-1) + 1), n_experts
+
+
+def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
+    """The route map of a GGUF (identity with layout "stock" for a file mbolt did not write)."""
+    header = src.header if isinstance(src, MoeMap) else src if isinstance(src, GGUFHeader) else read_header(src)
+    path = header.path
+    n_layers, n_experts = _model_shape(header)
+    layout = header.get("mbolt.layout")
+    if layout is None:
+        ident = np.tile(np.arange(n_experts, dtype=np.int32), (n_layers, 1))
+        return RouteMap("stock", ident, np.zeros((n_layers, n_experts), np.float32), "stock", header.fingerprint, 0)
+    if layout not in LAYOUTS[1:]:
+        raise MboltError(f"{path}: unknown mbolt.layout {layout!r}")
+    version = int(header.get("mbolt.version", 0) or 0)
+    if version > ROUTE_MAP_VERSION:
+        raise MboltError(f"{path}: route map version {version} is newer than this mbolt ({ROUTE_MAP_VERSION})")
+    ml, me = int(header.get("mbolt.n_layers", -1)), int(header.get("mbolt.n_experts", -1))
+    if (ml, me) != (n_layers, n_experts):
+        raise MboltError(f"{path}: route map is for {ml} layers x {me} experts, the model has {n_layers} x {n_experts}")
+    perm = header.get("mbolt.perm")
+    if perm is None or len(perm) != n_layers * n_experts:
+        raise MboltError(f"{path}: mbolt.perm has {None if perm is None else len(perm)} entries, expected {n_layers * n_experts}")
+    perm = check_perm(np.asarray(perm).reshape(n_layers, n_experts), n_layers, n_experts, f"{path}: mbolt.perm")
+    heat = header.get("mbolt.heat")
+    if heat is None or len(heat) != n_layers * n_experts:
+        heat = np.zeros((n_layers, n_experts), np.float32)
+    heat = np.asarray(heat, np.float32).reshape(n_layers, n_experts)
+    src_fp = header.get("mbolt.source.fingerprint")
+    if not isinstance(src_fp, str) or not src_fp:
+        raise MboltError(f"{path}: rewritten file without mbolt.source.fingerprint")
+    return RouteMap(layout, perm, heat, str(header.get("mbolt.plan.method", "")), src_fp, version)
+
+
+def _route_map_of(moemap: MoeMap) -> RouteMap:
+    rm = getattr(moemap, "_mbolt_route_map", None)
+    if rm is None:
+        rm = read_route_map(moemap.header)
+        moemap._mbolt_route_map = rm
+    return rm
+
+
+def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
+    """int64 [E, n_roles, 2]: (absolute start, size) of every expert's slice of every routed
+    weight tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order.
+
+    Works for stock, reorder and packed files (a dense layer gives [E, 0, 2]).
+    """
+    layer = moemap.layers[layer] if isinstance(layer, (int, np.integer)) else layer
+    pos = _route_map_of(moemap).pos[layer.index].astype(np.int64)
+    weights = layer.weights
+    out = np.empty((moemap.n_experts, len(weights), 2), np.int64)
+    for r, w in enumerate(weights):
+        out[:, r, 0] = w.data_offset + pos * (w.stride or w.slice_bytes)
+        out[:, r, 1] = w.slice_bytes
+    return out
+
+
+# ---- JSON sidecar ----
+
+
+def sidecar_path(gguf_path: str | os.PathLike) -> Path:
+    p = Path(gguf_path)
+    return p.with_name(p.name + SIDECAR_SUFFIX)
+
+
+def sidecar_dict(moemap: MoeMap) -> dict:
+    """Everything an engine needs to locate experts without parsing GGUF metadata."""
+    rm = _route_map_of(moemap)
+    h = moemap.header
+    layers = []
+    for layer in moemap.moe_layers:
+        layers.append({
+            "index": layer.index,
+            "tensors": [
+                {
+                    "name": w.name, "role": w.role, "type": w.type, "ne": list(w.ne),
+                    "data_offset": w.data_offset, "slice_bytes": w.slice_bytes,
+                    "stride": w.stride or w.slice_bytes, **({"container": w.container} if w.container else {}),
+                }
+                for w in layer.weights
+            ],
+        })
+    return {
+        "format": "mbolt.routemap",
+        **rm.to_dict(),
+        "file": Path(moemap.path).name,
+        "file_size": h.file_size,
+        "fingerprint": h.fingerprint,
+        "arch": moemap.arch,
+        "n_used": moemap.n_used,
+        "how_to_locate": "slice of original expert e in a tensor of layer l starts at "
+        "data_offset + pos[l][e] * stride, where pos is the inverse of perm[l]",
+        "layers": layers,
+    }
+
+
+def read_sidecar(path: str | os.PathLike) -> RouteMap:
+    """Read a JSON sidecar back into a RouteMap (validated)."""
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+        perm = np.asarray(d["perm"], np.int64)
+        n_layers, n_experts = int(d["n_layers"]), int(d["n_experts"])
+        perm = check_perm(perm, n_layers, n_experts, f"{p}: perm")
+        heat = np.asarray(d.get("heat") or np.zeros((n_layers, n_experts)), np.float32)
+        return RouteMap(d["layout"], perm, heat, d.get("method", ""), d["source_fingerprint"], int(d.get("version", 0)))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise MboltError(f"{p}: not a valid mbolt route-map sidecar ({e})") from None

@@ -1,0 +1,345 @@
+"""Verify a rewritten GGUF against its source: every byte, through the route map.
+
+Checks, each reported by name:
+  header      both files parse (a truncated output fails here, naming the tensor)
+  route map   the output's route map is valid, for this model, and names the source's fingerprint
+  metadata    every key/value pair is byte-identical apart from the route map and general.alignment
+  tensors     same tensor names, types and shapes (packed blobs expanded into their tensors)
+  data        every byte of every tensor (no sampling): plain tensors whole, expert-indexed
+              tensors slice by slice, source slice of original expert e against the output
+              slice at pos[e]; read in bounded chunks and compared in place
+  routing     (optional) the reference engine on both files: every routing decision maps
+              through the permutation and the logits are bit-identical
+  llama.cpp   (optional, reorder layout) both files in llama.cpp: same greedy tokens,
+              logits within the float tolerance a permutation causes
+The verifier derives everything from the two files (never from the plan used to write them).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from mbolt.errors import MboltError
+from mbolt.gguf.header import GGUFHeader, read_header
+from mbolt.gguf.moe_map import MoeMap, moe_map
+from mbolt.rewrite.reorder import LTensor, logical_tensors
+from mbolt.rewrite.routemap import RouteMap, is_route_map_key, read_route_map
+
+BUF = 8 << 20
+MAX_LISTED = 50  # mismatches kept in the report (all are counted)
+IGNORED_KEYS = ("general.alignment",)  # besides mbolt.*
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None = not run (skipped / pending)
+    detail: str = ""
+
+
+@dataclass
+class Mismatch:
+    tensor: str
+    layer: int  # -1 for a plain tensor
+    position: int  # position in the output (-1 for a plain tensor)
+    expert: int  # original expert id (-1 for a plain tensor)
+    offset: int  # first differing byte inside the slice (or tensor)
+
+    def __str__(self) -> str:
+        if self.layer < 0:
+            return f"{self.tensor}: bytes differ from byte {self.offset}"
+        return (f"{self.tensor}: layer {self.layer}, expert {self.expert} at position {self.position}: "
+                f"bytes differ from byte {self.offset} of the slice")
+
+
+@dataclass
+class VerifyReport:
+    src: str
+    out: str
+    layout: str = ""
+    checks: list[Check] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    n_mismatches: int = 0
+    bytes_compared: int = 0
+    seconds: float = 0.0
+    parity: dict | None = None
+    llama: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks) and self.n_mismatches == 0
+
+    def add(self, name: str, ok: bool | None, detail: str = "") -> bool | None:
+        self.checks.append(Check(name, ok, detail))
+        return ok
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok, "src": self.src, "out": self.out, "layout": self.layout,
+            "checks": [c.__dict__ for c in self.checks],
+            "n_mismatches": self.n_mismatches, "mismatches": [m.__dict__ | {"message": str(m)} for m in self.mismatches],
+            "bytes_compared": self.bytes_compared, "seconds": self.seconds,
+            "throughput_bytes_s": 2 * self.bytes_compared / self.seconds if self.seconds else 0.0,
+            "parity": self.parity, "llama": self.llama,
+        }
+
+
+# ---- metadata ----
+
+
+def _kv_raw(h: GGUFHeader) -> dict[str, bytes]:
+    with open(h.path, "rb") as f:
+        raw = f.read(h.header_size)
+    return {k: raw[kv.span[0]:kv.span[1]] for k, kv in h.kv.items()}
+
+
+def compare_metadata(a: GGUFHeader, b: GGUFHeader) -> list[str]:
+    """Keys whose raw bytes differ (missing, extra or changed), ignoring mbolt.* and alignment."""
+    def keep(k: str) -> bool:
+        return not is_route_map_key(k) and k not in IGNORED_KEYS
+
+    ra, rb = _kv_raw(a), _kv_raw(b)
+    problems = []
+    for k in ra:
+        if keep(k) and k not in rb:
+            problems.append(f"{k} missing in output")
+        elif keep(k) and ra[k] != rb[k]:
+            problems.append(f"{k} differs")
+    problems += [f"{k} added in output" for k in rb if keep(k) and k not in ra]
+    if [k for k in ra if keep(k)] != [k for k in rb if keep(k)] and not problems:
+        problems.append("metadata keys in a different order")
+    return problems
+
+
+# ---- data ----
+
+
+@dataclass
+class _Jobs:
+    """Compare jobs sorted by output offset: src[i] vs out[i], n[i] bytes; label index per job."""
+    src: np.ndarray
+    out: np.ndarray
+    n: np.ndarray
+    tensor: np.ndarray  # index into names
+    pos: np.ndarray
+    expert: np.ndarray
+    names: list[str]
+    layer_of: list[int]
+
+
+def _jobs(src_t: list[LTensor], out_t: dict[str, LTensor], src_rm: RouteMap, out_rm: RouteMap) -> _Jobs:
+    s, o, n, ti, po, ex = [], [], [], [], [], []
+    names, layers = [], []
+    src_pos = src_rm.pos
+    for t in src_t:
+        u = out_t[t.name]
+        k = len(names)
+        names.append(t.name)
+        layers.append(t.layer)
+        if not t.expert_indexed:
+            s.append(np.array([t.data_offset]))
+            o.append(np.array([u.data_offset]))
+            n.append(np.array([t.nbytes]))
+            ti.append(np.array([k]))
+            po.append(np.array([-1]))
+            ex.append(np.array([-1]))
+            continue
+        E = out_rm.n_experts
+        p = np.arange(E)
+        e = out_rm.perm[u.layer].astype(np.int64)  # original expert at output position p
+        q = src_pos[t.layer][e].astype(np.int64)  # its position in the source
+        s.append(t.data_offset + q * t.stride)
+        o.append(u.data_offset + p * u.stride)
+        n.append(np.full(E, t.slice_bytes))
+        ti.append(np.full(E, k))
+        po.append(p)
+        ex.append(e)
+    cat = lambda xs: np.concatenate(xs).astype(np.int64) if xs else np.zeros(0, np.int64)  # noqa: E731
+    j = _Jobs(cat(s), cat(o), cat(n), cat(ti), cat(po), cat(ex), names, layers)
+    order = np.argsort(j.out, kind="stable")
+    for f in ("src", "out", "n", "tensor", "pos", "expert"):
+        setattr(j, f, getattr(j, f)[order])
+    return j
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    m = len(a) & ~7
+    if m and not np.array_equal(a[:m].view(np.uint64), b[:m].view(np.uint64)):
+        return False
+    return bool(np.array_equal(a[m:], b[m:]))
+
+
+def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress: Progress | None) -> None:
+    total = int(jobs.n.sum())
+    bufa, bufb = bytearray(BUF), bytearray(BUF)
+    na, nb = np.frombuffer(bufa, np.uint8), np.frombuffer(bufb, np.uint8)
+    mva, mvb = memoryview(bufa), memoryview(bufb)
+    done = last = 0
+    fa, fb = os.open(src_path, os.O_RDONLY), os.open(out_path, os.O_RDONLY)
+    try:
+        for fd in (fa, fb):
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        # Groups of jobs contiguous on both sides are compared as one range.
+        cont = (jobs.src[1:] == jobs.src[:-1] + jobs.n[:-1]) & (jobs.out[1:] == jobs.out[:-1] + jobs.n[:-1])
+        starts = np.flatnonzero(np.concatenate([[True], ~cont])) if len(jobs.n) else np.zeros(0, np.int64)
+        ends = np.append(starts[1:], len(jobs.n))
+        job_out_end = jobs.out + jobs.n
+        for g0, g1 in zip(starts.tolist(), ends.tolist()):
+            s0, o0 = int(jobs.src[g0]), int(jobs.out[g0])
+            length = int(job_out_end[g1 - 1] - o0)
+            off = 0
+            while off < length:
+                k = min(BUF, length - off)
+                ra = os.preadv(fa, [mva[:k]], s0 + off)
+                rb = os.preadv(fb, [mvb[:k]], o0 + off)
+                if ra != k or rb != k:
+                    raise MboltError(f"{src_path if ra != k else out_path}: short read at byte "
+                                     f"{(s0 if ra != k else o0) + off} (file truncated while verifying?)")
+                if not _equal(na[:k], nb[:k]):
+                    first = int(np.flatnonzero(na[:k] != nb[:k])[0])
+                    bad_out = o0 + off + first
+                    i = int(np.searchsorted(job_out_end, bad_out, side="right"))
+                    _record(jobs, i, int(bad_out - jobs.out[i]), report)
+                    # skip to the end of the mismatching job (one report per slice)
+                    nxt = int(job_out_end[i] - o0)
+                    done += nxt - off
+                    off = nxt
+                    continue
+                off += k
+                done += k
+                if progress and (done - last >= 64 << 20):
+                    last = done
+                    progress(done, total)
+    finally:
+        os.close(fa)
+        os.close(fb)
+    report.bytes_compared = total
+    if progress:
+        progress(total, total)
+
+
+def _record(jobs: _Jobs, i: int, offset: int, report: VerifyReport) -> None:
+    report.n_mismatches += 1
+    if len(report.mismatches) < MAX_LISTED:
+        t = int(jobs.tensor[i])
+        report.mismatches.append(Mismatch(jobs.names[t], jobs.layer_of[t], int(jobs.pos[i]), int(jobs.expert[i]), offset))
+
+
+# ---- top level ----
+
+
+def verify(
+    src: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    parity: bool = False,
+    prompts: list[str] | None = None,
+    n_tokens: int = 8,
+    llama: bool = False,
+    progress: Progress | None = None,
+) -> VerifyReport:
+    """Verify `out` (written by `mbolt reorder`) against `src`; returns a report (never raises
+    for a difference; raises MboltError only when `src` itself is unreadable)."""
+    t0 = time.perf_counter()
+    src, out = Path(src), Path(out)
+    report = VerifyReport(str(src), str(out))
+    sh = read_header(src)
+    sm = moe_map(sh)
+    src_rm = read_route_map(sm)
+    try:
+        oh = read_header(out)
+        om = moe_map(oh)
+    except MboltError as e:
+        report.add("header", False, str(e))
+        report.seconds = time.perf_counter() - t0
+        return report
+    report.add("header", True, f"{len(sh.tensors)} -> {len(oh.tensors)} tensors")
+    try:
+        out_rm = read_route_map(om)
+    except MboltError as e:
+        report.add("route map", False, str(e))
+        report.seconds = time.perf_counter() - t0
+        return report
+    report.layout = out_rm.layout
+    problems = []
+    if (out_rm.n_layers, out_rm.n_experts) != (src_rm.n_layers, src_rm.n_experts):
+        problems.append(f"shape {out_rm.n_layers}x{out_rm.n_experts} != source {src_rm.n_layers}x{src_rm.n_experts}")
+    if out_rm.source_fingerprint != src_rm.source_fingerprint:
+        problems.append(f"source fingerprint {out_rm.source_fingerprint} != {src_rm.source_fingerprint} (of {src.name})")
+    if out_rm.layout == "stock":
+        problems.append("output has no route map (not written by mbolt reorder)")
+    dense_moved = [l.index for l in om.layers if l.dense and not (out_rm.perm[l.index] == np.arange(out_rm.n_experts)).all()]
+    if dense_moved:
+        problems.append(f"dense layer {dense_moved[0]} has a non-identity perm")
+    moved = int(sum((out_rm.perm[l.index] != src_rm.perm[l.index]).sum() for l in om.moe_layers))
+    if report.add("route map", not problems, "; ".join(problems) or
+                  f"{out_rm.layout}, method {out_rm.method or '?'}, {moved} expert positions differ from the source") is False:
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    meta = compare_metadata(sh, oh)
+    report.add("metadata", not meta, "; ".join(meta[:5]) + (f" (+{len(meta) - 5} more)" if len(meta) > 5 else "")
+               if meta else f"{sum(not is_route_map_key(k) for k in sh.kv)} keys identical")
+
+    st, ot = logical_tensors(sm), logical_tensors(om)
+    od = {t.name: t for t in ot}
+    sd = {t.name: t for t in st}
+    tp = [f"{n} missing in output" for n in sd if n not in od] + [f"{n} added in output" for n in od if n not in sd]
+    for t in st:
+        u = od.get(t.name)
+        if u is None:
+            continue
+        if (t.type, t.ne) != (u.type, u.ne):
+            tp.append(f"{t.name}: {t.type.name}{list(t.ne)} became {u.type.name}{list(u.ne)}")
+        elif t.expert_indexed != u.expert_indexed or t.slice_bytes != u.slice_bytes or t.layer != u.layer:
+            tp.append(f"{t.name}: expert indexing differs")
+    report.add("tensors", not tp, "; ".join(tp[:5]) if tp else f"{len(st)} tensors, names/types/shapes identical")
+    if tp:
+        report.seconds = time.perf_counter() - t0
+        return report
+
+    jobs = _jobs(st, od, src_rm, out_rm)
+    compare_data(src, out, jobs, report, progress)
+    n_slices = int((jobs.pos >= 0).sum())
+    report.add("data", report.n_mismatches == 0,
+               f"{report.n_mismatches} slices/tensors differ" if report.n_mismatches else
+               f"{report.bytes_compared:,} bytes identical ({n_slices:,} expert slices, "
+               f"{int((jobs.pos < 0).sum()):,} plain tensors)")
+    report.seconds = time.perf_counter() - t0  # the bit-identity part (what the benchmark times)
+
+    if parity:
+        from mbolt.rewrite.parity import routing_parity
+
+        try:
+            report.parity = routing_parity(src, out, prompts=prompts, n_tokens=n_tokens)
+            report.add("routing", report.parity["ok"], report.parity["detail"])
+        except ImportError as e:
+            report.add("routing", None, f"pending: reference engine not available ({e})")
+    if llama:
+        from mbolt.rewrite.parity import llama_parity
+
+        if out_rm.layout != "reorder":
+            report.add("llama.cpp", None, f"skipped: llama.cpp does not load the {out_rm.layout} layout")
+        else:
+            from mbolt.trace.llama_backend import LlamaRunner
+
+            try:  # a source llama.cpp cannot run is not the rewriter's fault: skip, say why
+                LlamaRunner(src, n_ctx=16, capture=False).close()
+            except MboltError as e:
+                report.add("llama.cpp", None, f"skipped: {e}")
+            else:
+                try:
+                    report.llama = llama_parity(src, out, prompts=prompts, n_tokens=n_tokens)
+                    report.add("llama.cpp", report.llama["ok"], report.llama["detail"])
+                except MboltError as e:
+                    report.add("llama.cpp", False, str(e))
+    return report

@@ -1,0 +1,189 @@
+"""llama.cpp (through llama-cpp-python's low-level API) as a routing tracer and parity oracle.
+
+Routing is read with the scheduler's eval callback (`cb_eval`): we answer ask=True only for
+tensors named `ffn_moe_topk-N`; when such a tensor is computed we read, for each token row j,
+k int32 expert ids at `data + j * nb[1]`. The tensor is a view of the first k columns of an
+argsort over ALL experts, so rows are strided by nb[1] = n_expert * 4, not k * 4.
+During prefill llama.cpp runs the last layer only for the tokens whose logits are requested,
+so that layer's topk has fewer rows than the batch (we record what it computed).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.errors import MboltError
+
+GGML_TYPE_F32 = 0
+GGML_TYPE_I32 = 26
+_TOPK = re.compile(rb"^ffn_moe_topk-(\d+)$")
+
+
+class GgmlTensor(ctypes.Structure):
+    """Prefix of `struct ggml_tensor` (include/ggml.h of the installed package)."""
+
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError:
+        raise MboltError("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
+    return llama_cpp
+
+
+_LOG_CB = None
+
+
+def _quiet(L) -> None:
+    global _LOG_CB
+    if _LOG_CB is None:
+        _LOG_CB = L.llama_log_callback(lambda level, text, user: None)
+        L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+
+
+class LlamaRunner:
+    """One llama.cpp model + context on the CPU, with routing capture.
+
+    f32_kv: keep the KV cache in F32 and flash attention off, so attention is plain float32 math
+    (llama.cpp's default F16 cache rounds K/V to 11-bit mantissas; parity tests use F32).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, n_threads: int | None = None,
+                 f32_kv: bool = True, capture: bool = True, n_batch: int = 512):
+        L = self.L = _lib()
+        _quiet(L)
+        L.llama_backend_init()
+        self.path = Path(path)
+        mp = L.llama_model_default_params()
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        if not self.model:
+            raise MboltError(f"{path}: llama.cpp could not load the model")
+        self.vocab = L.llama_model_get_vocab(self.model)
+        self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        cp = L.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        threads = n_threads or max(1, os.cpu_count() or 1)
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        if f32_kv:
+            cp.type_k = GGML_TYPE_F32
+            cp.type_v = GGML_TYPE_F32
+            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of this decode
+        self._cb = None
+        if capture:
+            self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
+            cp.cb_eval = self._cb
+            cp.cb_eval_user_data = None
+        self.ctx = L.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            raise MboltError(f"{path}: llama.cpp could not create a context")
+        self.n_ctx = n_ctx
+        self.n_batch = n_batch
+        self.batch = L.llama_batch_init(n_batch, 0, 1)
+        self.n_past = 0
+
+    # ---- eval callback ----
+
+    def _eval_cb(self, t_ptr, ask, user):
+        t = GgmlTensor.from_address(t_ptr)
+        m = _TOPK.match(t.name)
+        if ask:
+            return m is not None
+        if m is not None and t.type == GGML_TYPE_I32:
+            k, n = int(t.ne[0]), int(t.ne[1])
+            nb1 = int(t.nb[1])
+            base = int(t.data)
+            rows = np.empty((n, k), dtype=np.int32)
+            for j in range(n):
+                rows[j] = np.ctypeslib.as_array((ctypes.c_int32 * k).from_address(base + j * nb1))
+            self.routing.setdefault(int(m.group(1)), []).append(rows)
+        return True
+
+    # ---- use ----
+
+    def reset(self) -> None:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
+        self.n_past = 0
+
+    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+        raw = text.encode("utf-8")
+        n_max = len(raw) + 8
+        buf = (self.L.llama_token * n_max)()
+        n = self.L.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, False)
+        if n < 0:
+            raise MboltError("llama.cpp tokenize failed")
+        return list(buf[:n])
+
+    def eval(self, tokens, all_logits: bool = False) -> np.ndarray:
+        """Decode tokens at positions n_past..; logits of the last token (or all) as float32."""
+        L = self.L
+        tokens = [int(t) for t in tokens]
+        self.routing = {}
+        outs = []
+        for s in range(0, len(tokens), self.n_batch):
+            chunk = tokens[s: s + self.n_batch]
+            last_chunk = s + self.n_batch >= len(tokens)
+            b = self.batch
+            b.n_tokens = len(chunk)
+            for i, tok in enumerate(chunk):
+                b.token[i] = tok
+                b.pos[i] = self.n_past + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                b.logits[i] = bool(all_logits or (last_chunk and i == len(chunk) - 1))
+            if self.n_past + len(chunk) > self.n_ctx:
+                raise MboltError(f"llama.cpp context of {self.n_ctx} tokens is full")
+            rc = L.llama_decode(self.ctx, b)
+            if rc != 0:
+                raise MboltError(f"llama_decode failed with code {rc}")
+            for i in range(len(chunk)):
+                if b.logits[i]:
+                    p = L.llama_get_logits_ith(self.ctx, i)
+                    outs.append(np.ctypeslib.as_array(p, shape=(self.n_vocab,)).astype(np.float32))
+            self.n_past += len(chunk)
+        return np.stack(outs) if all_logits else outs[-1]
+
+    def topk(self) -> dict[int, np.ndarray]:
+        """Routing of the last eval: layer -> int32 [n_rows, k] (rows in token order)."""
+        return {li: np.concatenate(blocks) for li, blocks in self.routing.items()}
+
+    def close(self) -> None:
+        L = self.L
+        if getattr(self, "batch", None) is not None:
+            L.llama_batch_free(self.batch)
+            self.batch = None
+        if getattr(self, "ctx", None):
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            L.llama_model_free(self.model)
+            self.model = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

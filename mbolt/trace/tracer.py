@@ -1,0 +1,208 @@
+"""Record routing while running prompts: the reference engine or llama.cpp as the backend.
+
+`trace_prompts(model, prompts, out, ...)` runs every prompt (prefill, then greedy decode of
+`max_new_tokens`), and appends each token's routing to an `.mbtrace` as ORIGINAL expert ids
+(a reordered file's positions are mapped back through its route map), with the prompt file's
+`source` field as the sequence's domain tag.
+
+Backends:
+  reference  mbolt's numpy engine: every layer of every prompt token, with routing weights.
+  llama.cpp  llama-cpp-python with an eval callback on `ffn_moe_topk-N`: native speed, any
+             architecture llama.cpp runs; during prefill llama.cpp routes the last layer only
+             for the output token, so the other prompt tokens have -1 at that layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.errors import MboltError
+from mbolt.gguf.moe_map import moe_map
+from mbolt.trace.format import TraceWriter
+from mbolt.trace.model import DECODE, PREFILL
+
+ENGINES = ("reference", "llama.cpp")
+
+
+@dataclass
+class Prompt:
+    text: str
+    domain: str
+    line: int
+
+
+def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prompt]:
+    """.jsonl: one JSON object per line with "prompt" (or "text") and optional "source";
+    anything else: one prompt per non-empty line. Errors name the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise MboltError(f"{path}: no such prompt file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise MboltError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    lines = text.splitlines()
+    out: list[Prompt] = []
+    if path.suffix == ".jsonl":
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                if i == len(lines):
+                    continue
+                raise MboltError(f"{path}:{i}: empty line (one JSON object per line expected)")
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise MboltError(f"{path}:{i}: invalid JSON ({e.msg} at column {e.colno})") from None
+            if not isinstance(obj, dict):
+                raise MboltError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
+            p = obj.get("prompt", obj.get("text"))
+            if not isinstance(p, str) or not p:
+                raise MboltError(f"{path}:{i}: missing or empty \"prompt\" (or \"text\") field")
+            out.append(Prompt(p, str(obj.get("source", "") or ""), i))
+            if limit and len(out) >= limit:
+                break
+    else:
+        for i, line in enumerate(lines, 1):
+            if line.strip():
+                out.append(Prompt(line, "", i))
+                if limit and len(out) >= limit:
+                    break
+    if not out:
+        raise MboltError(f"{path}: no prompts in the file")
+    return out
+
+
+class _Reference:
+    weights = True
+
+    def __init__(self, path, route, threads):
+        from mbolt.engine import load_model
+        from mbolt.engine.tokenizer import Tokenizer
+
+        self.m = load_model(path, route=route)
+        self.tok = Tokenizer.from_header(self.m.header)
+        self.eos = self.tok.eos
+        self.cache = None
+
+    def encode(self, text):
+        return self.tok.encode(text)
+
+    def start(self):
+        self.cache = self.m.new_cache()
+
+    def run(self, ids):
+        """-> (logits of last token, experts [n, L, k] original ids, weights [n, L, k])."""
+        logits = self.m.forward(ids, self.cache)
+        n, L, k = len(ids), self.m.n_layers, self.m.hp.n_used
+        ex = np.full((n, L, k), -1, np.int16)
+        w = np.zeros((n, L, k), np.float32)
+        for li, r in enumerate(self.m.last_routing):
+            if r is not None:
+                ex[:, li] = r.experts
+                w[:, li] = r.weights
+        return logits, ex, w
+
+    def close(self):
+        self.m.close()
+
+
+class _Llama:
+    weights = False
+
+    def __init__(self, path, route, threads, n_ctx=4096):
+        from mbolt.rewrite.routemap import read_route_map
+        from mbolt.trace.llama_backend import LlamaRunner
+
+        self.mm = moe_map(path)
+        self.perm = read_route_map(self.mm.header).perm  # positions -> original ids
+        self.r = LlamaRunner(path, n_ctx=n_ctx, n_threads=threads, f32_kv=False)
+        self.eos = None
+        try:
+            self.eos = int(self.mm.header.get("tokenizer.ggml.eos_token_id"))
+        except (TypeError, ValueError):
+            pass
+
+    def encode(self, text):
+        return self.r.tokenize(text, add_special=True)
+
+    def start(self):
+        self.r.reset()
+
+    def run(self, ids):
+        room = self.r.n_ctx - self.r.n_past
+        if len(ids) > room:
+            ids = ids[:max(room, 0)]
+            if not ids:
+                raise MboltError(f"llama.cpp context of {self.r.n_ctx} tokens is full")
+        logits = self.r.eval(ids)
+        n, L, k = len(ids), self.mm.n_layers, self.mm.n_used
+        ex = np.full((n, L, k), -1, np.int16)
+        for li, rows in self.r.topk().items():
+            rows = self.perm[li][rows]  # position -> original id
+            ex[n - rows.shape[0]:, li] = rows[-n:]
+        return logits, ex, None
+
+    def close(self):
+        self.r.close()
+
+
+def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Prompt], out: str | os.PathLike, *,
+                  max_new_tokens: int = 16, engine: str = "reference", limit: int | None = None,
+                  route: str = "file", threads: int | None = None, on_progress=None) -> dict:
+    """Trace prompts through `model` into `out` (.mbtrace). Returns a summary dict.
+
+    on_progress(done_prompts, total_prompts, tokens_so_far, seconds) after every prompt.
+    """
+    if engine not in ENGINES:
+        raise MboltError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
+    if max_new_tokens < 0:
+        raise MboltError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+    items = read_prompts(prompts, limit) if not isinstance(prompts, list) else prompts[:limit or None]
+    mm = moe_map(model)
+    backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
+    n_prefill = n_decode = 0
+    t0 = time.perf_counter()
+    try:
+        with TraceWriter(out, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
+                         weights=backend.weights, flush_every=64) as w:
+            w.add_note(f"mbolt trace --engine {engine} --max-new-tokens {max_new_tokens} ({Path(model).name})")
+            for seq, p in enumerate(items):
+                ids = backend.encode(p.text)
+                if not ids:
+                    raise MboltError(f"prompt on line {p.line} has no tokens")
+                if p.domain:
+                    w.set_domain(seq, p.domain)
+                backend.start()
+                logits, ex, wt = backend.run(ids)
+                n = ex.shape[0]
+                w.extend(PREFILL, seq, np.arange(n), ex, wt)
+                n_prefill += n
+                pos = n
+                for _ in range(max_new_tokens):
+                    nxt = int(np.argmax(logits))
+                    if backend.eos is not None and nxt == backend.eos:
+                        break
+                    logits, ex, wt = backend.run([nxt])
+                    if ex.shape[0] == 0:
+                        break
+                    w.extend(DECODE, seq, np.array([pos]), ex, wt)
+                    pos += 1
+                    n_decode += 1
+                if on_progress is not None:
+                    on_progress(seq + 1, len(items), n_prefill + n_decode, time.perf_counter() - t0)
+    finally:
+        backend.close()
+    dt = time.perf_counter() - t0
+    return {
+        "out": str(out), "engine": engine, "prompts": len(items), "prefill_tokens": n_prefill,
+        "decode_tokens": n_decode, "seconds": dt,
+        "tokens_per_s": (n_prefill + n_decode) / dt if dt > 0 else 0.0,
+        "n_layers": mm.n_layers, "n_experts": mm.n_experts, "k": mm.n_used,
+        "fingerprint": mm.source_fingerprint,
+    }

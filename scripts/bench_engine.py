@@ -1,0 +1,144 @@
+"""Warm decode tokens/s: the numpy reference engine vs llama.cpp on the same synthetic file.
+
+Both engines run in one invocation, side by side, with the same thread count (numpy's BLAS is
+pinned through OPENBLAS/OMP/MKL_NUM_THREADS before numpy is imported), at two geometries:
+  tiny      the test geometry (SynthConfig defaults: 4 layers x 8 experts, k=2, hidden 64)
+  qwen3-30b Qwen3-30B-A3B shapes (hidden 2048, 128 experts, k=8, expert_ff 768, 32/4 heads x 128)
+            scaled to a few layers, Q4_0 experts, fast_random weights (routing is random-ish,
+            the arithmetic is the same).
+Warm: a short prompt is prefilled and a few decode steps are run before the timed decode steps.
+A cProfile of the reference engine's decode says where its time goes. -> results/engine.json
+
+usage: python scripts/bench_engine.py [--threads 1] [--layers 2] [--tokens 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--threads", type=int, default=1)
+ap.add_argument("--layers", type=int, default=2)
+ap.add_argument("--tokens", type=int, default=16)
+ap.add_argument("--warmup", type=int, default=3)
+ap.add_argument("--out", default="results/engine.json")
+args = ap.parse_args()
+for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[var] = str(args.threads)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cProfile  # noqa: E402
+import json  # noqa: E402
+import pstats  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from mbolt.atomic import write_text_atomic  # noqa: E402
+from mbolt.engine import load_model  # noqa: E402
+from mbolt.gguf.synth import SynthConfig, write_synth  # noqa: E402
+from mbolt.trace.llama_backend import LlamaRunner  # noqa: E402
+
+PROMPT = [116, 104, 101, 32, 116, 105, 110, 32]  # "the tin "
+
+
+def geometries(layers: int) -> dict[str, SynthConfig]:
+    return {
+        "tiny": SynthConfig(expert_type="Q4_0", seed=1),
+        "qwen3-30b-a3b-shaped": SynthConfig.from_preset("qwen3-30b-a3b", n_layers=layers, fast_random=True, seed=1),
+    }
+
+
+def decode_ref(m, n_warm, n):
+    cache = m.new_cache()
+    logits = m.forward(PROMPT, cache)
+    for _ in range(n_warm):
+        logits = m.forward([int(np.argmax(logits))], cache)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = m.forward([int(np.argmax(logits))], cache)
+    return n / (time.perf_counter() - t0)
+
+
+def decode_llama(r, n_warm, n):
+    r.reset()
+    logits = r.eval(PROMPT)
+    for _ in range(n_warm):
+        logits = r.eval([int(np.argmax(logits))])
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = r.eval([int(np.argmax(logits))])
+    return n / (time.perf_counter() - t0)
+
+
+BUCKETS = {  # function name -> where the time goes
+    "dequantize": "expert dequantize", "round_activations": "activation rounding (Q8_0)",
+    "linear": "matmuls (BLAS)", "attention": "attention", "router_logits": "router",
+    "fetch": "expert fetch (mmap slices)", "rms_norm": "norms", "apply_rope": "rope",
+    "softmax": "softmax", "silu": "silu",
+}
+
+
+def profile_ref(m, n):
+    cache = m.new_cache()
+    logits = m.forward(PROMPT, cache)
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        logits = m.forward([int(np.argmax(logits))], cache)
+    pr.disable()
+    st = pstats.Stats(pr)
+    total = sum(v[2] for v in st.stats.values())  # tottime
+    by = {}
+    for (file, line, fn), (cc, nc, tt, ct, callers) in st.stats.items():
+        # own time: numpy operators (@, *, astype) run inside the calling function's frame
+        key = BUCKETS.get(fn, "other python/numpy")
+        by[key] = by.get(key, 0.0) + tt
+    return {k: round(v / total, 3) for k, v in sorted(by.items(), key=lambda kv: -kv[1])}, total / n
+
+
+def main() -> None:
+    res = {"threads": args.threads, "decode_tokens": args.tokens, "warmup_tokens": args.warmup,
+           "prompt_tokens": len(PROMPT), "kv_cache": "llama.cpp default (F16); engine F32", "geometries": {}}
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        for name, cfg in geometries(args.layers).items():
+            path = Path(tmp) / f"{name}.gguf"
+            t0 = time.perf_counter()
+            write_synth(path, cfg)
+            size = path.stat().st_size
+            print(f"{name}: wrote {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
+            m = load_model(path)
+            with LlamaRunner(path, n_ctx=256, n_threads=args.threads, f32_kv=False, capture=False) as r:
+                # side by side, alternating, two rounds each
+                ref, lla = [], []
+                for _ in range(2):
+                    ref.append(decode_ref(m, args.warmup, args.tokens))
+                    lla.append(decode_llama(r, args.warmup, args.tokens))
+            prof, sec_per_tok = profile_ref(m, max(2, args.tokens // 4))
+            g = {
+                "file_bytes": size, "n_layers": cfg.n_layers, "n_experts": cfg.n_experts, "k": cfg.n_used,
+                "hidden": cfg.hidden, "expert_ff": cfg.expert_ff, "heads": [cfg.n_heads, cfg.n_kv_heads, cfg.head_dim],
+                "expert_type": cfg.expert_type,
+                "reference_tok_s": round(float(np.median(ref)), 2), "llama_cpp_tok_s": round(float(np.median(lla)), 2),
+                "reference_runs": [round(x, 2) for x in ref], "llama_cpp_runs": [round(x, 2) for x in lla],
+                "ratio_reference_over_llama": round(float(np.median(ref) / np.median(lla)), 3),
+                "reference_profile_share": prof,
+                "reference_profiled_s_per_token": round(sec_per_tok, 4),
+            }
+            res["geometries"][name] = g
+            print(json.dumps({name: g}, indent=1), flush=True)
+            m.close()
+    out = ROOT / args.out
+    out.parent.mkdir(exist_ok=True)
+    write_text_atomic(out, json.dumps(res, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

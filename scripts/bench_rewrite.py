@@ -1,0 +1,246 @@
+"""Benchmark `mbolt reorder` and `mbolt verify` against cp and a plain gguf-py copy -> results/rewrite.json.
+
+For each size (default ~1 GB and ~4 GB) a fast-random synth model with Qwen3-30B-A3B expert
+geometry (Q4_0, 128 experts, 864 KiB slices) is written to a temp dir (never the repo) and
+deleted afterwards. Every arm runs as its own process, timed from outside (wall clock,
+interpreter start-up included) with its peak RSS (RUSAGE_CHILDREN of a fresh wrapper):
+
+  cp            cp src dst                       (no fsync: the page cache absorbs the write)
+  cp+sync       cp src dst && sync dst           (same durability as reorder, which fsyncs)
+  gguf-py copy  GGUFReader + GGUFWriter (add_tensor_info, write_tensor_data(data[perm]) per
+                tensor), the way gguf-py's own gguf_new_metadata.py copies, then sync
+  reorder       mbolt reorder --plan (random perm: every slice moves), layouts reorder, packed
+  read both     cat src out > /dev/null
+  verify        mbolt verify --no-parity (bit-identity of every byte)
+
+Two cache states: "warm" (files in the page cache) and "cold" (every input evicted with
+posix_fadvise DONTNEED before the arm, proven with mincore). Goals (issue 5): reorder
+throughput >= 0.8x cp; verify >= 0.8x the speed of reading both files once; peak RSS flat
+from 1 GB to 4 GB. The machine is shared (2 cores, other jobs running): numbers are noisy.
+
+usage: python scripts/bench_rewrite.py [--sizes 1,4] [--tmp DIR] [--out results/rewrite.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mbolt.bench.pagecache import evict  # noqa: E402
+from mbolt.gguf.synth import SynthConfig, synth_size, write_synth  # noqa: E402
+from mbolt.layout.plan import Plan, save_plan  # noqa: E402
+
+PRESET = "qwen3-30b-a3b"
+MBOLT = [sys.executable, "-m", "mbolt"]
+
+WRAPPER = r"""
+import json, resource, subprocess, sys, time
+t = time.perf_counter()
+r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+dt = time.perf_counter() - t
+print(json.dumps({"rc": r.returncode, "seconds": dt, "peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, "stderr": r.stderr[-2000:]}))
+"""
+
+GGUFPY_COPY = r"""
+import re, sys
+import numpy as np
+from gguf import GGUFReader, GGUFValueType, GGUFWriter
+src, dst, perm_path = sys.argv[1:4]
+perm = np.load(perm_path)
+r = GGUFReader(src)
+arch = r.fields["general.architecture"].contents()
+w = GGUFWriter(dst, arch)
+for f in r.fields.values():
+    if f.name.startswith("GGUF.") or f.name in ("general.architecture", "general.alignment"):
+        continue
+    vtype = f.types[0]
+    w.add_key_value(f.name, f.contents(), vtype, f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+for t in r.tensors:
+    w.add_tensor_info(t.name, t.data.shape, t.data.dtype, t.data.nbytes, t.tensor_type)
+w.write_header_to_file()
+w.write_kv_data_to_file()
+w.write_ti_data_to_file()
+pat = re.compile(r"^blk\.(\d+)\.(ffn_(gate|up|down|gate_up)_exps\.(weight|bias)|ffn_gate_inp\.(weight|bias)|exp_probs_b\.bias)$")
+for t in r.tensors:
+    m = pat.match(t.name)
+    w.write_tensor_data(t.data[perm[int(m.group(1))]] if m else t.data)
+w.close()
+"""
+
+
+def run(cmd: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", WRAPPER, *cmd], capture_output=True, text=True, check=True)
+    d = json.loads(out.stdout.strip().splitlines()[-1])
+    if d["rc"] != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({d['rc']}): {d['stderr']}")
+    d.pop("stderr")
+    return d
+
+
+def cold(*paths) -> list[dict]:
+    return [evict(p).to_dict() for p in paths]
+
+
+def sync(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def bench_size(target_gb: float, tmp: Path, log) -> dict:
+    per_layer = synth_size(SynthConfig.from_preset(PRESET, n_layers=2, fast_random=True)) - synth_size(
+        SynthConfig.from_preset(PRESET, n_layers=1, fast_random=True))
+    n_layers = max(1, round(target_gb * 1e9 / per_layer))
+    cfg = SynthConfig.from_preset(PRESET, n_layers=n_layers, fast_random=True, seed=1)
+    src = tmp / f"src_{n_layers}.gguf"
+    t0 = time.perf_counter()
+    write_synth(src, cfg)
+    gen = time.perf_counter() - t0
+    size = src.stat().st_size
+    log(f"synth {size / 1e9:.2f} GB ({n_layers} layers) in {gen:.1f} s")
+    rng = np.random.default_rng(0)
+    perm = np.stack([rng.permutation(cfg.n_experts) for _ in range(n_layers)]).astype(np.int32)
+    plan = tmp / "plan.json"
+    save_plan(plan, Plan("random", n_layers, cfg.n_experts, perm, np.ones(perm.shape)))
+    np.save(tmp / "perm.npy", perm)
+    dst = tmp / "out.gguf"
+    packed = tmp / "packed.gguf"
+    arms: list[dict] = []
+
+    def arm(name, mode, cmd, nbytes, inputs, keep=False, after=None):
+        for p in (dst,):
+            if p.exists() and not keep:
+                p.unlink()
+        ev = cold(*inputs) if mode == "cold" else []
+        d = run(cmd)
+        if after:
+            after()
+        d.update(arm=name, mode=mode, bytes=nbytes, throughput_gb_s=nbytes / d["seconds"] / 1e9,
+                 evicted=[{"path": Path(e["path"]).name, "resident_after": e["resident_after"], "proven": e["proven"]} for e in ev])
+        arms.append(d)
+        log(f"  {mode:4} {name:14} {d['seconds']:7.2f} s  {d['throughput_gb_s']:6.2f} GB/s  rss {d['peak_rss_mb']:7.1f} MB")
+        return d
+
+    internal = {}
+    for mode in ("warm", "cold"):
+        if mode == "warm":  # bring the source into the cache
+            run(["cat", str(src)])
+        arm("cp", mode, ["cp", str(src), str(dst)], size, [src])
+        arm("cp+sync", mode, ["sh", "-c", f"cp '{src}' '{dst}' && sync '{dst}'"], size, [src])
+        arm("gguf-py copy", mode, [sys.executable, "-c", GGUFPY_COPY, str(src), str(dst), str(tmp / "perm.npy")],
+            size, [src], after=lambda: sync(dst))
+        dst.unlink()
+        d = arm("reorder", mode, [*MBOLT, "reorder", str(src), str(dst), "--plan", str(plan), "--force"], size, [src])
+        d = arm("reorder packed", mode, [*MBOLT, "reorder", str(src), str(packed), "--plan", str(plan), "--force",
+                                         "--layout", "packed"], size, [src], keep=True)
+        packed.unlink()
+        Path(str(packed) + ".mbolt.json").unlink(missing_ok=True)
+        # reorder output for the read/verify arms, timed in-process as well
+        res = subprocess.run([*MBOLT, "reorder", str(src), str(dst), "--plan", str(plan), "--force", "--json"],
+                             capture_output=True, text=True, check=True)
+        internal[f"reorder_{mode}"] = json.loads(res.stdout)["seconds"]
+        out_size = dst.stat().st_size
+        if mode == "warm":
+            run(["cat", str(src), str(dst)])
+        arm("read both", mode, ["cat", str(src), str(dst)], size + out_size, [src, dst], keep=True)
+        arm("verify", mode, [*MBOLT, "verify", str(src), str(dst), "--no-parity"], size + out_size, [src, dst], keep=True)
+        if mode == "cold":
+            cold(src, dst)
+        res = subprocess.run([*MBOLT, "verify", str(src), str(dst), "--no-parity", "--json"],
+                             capture_output=True, text=True)
+        internal[f"verify_{mode}"] = json.loads(res.stdout)["seconds"]
+    for p in (dst, src, Path(str(dst) + ".mbolt.json")):
+        p.unlink(missing_ok=True)
+
+    def get(name, mode):
+        return next(a for a in arms if a["arm"] == name and a["mode"] == mode)
+
+    ratios = {}
+    for mode in ("warm", "cold"):
+        ratios[mode] = {
+            "reorder_vs_cp": get("reorder", mode)["throughput_gb_s"] / get("cp", mode)["throughput_gb_s"],
+            "reorder_vs_cp_sync": get("reorder", mode)["throughput_gb_s"] / get("cp+sync", mode)["throughput_gb_s"],
+            "packed_vs_cp_sync": get("reorder packed", mode)["throughput_gb_s"] / get("cp+sync", mode)["throughput_gb_s"],
+            "reorder_vs_gguf_py": get("reorder", mode)["throughput_gb_s"] / get("gguf-py copy", mode)["throughput_gb_s"],
+            "verify_vs_read_both": get("verify", mode)["throughput_gb_s"] / get("read both", mode)["throughput_gb_s"],
+        }
+    return {
+        "target_gb": target_gb, "file_bytes": size, "n_layers": n_layers, "preset": PRESET,
+        "expert_type": cfg.expert_type, "slice_bytes": None, "synth_seconds": gen,
+        "arms": arms, "ratios": ratios, "internal_seconds": internal,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1,4", help="target sizes in GB, comma separated")
+    ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
+    ap.add_argument("--out", default=str(ROOT / "results" / "rewrite.json"))
+    a = ap.parse_args()
+    sizes = [float(x) for x in a.sizes.split(",")]
+    base = Path(a.tmp or tempfile.gettempdir())
+    need = max(sizes) * 1e9 * 3.2
+    free = shutil.disk_usage(base).free
+    if free < need:
+        sys.exit(f"{base}: {free / 1e9:.1f} GB free, need {need / 1e9:.1f} GB")
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="mbolt-bench-rewrite-", dir=base) as tmp:
+        for s in sizes:
+            print(f"size ~{s} GB", flush=True)
+            runs.append(bench_size(s, Path(tmp), lambda m: print(m, flush=True)))
+    from mbolt.gguf.moe_map import moe_map  # noqa: F401  (slice size of the geometry)
+
+    q = SynthConfig.from_preset(PRESET)
+    slice_bytes = q.hidden * q.expert_ff // 32 * 18
+    for r in runs:
+        r["slice_bytes"] = slice_bytes
+    goals = {}
+    for mode in ("warm", "cold"):
+        goals[mode] = {
+            "reorder_ge_0.8x_cp_sync": all(r["ratios"][mode]["reorder_vs_cp_sync"] >= 0.8 for r in runs),
+            "reorder_ge_0.8x_cp": all(r["ratios"][mode]["reorder_vs_cp"] >= 0.8 for r in runs),
+            "verify_ge_0.8x_read_both": all(r["ratios"][mode]["verify_vs_read_both"] >= 0.8 for r in runs),
+        }
+    if len(runs) >= 2:
+        lo, hi = runs[0], runs[-1]
+        for name in ("reorder", "reorder packed", "verify", "gguf-py copy"):
+            rl = max(x["peak_rss_mb"] for x in lo["arms"] if x["arm"] == name)
+            rh = max(x["peak_rss_mb"] for x in hi["arms"] if x["arm"] == name)
+            goals[f"rss_{name.replace(' ', '_')}_mb"] = {"small": rl, "large": rh, "ratio": rh / rl,
+                                                          "flat": rh <= 1.2 * rl + 16, "under_300mb": rh < 300}
+    result = {
+        "benchmark": "rewrite",
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "filesystem_note": "temp dir on the same filesystem as the source (copy_file_range in-kernel)",
+                    "shared": "2 cores shared with other jobs; single run per arm: noisy"},
+        "method": __doc__,
+        "runs": runs,
+        "goals": goals,
+    }
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from mbolt.atomic import write_text_atomic
+
+    write_text_atomic(out, json.dumps(result, indent=1) + "\n")
+    print(json.dumps(goals, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

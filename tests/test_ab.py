@@ -1,0 +1,137 @@
+"""`mbolt ab` on tiny files: rounds, A/A control, refusals, flags, pre-registration."""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mbolt.bench.ab import Arm, bootstrap_ci, parse_arm, run_ab
+from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
+from mbolt.cli import app
+from mbolt.errors import MboltError
+from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.rewrite.reorder import reorder
+from mbolt.trace.format import write_trace
+from mbolt.trace.model import DECODE, Trace
+
+L, E, K = 2, 8, 2
+
+
+def rand_trace(n=12, seed=0, fingerprint=""):
+    rng = np.random.default_rng(seed)
+    ex = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)]).astype(np.int16)
+    return Trace(L, E, K, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32), np.arange(n, dtype=np.int32),
+                 fingerprint=fingerprint)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ab")
+    stock = d / "stock.gguf"
+    write_synth(stock, SynthConfig(n_layers=L, n_experts=E, n_used=K, hidden=64, expert_ff=32))
+    perm = np.stack([np.random.default_rng(l).permutation(E) for l in range(L)]).astype(np.int32)
+    packed = d / "packed.gguf"
+    reorder(stock, packed, perm, layout="packed", method="test", sidecar=False)
+    other = d / "other.gguf"
+    write_synth(other, SynthConfig(n_layers=L, n_experts=E, n_used=K, hidden=64, expert_ff=32, seed=7))
+    tr = d / "held.mbtrace"
+    write_trace(tr, rand_trace())
+    return {"stock": stock, "packed": packed, "other": other, "trace": tr, "dir": d}
+
+
+def test_replay_rounds_alternate_and_aa(files):
+    res = run_ab([Arm("stock", str(files["stock"])), Arm("packed", str(files["packed"]))], trace=rand_trace(),
+                 rounds=3)
+    names = [a["name"] for a in res.arms]
+    assert names == ["stock", "packed", "stock (A/A)"]
+    # order alternates: round 0 forward, round 1 reversed
+    r0 = [r.arm for r in sorted((r for r in res.rounds if r.round == 0), key=lambda r: r.position)]
+    r1 = [r.arm for r in sorted((r for r in res.rounds if r.round == 1), key=lambda r: r.position)]
+    assert r0 == names and r1 == names[::-1]
+    assert res.cold and all(r.resident_after <= 0.01 for r in res.rounds)
+    s = {x["arm"]: x for x in res.summary}
+    # 12 tokens x 2 layers x 2 experts x 3 tensors: stock reads every slice alone unless adjacent
+    assert s["stock"]["reads_per_token"] > s["packed"]["reads_per_token"]
+    assert s["stock"]["reads_per_token"] == s["stock (A/A)"]["reads_per_token"]
+    assert len(s["packed"]["per_round_speedup"]) == 3
+    assert not [f for f in res.flags if "identical" in f]
+
+
+def test_refuses_other_model_and_other_trace(files):
+    with pytest.raises(MboltError, match="not the same model"):
+        run_ab([Arm("a", str(files["stock"])), Arm("b", str(files["other"]))], trace=rand_trace(), rounds=1)
+    with pytest.raises(MboltError, match="another model"):
+        run_ab([Arm("a", str(files["stock"]))], trace=rand_trace(fingerprint="f" * 64), rounds=1)
+    bad = rand_trace()
+    bad.n_experts = 16
+    with pytest.raises(MboltError, match="another model"):
+        run_ab([Arm("a", str(files["stock"]))], trace=bad, rounds=1)
+
+
+def test_flags_identical_counters(files):
+    # two arms that differ only in merge gap on a packed file whose padding is always read
+    # through: they read the same -> flagged as "should differ"
+    res = run_ab([Arm("p", str(files["packed"])), Arm("p-gap", str(files["packed"]), gap=1)], trace=rand_trace(),
+                 rounds=1, aa=False)
+    assert any("identical counters" in f for f in res.flags)
+
+
+def test_parse_arm():
+    a = parse_arm("x.gguf:name=fast,qd=4,direct,gap=4096,cache=3", 0)
+    assert (a.name, a.io_threads, a.direct, a.gap, a.cache_slots, a.mode) == ("fast", 4, True, 4096, 3, "read")
+    assert parse_arm("x.gguf:os", 1).mode == "os"
+    with pytest.raises(MboltError):
+        parse_arm("x.gguf:bogus=1", 0)
+
+
+def test_bootstrap_ci_brackets_the_median():
+    x = np.array([1.0, 1.1, 0.9, 1.05, 0.95, 1.02])
+    lo, hi = bootstrap_ci(x)
+    assert lo <= np.median(x) <= hi and lo >= x.min() and hi <= x.max()
+
+
+def test_cli_writes_json_with_aa(files, tmp_path):
+    r = CliRunner().invoke(app, ["ab", str(files["stock"]), f"{files['packed']}:name=packed,qd=2",
+                                 "--replay", str(files["trace"]), "--rounds", "2", "--name", "tiny",
+                                 "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    d = json.loads((tmp_path / "tiny.json").read_text())
+    assert [a["name"] for a in d["arms"]][-1].endswith("(A/A)")
+    assert {"kernel", "filesystem", "device", "memory", "git"} <= set(d["environment"])
+    assert all("description" in a["read_pattern"] for a in d["arms"])
+    assert len(d["rounds"]) == 2 * 3
+    r = CliRunner().invoke(app, ["ab", str(files["stock"]), str(files["other"]), "--replay", str(files["trace"]),
+                                 "--out-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "not the same model" in r.output
+
+
+def test_prereg_lock_and_verdict(files, tmp_path, monkeypatch):
+    monkeypatch.setenv("TINY", str(files["dir"]))
+    p = tmp_path / "tiny.toml"
+    p.write_text(
+        'name = "tiny_prereg"\nmode = "replay"\ntrace = "${TINY}/held.mbtrace"\nrounds = 2\nmetric = "io_s"\n'
+        'baseline = "stock"\ntreatment = "packed"\npredicted_speedup = 1.2\npass_threshold = 0.0001\n'
+        '[[arm]]\nname = "stock"\nfile = "${TINY}/stock.gguf"\n'
+        '[[arm]]\nname = "packed"\nfile = "${TINY}/packed.gguf"\n')
+    r = CliRunner().invoke(app, ["ab", "--prereg", str(p), "--out-dir", str(tmp_path)])
+    assert r.exit_code == 0, r.output
+    assert "PASS" in r.output
+    d = json.loads((tmp_path / "tiny_prereg.json").read_text())
+    assert d["prereg"]["sha256"] == json.loads((tmp_path / "tiny.toml.lock").read_text())["sha256"]
+    assert d["prereg"]["result"]["verdict"] == "PASS"
+    # edited after its first run: refused
+    p.write_text(p.read_text().replace("1.2", "1.5"))
+    r = CliRunner().invoke(app, ["ab", "--prereg", str(p), "--out-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "edited after its first run" in r.output
+    pr = load_prereg(p)
+    with pytest.raises(MboltError):
+        check_and_lock(pr)
+    fail = verdict(pr, [{"arm": "packed", "speedup_vs_baseline_median": 0.00005, "speedup_ci95": [0.00004, 0.00006]}])
+    assert fail["verdict"] == "FAIL"
+
+
+def test_decode_mode_runs(files):
+    res = run_ab([Arm("stock", str(files["stock"]))], mode="decode", prompts=[[1, 2, 3]], n_new=2, rounds=1)
+    s = res.summary[0]
+    assert s["rounds"] == 1 and s["reads_per_token"] > 0 and s["ttft_ms_median"] > 0

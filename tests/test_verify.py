@@ -1,0 +1,180 @@
+"""mbolt verify: bit-identity through the route map, damage named by tensor/layer/expert, parity."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from conftest import needs_llama
+from mbolt.gguf.header import read_header
+from mbolt.gguf.synth import SYNTH_ARCHS, SynthConfig, write_synth
+from mbolt.rewrite.reorder import reorder
+from mbolt.rewrite.verify import verify
+
+
+def random_perm(n_layers, n_experts, seed=0):
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(n_experts) for _ in range(n_layers)]).astype(np.int32)
+
+
+def small(arch: str, seed: int = 11, **kw) -> SynthConfig:
+    return SynthConfig(arch=arch, n_layers=3, n_experts=8, n_used=2, n_heads=4,
+                       n_kv_heads=4 if arch == "olmoe" else 2, seed=seed, **kw)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """A biased qwen3moe and its reorder/packed rewrites with a known perm."""
+    d = tmp_path_factory.mktemp("verify")
+    src = d / "src.gguf"
+    write_synth(src, small("qwen3moe", probs_bias=True, expert_bias=True, expert_type="Q8_0"))
+    perm = random_perm(3, 8, seed=4)
+    out = {}
+    for layout in ("reorder", "packed"):
+        out[layout] = d / f"{layout}.gguf"
+        reorder(src, out[layout], perm, layout=layout)
+    return src, out, perm
+
+
+def flip(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def copy(src, dst):
+    dst.write_bytes(src.read_bytes())
+    return dst
+
+
+@pytest.mark.parametrize("arch", sorted(SYNTH_ARCHS))
+@pytest.mark.parametrize("layout", ["reorder", "packed"])
+def test_every_arch_survives_reorder_and_verify(tmp_path, arch, layout):
+    src = tmp_path / "src.gguf"
+    write_synth(src, small(arch))
+    out = tmp_path / "out.gguf"
+    reorder(src, out, random_perm(3, 8, seed=1), layout=layout)
+    rep = verify(src, out, parity=True, n_tokens=2, prompts=["hello world", "def f(x): return x"])
+    assert rep.ok, [c for c in rep.checks if not c.ok]
+    names = [c.name for c in rep.checks]
+    assert names == ["header", "route map", "metadata", "tensors", "data", "routing"]
+    assert rep.parity["decisions"] > 0 and rep.parity["identical"] == rep.parity["decisions"]
+    assert rep.bytes_compared > 0.9 * sum(t.nbytes for t in read_header(src).tensors)
+
+
+def test_biased_model_parity_both_layouts(files):
+    src, out, _ = files
+    for layout in ("reorder", "packed"):
+        rep = verify(src, out[layout], parity=True, n_tokens=2, prompts=["The quick brown fox"])
+        assert rep.ok, [c for c in rep.checks if not c.ok]
+
+
+@pytest.mark.parametrize("layout", ["reorder", "packed"])
+def test_flipped_byte_in_expert_slice_is_named(files, tmp_path, layout):
+    src, out, perm = files
+    bad = copy(out[layout], tmp_path / "bad.gguf")
+    layer, position = 2, 5
+    r = GGUFReader(bad)
+    if layout == "reorder":
+        t = next(t for t in r.tensors if t.name == f"blk.{layer}.ffn_up_exps.weight")
+        slice_bytes = t.n_bytes // 8
+        at = t.data_offset + position * slice_bytes + 17
+    else:  # slot = gate|up|down of one expert; the up slice starts after gate's
+        t = next(t for t in r.tensors if t.name == f"blk.{layer}.ffn_exps_packed")
+        g = next(x for x in GGUFReader(src).tensors if x.name == f"blk.{layer}.ffn_gate_exps.weight")
+        slot = t.n_bytes // 8
+        at = t.data_offset + position * slot + g.n_bytes // 8 + 17
+    flip(bad, at)
+    rep = verify(src, bad)
+    assert not rep.ok and rep.n_mismatches == 1
+    m = rep.mismatches[0]
+    assert (m.tensor, m.layer, m.position, m.expert, m.offset) == (
+        f"blk.{layer}.ffn_up_exps.weight", layer, position, int(perm[layer, position]), 17)
+    assert f"layer {layer}, expert {perm[layer, position]} at position {position}" in str(m)
+
+
+def test_flipped_byte_in_router_and_plain_tensor(files, tmp_path):
+    src, out, perm = files
+    bad = copy(out["reorder"], tmp_path / "bad.gguf")
+    r = GGUFReader(bad)
+    emb = next(t for t in r.tensors if t.name == "token_embd.weight")
+    router = next(t for t in r.tensors if t.name == "blk.1.ffn_gate_inp.weight")
+    flip(bad, emb.data_offset + 100)
+    flip(bad, router.data_offset + 3 * (router.n_bytes // 8))  # first byte of position 3's row
+    rep = verify(src, bad)
+    got = {(m.tensor, m.layer, m.position, m.expert, m.offset) for m in rep.mismatches}
+    assert got == {("token_embd.weight", -1, -1, -1, 100), ("blk.1.ffn_gate_inp.weight", 1, 3, int(perm[1, 3]), 0)}
+
+
+def test_truncated_output(files, tmp_path):
+    src, out, _ = files
+    data = out["reorder"].read_bytes()
+    bad = tmp_path / "trunc.gguf"
+    bad.write_bytes(data[:len(data) - 5000])
+    rep = verify(src, bad)
+    assert not rep.ok
+    assert rep.checks[0].name == "header" and rep.checks[0].ok is False
+    assert "ends past the end of the file" in rep.checks[0].detail
+
+
+def test_metadata_change_is_named(files, tmp_path):
+    src, out, _ = files
+    bad = copy(out["reorder"], tmp_path / "meta.gguf")
+    kv = read_header(bad).kv["qwen3moe.rope.freq_base"]
+    flip(bad, kv.span[1] - 1)  # last byte of the float value
+    rep = verify(src, bad)
+    meta = next(c for c in rep.checks if c.name == "metadata")
+    assert meta.ok is False and "qwen3moe.rope.freq_base differs" in meta.detail
+    assert not rep.ok
+
+
+def test_wrong_source_and_stock_output(files, tmp_path):
+    src, out, _ = files
+    other = tmp_path / "other.gguf"
+    write_synth(other, small("qwen3moe", seed=12, probs_bias=True, expert_bias=True, expert_type="Q8_0"))
+    rep = verify(other, out["reorder"])
+    rm = next(c for c in rep.checks if c.name == "route map")
+    assert rm.ok is False and "source fingerprint" in rm.detail
+    rep = verify(src, src)  # a stock "output": no route map
+    assert not rep.ok and "no route map" in next(c for c in rep.checks if c.name == "route map").detail
+
+
+def test_cli_exit_codes(files, tmp_path):
+    from typer.testing import CliRunner
+
+    from mbolt.cli import app
+
+    src, out, perm = files
+    run = CliRunner().invoke
+    res = run(app, ["verify", str(src), str(out["packed"]), "--json", "--tokens", "1", "--n-prompts", "1"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert d["ok"] and d["layout"] == "packed" and d["parity"]["identical"] == d["parity"]["decisions"] > 0
+    bad = copy(out["reorder"], tmp_path / "bad.gguf")
+    t = next(t for t in GGUFReader(bad).tensors if t.name == "blk.0.ffn_down_exps.weight")
+    flip(bad, t.data_offset + t.n_bytes - 1)  # last byte of the last position
+    res = run(app, ["verify", str(src), str(bad), "--no-parity"])
+    assert res.exit_code == 1
+    assert "blk.0.ffn_down_exps.weight" in res.output and "NOT identical" in res.output
+    res = run(app, ["verify", str(tmp_path / "missing.gguf"), str(bad)])
+    assert res.exit_code == 2
+
+
+@needs_llama
+@pytest.mark.parametrize("arch", sorted(SYNTH_ARCHS))
+def test_llama_cpp_loads_reorder_output(tmp_path, arch):
+    src = tmp_path / "src.gguf"
+    write_synth(src, small(arch))
+    out = tmp_path / "out.gguf"
+    reorder(src, out, random_perm(3, 8, seed=2))
+    rep = verify(src, out, llama=True, n_tokens=4, prompts=["The quick brown fox", "1 2 3 5 8"])
+    assert rep.ok, [c for c in rep.checks if not c.ok]
+    ll = rep.llama
+    assert ll["tokens_identical"] == ll["tokens"] > 0
+    assert ll["max_logit_diff"] <= ll["tolerance"]
+    assert ll["routing_share"] >= 0.99 and ll["routing_decisions"] > 0
