@@ -147,6 +147,8 @@ def synth_cmd(
     groups: int = typer.Option(None, "--groups", help="Planted expert groups (default experts / (2k))."),
     strength: float = typer.Option(None, "--strength", help="Planted structure strength in [0, 1] (default 0.5)."),
     heat_skew: float = typer.Option(None, "--heat-skew", help="Per-expert heat skew >= 0 (default 0.5)."),
+    context: float = typer.Option(None, "--context", help="Context-dependent routing >= 0 (default 0: routing "
+                                  "follows the token; ~1: recent tokens move it too)."),
     fast_random: bool = typer.Option(False, "--fast-random", help="Random valid expert/matrix blocks: disk speed, "
                                      "routing still planted, forward pass not meaningful."),
     probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (llama.cpp refuses it)."),
@@ -165,10 +167,14 @@ def synth_cmd(
     given = dict(arch=arch, n_layers=layers, n_experts=experts, n_used=k, hidden=hidden, expert_ff=expert_ff,
                  n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, shared_ff=shared_ff,
                  expert_type=expert_type.upper() if expert_type else None, dense_type=dense_type, seed=seed,
-                 structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew,
+                 structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew, context=context,
                  dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
                  expert_bias=expert_bias or None)
     given = {key: v for key, v in given.items() if v is not None}
+    if not preset and head_dim is None and (hidden or heads):  # keep heads x head_dim == hidden
+        given["head_dim"] = (hidden or SynthConfig.hidden) // (heads or SynthConfig.n_heads)
+    if not preset and arch == "olmoe" and kv_heads is None:  # olmoe has no GQA
+        given["n_kv_heads"] = heads or SynthConfig.n_heads
     cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
     if out.exists() and not force:
         raise MboltError(f"{out}: output exists (use --force to overwrite)")
@@ -553,6 +559,80 @@ def trace_cmd(
         console.print(f"wrote [bold]{res['out']}[/]: {res['prompts']} prompts, {res['prefill_tokens']} prefill + "
                       f"{res['decode_tokens']} decode tokens in {res['seconds']:.1f} s "
                       f"({res['tokens_per_s']:.1f} tok/s, {engine})")
+
+
+@app.command("plan")
+@user_errors
+def plan_cmd(
+    trace: Path = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin)."),
+    out: Path = typer.Option(None, "-o", "--out", help="Write the plan JSON here."),
+    method: str = typer.Option("tsp", "--method", help="stock, heat, mbolt-chain or tsp."),
+    train_frac: float = typer.Option(0.5, "--train-frac", help="Leading share of tokens to train on (rest held out)."),
+    holdout_domain: str = typer.Option(None, "--holdout-domain", help="Hold out the sequences of this domain instead."),
+    phase: str = typer.Option("decode", "--phase", help="decode or all."),
+    model: Path = typer.Option(None, "--model", help="GGUF: slice sizes and a trace/model consistency check."),
+    geometry: str = typer.Option(None, "--geometry", help="Slice-size preset when no --model (see mbolt.layout.evaluate.PRESETS)."),
+    layout: str = typer.Option("reorder", "--layout", help="reorder (three tensors) or packed (gate|up|down per expert)."),
+    gap: int = typer.Option(0, "--gap", help="Merge gap in bytes (the reader reads through holes this small)."),
+    cache: int = typer.Option(0, "--cache", help="Per-layer LRU cache slots when scoring."),
+    compare: bool = typer.Option(False, "--compare", help="Score every method and the bound."),
+    bound: str = typer.Option("lp", "--bound", help="lp, top2 or none (with --compare)."),
+    force: bool = typer.Option(True, "--force/--no-force", help="Overwrite the output."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Co-activation -> expert order per layer (plan.json), scored on held-out tokens."""
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from mbolt.layout.plan import plan_file
+    from mbolt.report.layout_tables import compare_table, plan_summary
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
+                  transient=True) as bar:
+        task = bar.add_task(f"planning ({method})")
+        res = plan_file(trace, out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
+                        phase=phase, model=model, geometry=geometry, layout=layout, gap=gap, cache_slots=cache,
+                        compare=compare, bound=bound, force=force,
+                        progress=lambda m: bar.update(task, description=f"planned {m}"))
+    if as_json:
+        print_json(res)
+        return
+    console.print(plan_summary(res), highlight=False)
+    if "compare" in res:
+        console.print(compare_table(res["compare"]))
+
+
+@app.command("synth-trace")
+@user_errors
+def synth_trace_cmd(
+    like: Path = typer.Option(..., "--like", help="A published co-activation profile (coactivation_*.json)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace path."),
+    tokens: int = typer.Option(0, "--tokens", help="Tokens to sample (default: the profile's count)."),
+    seed: int = typer.Option(0, "--seed"),
+    force: bool = typer.Option(False, "--force", help="Overwrite the output."),
+    as_json: bool = typer.Option(False, "--json", help="Print the calibration report as JSON."),
+):
+    """Sample a decode trace whose per-layer heat and strong pairs match a published profile."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from mbolt.layout.calibrate import load_profile, synth_trace_like
+    from mbolt.report.layout_tables import match_table
+    from mbolt.trace.format import write_trace
+
+    if out.exists() and not force:
+        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    prof = load_profile(like)
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task("fitting layers", total=prof.n_layers)
+        tr, rep = synth_trace_like(prof, tokens or None, seed=seed, progress=lambda l: bar.update(task, completed=l + 1))
+    write_trace(out, tr, force=force)
+    rep["out"] = str(out)
+    if as_json:
+        print_json(rep)
+    else:
+        console.print(match_table(rep))
+        console.print(f"wrote [bold]{out}[/]: {tr.n_tokens:,} decode tokens, {tr.n_layers} layers x "
+                      f"{tr.n_experts} experts, k={tr.k}", highlight=False)
 
 
 def main() -> None:

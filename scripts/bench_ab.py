@@ -112,8 +112,7 @@ def cfg_name(name: str, qd: int, direct: bool) -> str:
 
 def predictions(name: str, qd: int, direct: bool) -> list[dict]:
     """Predicted I/O time per token of every arm (evaluator counts + probe cost), no measuring."""
-    from mbolt.bench.predict import counts, io_time
-    from mbolt.bench.probe import cost
+    from mbolt.bench.predict import counts, io_time, reader_cost
     from mbolt.gguf.moe_map import moe_map
     from mbolt.rewrite.routemap import read_route_map
     from mbolt.trace.format import read_trace
@@ -131,8 +130,9 @@ def predictions(name: str, qd: int, direct: bool) -> list[dict]:
         if rm.layout == "packed":
             pad = int(mm.moe_layers[0].weights[0].stride - mm.moe_layers[0].expert_bytes)
         c = counts(held, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", 0, 0, pad)
-        t_op, bw = cost(pr, direct, qd)
-        T = io_time(c["reads_per_token"], c["bytes_per_token"], t_op, bw)
+        n = len(mm.moe_layers)
+        t_op, bw, opr = reader_cost(pr, direct, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
+        T = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
         base = base or T
         out.append({"arm": a.name, "reads_per_token": c["reads_per_token"], "mb_per_token": c["bytes_per_token"] / 1e6,
                     "io_ms_per_token": T * 1e3, "speedup": base / T})

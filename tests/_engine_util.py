@@ -72,3 +72,58 @@ def permuted_copy(src, dst, perm: np.ndarray, router: bool = True) -> None:
     pad = -len(head) % h.alignment
     with open(dst, "wb") as f:
         f.write(head + b"\0" * pad + bytes(data))
+
+
+# f16 scale fields (byte offsets inside one block) of the K-quants; values are linear in them
+K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_kquant_blocks(qtype: str, n_values: int, std: float, seed: int) -> np.ndarray:
+    """Random but valid blocks of a K-quant (gguf-py cannot quantize them) with value std ~std."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+    from gguf.quants import dequantize
+
+    t = T[qtype]
+    block, size = GGML_QUANT_SIZES[t]
+    nb = n_values // block
+    raw = np.random.default_rng(seed).integers(0, 256, (nb, size), dtype=np.uint8)
+
+    def set_scale(v):
+        for off in K_SCALE_FIELDS[qtype]:
+            raw[:, off:off + 2] = np.frombuffer(np.float16(v).tobytes(), np.uint8)
+
+    set_scale(1.0)
+    s = float(dequantize(raw.reshape(-1), t).std())
+    set_scale(std / s)
+    return raw.reshape(-1)
+
+
+def with_expert_type(src, dst, qtype: str, seed: int = 0) -> None:
+    """Copy of a GGUF whose routed expert weights are random valid `qtype` blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    h = read_header(src)
+    m = moe_map(h)
+    roles = {t.name for layer in m.layers for t in layer.weights}
+    data = open(src, "rb").read()
+    t_new = T[qtype]
+    blobs, infos, off = [], [], 0
+    for i, t in enumerate(h.tensors):
+        if t.name in roles:
+            n = int(np.prod(t.ne))
+            fan_in = t.ne[0]
+            blob = random_kquant_blocks(qtype, n, 0.5 / np.sqrt(fan_in), seed + i).tobytes()
+            ttype = t_new
+        else:
+            blob = data[t.data_offset: t.data_offset + t.nbytes]
+            ttype = t.type
+        assert len(blob) == int(np.prod(t.ne)) // GGML_QUANT_SIZES[ttype][0] * GGML_QUANT_SIZES[ttype][1]
+        infos.append(_s(t.name) + struct.pack("<I", len(t.ne)) + struct.pack(f"<{len(t.ne)}Q", *t.ne)
+                     + struct.pack("<IQ", ttype, off))
+        pad = -len(blob) % h.alignment
+        blobs.append(blob + b"\0" * pad)
+        off += len(blob) + pad
+    kvs = [_kv(k, kv.type, kv.value, kv.sub_type) for k, kv in h.kv.items()]
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(h.tensors), len(kvs)) + b"".join(kvs) + b"".join(infos)
+    with open(dst, "wb") as f:
+        f.write(head + b"\0" * (-len(head) % h.alignment) + b"".join(blobs))

@@ -156,3 +156,21 @@ def test_tokenizer_round_trip_and_merges(tmp_path):
     assert [tok.tokens[i] for i in ids] == ["t", "he", "Ġt", "in"]
     for text in ["héllo wörld 😀", "  a\n\tb  ", ""]:
         assert tok.decode(tok.encode(text)) == text
+
+
+@pytest.mark.parametrize("layout", ["reorder", "packed"])
+def test_files_written_by_mbolt_reorder_give_bit_identical_logits(tmp_path, layout):
+    from mbolt.rewrite.reorder import reorder
+
+    src = _synth(tmp_path, expert_type="Q4_0", n_experts=16, n_used=4, probs_bias=True, expert_bias=True)
+    base = load_model(src)
+    ref = base.forward(TOKENS, all_logits=True)
+    perm = random_perm(base.n_layers, 16, seed=3)
+    out = tmp_path / f"{layout}.gguf"
+    reorder(src, out, perm, layout=layout)
+    m = load_model(out)
+    assert m.routes.layout == layout
+    got = m.forward(TOKENS, all_logits=True)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    for a, b in zip(base.last_routing, m.last_routing):
+        np.testing.assert_array_equal(a.experts, b.experts)

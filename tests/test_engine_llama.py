@@ -4,16 +4,18 @@ Tolerances on logits, as (max |diff|, mean |diff|) over all positions (logits ar
   F32, BF16 experts: (2e-5, 2e-6). Plain float32 arithmetic on both sides; what is left is the
     summation order (SIMD lanes vs BLAS): measured max <= 1.5e-6.
   F16 experts: (1e-4, 2e-6): measured max 1.4e-5 in prefill (ggml's batched F16 path).
-  Q8_0, Q4_0, Q5_0, MXFP4 experts: (5e-4, 2e-5). ggml's CPU matmul quantizes the activations to
-    Q8_0 for these weights; the engine does the same (quant.round_activations). Measured: Q8_0
-    max 1.4e-6, Q4_0 max 1.3e-4 / mean 2.1e-6. The Q4_0 maxima are single activations sitting on
-    a Q8 rounding boundary: a 1e-7 difference in the gate/up output (float32 BLAS vs ggml's
-    integer block dots) flips one int8 step, which moves that expert's output by ~1e-4 (traced
-    to one row of one expert). Without the activation rounding: max 1.8-2.9e-3, mean 3.6-4.8e-4,
-    so the mean bound separates "mimicked" from "not mimicked" by >15x.
-  Q4_1/Q5_1 experts: (5e-3, 5e-4) (measured max 2.0e-3, mean 2.2e-4): ggml's Q8_1 activations
-    keep each block's sum as fp16 and the weight minimum multiplies that rounded sum; the engine
-    does not model it (yet), so these are barely better than no activation rounding.
+  Q8_0, Q4_0, Q5_0, MXFP4, Q4_1, Q5_1 experts: (5e-4, 2e-5). ggml's CPU matmul quantizes the
+    activations (Q8_0 for the first four, Q8_1 for Q4_1/Q5_1, whose fp16 block sum multiplies
+    the weight minimum); the engine does the same (quant.round_activations, q8_1_correction).
+    Measured: Q8_0/Q4_1 max ~1.4e-6, Q4_0 max 1.3e-4 / mean 2.1e-6. The Q4_0 maxima are single
+    activations sitting on a Q8 rounding boundary: a 1e-7 difference in the gate/up output
+    (float32 BLAS vs ggml's integer block dots) flips one int8 step, which moves that expert's
+    output by ~1e-4 (traced to one row of one expert). Without the activation rounding: max
+    1.8-2.9e-3, mean 3.6-4.8e-4, so the mean bound separates "mimicked" from "not" by >15x.
+  Q2_K..Q6_K experts: (2e-3, 5e-5) (synth cannot quantize K-quants, so the test writes random
+    valid blocks). Activations are Q8_K on ggml's side and in the engine. Measured: Q3_K/Q6_K
+    max 1.9e-6, Q4_K/Q5_K max 7e-5, Q2_K max 8.8e-4 / mean 1.4e-5 (boundary flips again, with
+    Q2_K's coarser steps); without the activation rounding: max 7e-3..1e-1, mean >= 1.4e-3.
 llama.cpp runs with an F32 KV cache and flash attention off (its default F16 cache rounds K/V).
 """
 
@@ -22,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from _engine_util import permuted_copy, random_perm
+from _engine_util import permuted_copy, random_perm, with_expert_type
 from conftest import needs_llama
 from mbolt.engine import load_model
 from mbolt.engine.tokenizer import Tokenizer
@@ -33,8 +35,8 @@ pytestmark = needs_llama
 
 PROMPT = [104, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101, 33, 256, 257, 65, 66, 10, 200]
 TOL = {"F32": (2e-5, 2e-6), "BF16": (2e-5, 2e-6), "F16": (1e-4, 2e-6), "Q8_0": (5e-4, 2e-5),
-       "Q4_0": (5e-4, 2e-5), "Q5_0": (5e-4, 2e-5), "MXFP4": (5e-4, 2e-5), "Q4_1": (5e-3, 5e-4),
-       "Q5_1": (5e-3, 5e-4)}
+       "Q4_0": (5e-4, 2e-5), "Q5_0": (5e-4, 2e-5), "MXFP4": (5e-4, 2e-5), "Q4_1": (5e-4, 2e-5),
+       "Q5_1": (5e-4, 2e-5)}
 ARCH_KW = {"qwen3moe": {}, "olmoe": {"n_kv_heads": 4}, "mixtral": {}, "qwen2moe": {}}
 CASES = [(a, t) for a in ARCH_KW for t in ("F32", "Q8_0", "Q4_0")] + [
     ("qwen3moe", t) for t in ("F16", "BF16", "Q5_0", "MXFP4", "Q4_1", "Q5_1")]
@@ -110,3 +112,19 @@ def test_tokenizer_matches_llama_cpp(tmp_path):
     with _runner(path) as r:
         for t in texts:
             assert tok.encode(t) == r.tokenize(t), t
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_k_quant_experts_match_llama_cpp(tmp_path, qtype):
+    src = write_synth(tmp_path / "m.gguf", SynthConfig(seed=3, hidden=256, expert_ff=256, n_heads=4,
+                                                       n_kv_heads=2, head_dim=32))
+    path = tmp_path / f"{qtype}.gguf"
+    with_expert_type(src, path, qtype)
+    m = load_model(path)
+    assert {t.type for layer in m.map.moe_layers for t in layer.weights} == {qtype}
+    with _runner(path) as r:
+        mine = m.forward(PROMPT, all_logits=True)
+        theirs = r.eval(PROMPT, all_logits=True)
+        diff = np.abs(mine - theirs)
+        assert diff.max() <= 2e-3 and diff.mean() <= 5e-5, (diff.max(), diff.mean())
+        _check_routing(m.last_routing, r.topk(), qtype)

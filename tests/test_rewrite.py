@@ -289,3 +289,37 @@ def test_cli_reorder_json(q8, tmp_path):
     assert d["layout"] == "packed" and d["identity"] and d["bytes_written"] == out.stat().st_size
     res = CliRunner().invoke(app, ["reorder", str(q8), str(out), "--identity"])
     assert res.exit_code == 2 and "exists" in res.output
+
+
+def test_trace_plans_inline(q8, tmp_path):
+    from mbolt.layout.plan import make_plan
+    from mbolt.trace.format import read_trace, write_trace
+    from mbolt.trace.model import DECODE, Trace
+
+    rng = np.random.default_rng(0)
+    n = 300
+    experts = np.stack([[rng.choice(8, 2, replace=False) for _ in range(3)] for _ in range(n)]).astype(np.int16)
+    tr = Trace(3, 8, 2, experts, np.full(n, DECODE, np.uint8), np.repeat(np.arange(3), 100).astype(np.int32),
+               np.tile(np.arange(100), 3).astype(np.int32), fingerprint=moe_map(q8).fingerprint)
+    path = tmp_path / "run.mbtrace"
+    write_trace(path, tr)
+    out = tmp_path / "o.gguf"
+    res = reorder_file(q8, out, trace=path)
+    want = make_plan(read_trace(path))
+    rm = read_route_map(moe_map(out))
+    assert np.array_equal(rm.perm, want.perm) and rm.method == want.method
+    assert res.warnings == []  # the trace's fingerprint is this model's
+
+
+def test_alignment_notes_when_slices_are_small(tmp_path):
+    src = tmp_path / "s.gguf"
+    # Q4_0 slices of 64 x 32 -> 1152 B: not a multiple of 4 KiB; a packed slot of 3456 B would
+    # need 640 B (18.5%) of padding for 4 KiB, so it is only padded to 512 B (3584 B).
+    write_synth(src, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=8, n_used=2, hidden=64, expert_ff=32,
+                                 expert_type="Q4_0"))
+    r = reorder(src, tmp_path / "r.gguf", None)
+    assert any("slices not 4 KiB aligned" in n and "1152 B" in n for n in r.alignment), r.alignment
+    p = reorder(src, tmp_path / "p.gguf", None, layout="packed")
+    assert any("NOT 4 KiB aligned" in n and "512 B aligned" in n for n in p.alignment), p.alignment
+    blob = next(t for t in GGUFReader(tmp_path / "p.gguf").tensors if t.name == "blk.1.ffn_exps_packed")
+    assert blob.n_bytes == 8 * 3584

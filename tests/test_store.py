@@ -183,3 +183,28 @@ def test_packed_reads_one_range_per_run(rewritten):
         assert s.counters.reads == 1
         s.read(0, [p0[0], p0[5]])
         assert s.counters.reads == 3
+
+
+def test_split_reads_stay_byte_exact(tiny, monkeypatch):
+    """With QD > 1 long merged reads are split into pieces (here forced small): same bytes."""
+    import mbolt.engine.store as store_mod
+
+    monkeypatch.setattr(store_mod, "SPLIT_MIN", 4096)
+    path, want = tiny
+    for direct in (False, True):
+        with ExpertStore(path, io_threads=3, gap=1 << 20, direct=direct) as s:
+            got = s.fetch(1, list(range(8)))
+            assert s.counters.reads == 1 and s.counters.ops >= 3
+            for e in range(8):
+                for role, arr in got[e].items():
+                    assert arr.tobytes() == want[(1, role)][e]
+
+
+def test_split_jobs_by_hand():
+    from mbolt.engine.store import split_jobs
+
+    # one 1 MiB read, QD 4: pieces of max(256 KiB, 1 MiB / 4) = 256 KiB
+    jobs = split_jobs([(4096, 1 << 20, 0)], 4)
+    assert jobs == [(4096 + i * (256 << 10), 256 << 10, i * (256 << 10)) for i in range(4)]
+    # small reads are never split
+    assert split_jobs([(0, 1000, 0), (5000, 2000, 4096)], 4) == [(0, 1000, 0), (5000, 2000, 4096)]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import json
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -201,6 +202,7 @@ def test_preset_geometry(name):
     (dict(n_used=9), "larger than the number of experts"),
     (dict(expert_type="Q4_0", expert_ff=48), "multiple of the Q4_0 block"),
     (dict(arch="olmoe", n_kv_heads=2), "kv heads == heads"),
+    (dict(arch="qwen2moe", head_dim=32), "heads x head_dim == hidden"),
     (dict(structure="random"), "structure"),
     (dict(strength=1.5), "strength"),
 ])
@@ -227,6 +229,10 @@ def test_cli_synth(tmp_path):
                               "--heads", "4", "--kv-heads", "2"])
     assert res.exit_code == 0, res.output
     assert moe_map(out).arch == "llama"
+    res = runner.invoke(app, ["synth", str(tmp_path / "o.gguf"), "--arch", "olmoe", "--hidden", "128"])
+    assert res.exit_code == 0, res.output  # kv heads and head_dim follow heads and hidden
+    q = GGUFReader(tmp_path / "o.gguf").fields
+    assert int(q["olmoe.attention.key_length"].contents()) * int(q["olmoe.attention.head_count"].contents()) == 128
     res = runner.invoke(app, ["synth", str(tmp_path / "x.gguf"), "--type", "Q9"])
     assert res.exit_code == 2 and res.stderr.count("\n") == 1 and "Q9" in res.stderr
 
@@ -247,8 +253,9 @@ def llama_logits(path, text=b"hello there, the cat sat"):
 
 @needs_llama
 @pytest.mark.parametrize("arch", ARCHS)
-def test_llama_cpp_loads(tmp_path, arch):
-    path = write_synth(tmp_path / "m.gguf", small(arch))
+@pytest.mark.parametrize("context", [0.0, 1.0])
+def test_llama_cpp_loads(tmp_path, arch, context):
+    path = write_synth(tmp_path / "m.gguf", small(arch, context=context))
     logits, toks = llama_logits(path)
     assert toks[:4] == [256 + 1, ord("l"), ord("l"), ord("o")]  # merge "h e" -> "he"
     assert logits.shape == (len(toks), 256 + 4 + 2)
@@ -325,3 +332,30 @@ def test_planted_structure_in_llama_routing(tmp_path):
         result[structure] = min(shares), max(shares)
     assert result["planted"][0] > 0.85
     assert abs(result["none"][0] - chance) < 0.1 and abs(result["none"][1] - chance) < 0.1
+
+
+@needs_llama
+def test_context_makes_routing_depend_on_context(tmp_path):
+    """Share of positions whose expert set differs from the usual set of their token id."""
+    geo = dict(n_layers=3, n_experts=32, n_used=4, hidden=128, expert_ff=32, n_heads=4, n_kv_heads=2,
+               head_dim=32, n_groups=4, expert_type="Q8_0")
+    rng = np.random.default_rng(7)
+    tokens = rng.choice(256, 12, replace=False)[rng.integers(0, 12, 240)].tolist()
+    chance = (32 / 4 - 1) / 31
+    off, share = {}, {}
+    for context in (0.0, 1.0):
+        path = write_synth(tmp_path / f"c{context}.gguf", small(context=context, **geo))
+        groups = np.asarray(GGUFReader(path).fields["mbolt.synth.groups"].contents()).reshape(3, 32)
+        routing = llama_routing(path, tokens)
+        off[context], share[context] = [], []
+        for layer in range(2):
+            by_token = {}
+            for t, r in zip(tokens, routing[layer].tolist()):
+                by_token.setdefault(t, []).append(tuple(sorted(r)))
+            usual = sum(Counter(v).most_common(1)[0][1] for v in by_token.values())
+            off[context].append(1 - usual / len(tokens))
+            g = groups[layer][routing[layer]]
+            share[context].append(((g[:, :, None] == g[:, None, :]).sum(axis=(1, 2)) - 4).mean() / 12)
+    assert max(off[0.0]) < 0.1  # routing follows the token id
+    assert np.mean(off[1.0]) > 0.15  # the context moves it
+    assert min(share[1.0]) > chance + 0.3  # and the planted groups still show

@@ -48,6 +48,29 @@ def io_time(reads: float, nbytes: float, t_op: float, bw: float) -> float:
     return reads * t_op + nbytes / bw
 
 
+def reader_cost(probe_d: dict, direct: bool, qd: int, reads_per_call: float,
+                bytes_per_call: float = 0.0) -> tuple[float, float, float]:
+    """(t_op, BW, ops per read) of the store's reader issuing `reads_per_call` merged reads
+    (`bytes_per_call` bytes) per layer with `qd` threads.
+
+    With qd > 1 the store splits long reads into pieces of >= 256 KiB and >= bytes/qd
+    (`engine.store.split_jobs`), so a call issues about max(reads, bytes/piece) operations, and
+    only min(qd, ops) are in flight: the per-op cost is interpolated between the probe's QD1
+    and QD`qd` figures by that parallelism.
+    """
+    t1, b1 = cost(probe_d, direct, 1)
+    if qd <= 1:
+        return t1, b1, 1.0
+    from mbolt.engine.store import SPLIT_MIN
+
+    piece = max(SPLIT_MIN, bytes_per_call / qd)
+    ops = max(reads_per_call, bytes_per_call / piece) if bytes_per_call else reads_per_call
+    tq, bq = cost(probe_d, direct, qd)
+    par = min(float(qd), max(1.0, ops))
+    f = (par - 1.0) / (qd - 1.0)
+    return t1 + (tq - t1) * f, 1.0 / (1.0 / b1 + (1.0 / bq - 1.0 / b1) * f), ops / max(reads_per_call, 1e-12)
+
+
 def law(saved_ops_per_expert: float, slice_bytes: float, t_op: float, bw: float, s: float = 1.0) -> tuple[float, float]:
     """DESIGN.md: g ~= 1 + saved_ops * t_op / (slice_bytes / BW); speedup = 1/((1-s) + s/g)."""
     g = 1.0 + saved_ops_per_expert * t_op / (slice_bytes / bw)
@@ -68,9 +91,10 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
         raise MboltError(f"{model}: the trace was recorded on another model (fingerprint differs)")
     pr = load_probe(probe_path)
     t_op, bw = cost(pr, direct, qd)
+    n_calls = len(mm.moe_layers)
     base_perm = rm.perm  # the file as it is (stock: identity)
     base = counts(trace, base_perm, mm, rm.layout if rm.layout != "stock" else "reorder", gap, cache_slots)
-    rows = [{"layout": f"{rm.layout} (this file)", **_timed(base, t_op, bw)}]
+    rows = [{"layout": f"{rm.layout} (this file)", **_timed(base, pr, direct, qd, n_calls)}]
     if plan_path is not None:
         from mbolt.layout.plan import load_plan
 
@@ -83,7 +107,7 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
                 if lay == "reorder" and p is ident:
                     continue
                 c = counts(trace, p, mm, lay, gap, cache_slots, pad if lay == "packed" else 0)
-                rows.append({"layout": name, **_timed(c, t_op, bw)})
+                rows.append({"layout": name, **_timed(c, pr, direct, qd, n_calls)})
     T0 = rows[0]["io_ms_per_token"]
     slice_b = float(sum(w.slice_bytes for w in mm.moe_layers[0].weights))
     miss0 = base["useful_bytes_per_token"] / slice_b
@@ -100,10 +124,12 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
             "probe": str(probe_path)}
 
 
-def _timed(c: dict, t_op: float, bw: float) -> dict:
+def _timed(c: dict, pr: dict, direct: bool, qd: int, n_calls: int) -> dict:
+    n = max(n_calls, 1)
+    t_op, bw, opr = reader_cost(pr, direct, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
     return {"reads_per_token": c["reads_per_token"], "bytes_per_token": c["bytes_per_token"],
-            "hit_rate": c["hit_rate"],
-            "io_ms_per_token": io_time(c["reads_per_token"], c["bytes_per_token"], t_op, bw) * 1e3}
+            "hit_rate": c["hit_rate"], "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "ops_per_token": c["reads_per_token"] * opr,
+            "io_ms_per_token": io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw) * 1e3}
 
 
 def _packed_pad(mm: MoeMap) -> int:
@@ -137,8 +163,9 @@ def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> l
             pad = int((w.stride or 0) - mm.moe_layers[0].expert_bytes)
         c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"],
                    a["cache_slots"], pad)
-        t_op, bw = cost(pr, a["direct"], a["io_threads"])
-        T = io_time(c["reads_per_token"], c["bytes_per_token"], t_op, bw)
+        n = len(mm.moe_layers)
+        t_op, bw, opr = reader_cost(pr, a["direct"], a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
+        T = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
         if base_pred is None:
             base_pred = T
         meas = s["io_ms_per_token_median"]

@@ -91,13 +91,19 @@ def _run_config(path: str, size: int, qd: int, direct: bool, n_reads: int, seed:
         os.close(fd)
     return {"mode": "direct" if direct else "buffered", "qd": qd, "size": size, "reads": len(offs),
             "t_op_us": float(np.median(lat) * 1e6), "wall_per_read_us": wall / len(offs) * 1e6,
+            "lat_mean_us": float(lat.mean() * 1e6), "lat_p90_us": float(np.percentile(lat, 90) * 1e6),
             "mb_per_s": len(offs) * size / wall / 1e6, "resident_before": ev.resident_after,
             "cold_proven": ev.proven}
 
 
 def fit_law(rows: list[dict]) -> dict:
-    """Per (mode, QD): time per read (wall / reads) = t_op + size / BW, least squares on
-    relative error (so the small reads that fix t_op weigh as much as the large ones)."""
+    """Per (mode, QD): cost of one read = t_op + size / BW, least squares on relative error.
+
+    The cost of a read is its median latency divided by the queue depth (reads in flight
+    overlap): medians, because on a shared machine a few reads stall for milliseconds behind
+    the neighbours' I/O and would otherwise decide the fit. The A/B harness measures wall time
+    with the stalls, so on a busy machine measured times sit above these predictions.
+    """
     fits = {}
     for mode in MODES:
         for qd in sorted({r["qd"] for r in rows}):
@@ -105,16 +111,17 @@ def fit_law(rows: list[dict]) -> dict:
             if len(rs) < 2:
                 continue
             x = np.array([r["size"] for r in rs], float)
-            y = np.array([r["wall_per_read_us"] * 1e-6 for r in rs])
-            slope, icpt = np.polyfit(x, y, 1, w=1.0 / y)  # relative error: small reads count
+            y = np.array([r["t_op_us"] * 1e-6 / qd for r in rs])
+            slope, icpt = np.polyfit(x, y, 1, w=1.0 / y)
             bw = 1.0 / slope if slope > 0 else float(max(r["mb_per_s"] for r in rs) * 1e6)
             fits[f"{mode}_qd{qd}"] = {"mode": mode, "qd": qd, "t_op_s": float(max(icpt, 0.0)), "bw_bytes_s": float(bw),
-                                     "best_mb_per_s": float(max(r["mb_per_s"] for r in rs))}
+                                     "best_mb_per_s": float(max(r["mb_per_s"] for r in rs)),
+                                     "median_mb_per_s": float(max(r["size"] * qd / (r["t_op_us"] * 1e-6) for r in rs) / 1e6)}
     return fits
 
 
 def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=MODES, size_mb: int = 256,
-          reads_mb: int = 24, max_reads: int = 192, min_reads: int = 24, progress=None) -> dict:
+          reads_mb: int = 16, max_reads: int = 128, min_reads: int = 16, repeats: int = 3, progress=None) -> dict:
     """Measure cold random reads on the drive holding `file` (a temp file beside it when `file`
     is a directory, missing or under 64 MiB). `reads_mb` caps the bytes read per config."""
     tmp = None
@@ -125,13 +132,28 @@ def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=
         d = target if target.is_dir() else target.parent if target.parent.exists() else Path.cwd()
         path = tmp = _make_file(d, size_mb << 20)
     try:
-        rows = []
         configs = [(m, q, s) for m in modes for q in qds for s in sizes]
-        for i, (m, q, s) in enumerate(configs):
-            n = int(max(min_reads, min(max_reads, (reads_mb << 20) // s)))
-            rows.append(_run_config(str(path), s, q, m == "direct", n, seed=i))
-            if progress:
-                progress(i + 1, len(configs))
+        runs: dict = {c: [] for c in configs}
+        total = len(configs) * repeats
+        done = 0
+        for rep in range(repeats):  # interleaved repeats: drift and neighbours' load hit every config
+            for i, (m, q, s) in enumerate(configs if rep % 2 == 0 else configs[::-1]):
+                n = int(max(min_reads, min(max_reads, (reads_mb << 20) // s)))
+                runs[(m, q, s)].append(_run_config(str(path), s, q, m == "direct", n, seed=1000 * rep + i))
+                done += 1
+                if progress:
+                    progress(done, total)
+        rows = []
+        for c in configs:
+            rs = runs[c]
+            row = dict(rs[0])
+            for k in ("t_op_us", "wall_per_read_us", "mb_per_s", "resident_before", "lat_mean_us", "lat_p90_us"):
+                row[k] = float(np.median([r[k] for r in rs]))
+            row["reads"] = sum(r["reads"] for r in rs)
+            row["repeats"] = len(rs)
+            row["cold_proven"] = all(r["cold_proven"] for r in rs)
+            row["wall_per_read_us_all"] = [r["wall_per_read_us"] for r in rs]
+            rows.append(row)
         env = environment(path)
     finally:
         if tmp is not None:
@@ -139,7 +161,8 @@ def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=
     return {"file": str(path), "temp_file": tmp is not None, "device": env["device"], "filesystem": env["filesystem"],
             "rows": rows, "fits": fit_law(rows), "environment": env,
             "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "note": "t_op_us = median latency of one read; fits use wall time per read (queue depth included)"}
+            "note": "t_op_us = median latency of one read; fits use wall time per read (queue depth included); "
+                    "each config is the median of interleaved repeats"}
 
 
 def load_probe(path: str | os.PathLike) -> dict:

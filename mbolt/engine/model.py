@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import mmap
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
 from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, silu, softmax
-from mbolt.engine.quant import check_supported, dequantize, round_activations
+from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
 from mbolt.engine.source import MmapExpertSource, Routes, read_routes
 from mbolt.errors import MboltError
 from mbolt.gguf.header import GGUFHeader, read_header
@@ -197,7 +197,10 @@ class Model:
         return logits if all_logits else logits[0]
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
-        return self.w.get("token_embd.weight")[ids].astype(F32, copy=True)
+        """Rows of token_embd, dequantized row by row (a real vocabulary is too big to expand)."""
+        t = self.w.info("token_embd.weight")
+        rows = self.w.raw("token_embd.weight").reshape(t.ne[1], -1)[ids]
+        return dequantize(rows, t.type, (len(ids), t.ne[0]), t.name).astype(F32, copy=True)
 
     def layer(self, li: int, x: np.ndarray, cache: KVCache, start: int, positions: np.ndarray) -> np.ndarray:
         p = f"blk.{li}."
@@ -253,8 +256,9 @@ class Model:
         w, wt = self.w.get_typed(p + "ffn_gate_inp.weight")
         hq = round_activations(h, wt)
         logits = np.empty((h.shape[0], w.shape[0]), dtype=F32)
-        for t in range(h.shape[0]):
-            logits[t] = np.add.reduce(w * hq[t], axis=1, dtype=F32)
+        step = max(1, (1 << 22) // max(w.size, 1))  # ~16 MB of products per chunk
+        for t in range(0, h.shape[0], step):  # each (token, row) reduced alone: pairwise over the row
+            logits[t:t + step] = np.add.reduce(w[None] * hq[t:t + step, None, :], axis=2, dtype=F32)
         b = self.w.opt(p + "ffn_gate_inp.bias")
         if b is not None:
             logits = logits + b
@@ -313,22 +317,23 @@ class Model:
             buf = raw[t.role]
             self.stats.bytes += buf.size
             shape = tuple(reversed(t.ne[:-1]))
-            mats[t.role] = (dequantize(buf, t.type, shape, t.name), T[t.type])
+            mats[t.role] = (dequantize(buf, t.type, shape, t.name), T[t.type], buf)
+
+        def mm(x, role):
+            w, wt, buf = mats[role]
+            y = linear(x, w, wt)
+            c = q8_1_correction(x, buf, wt, w.shape[0])
+            return y if c is None else y + c
+
         if "gate_up" in mats:
-            wgu, tgu = mats["gate_up"]
-            gu = self._add_expert_bias(li, "gate_up", e, linear(h, wgu, tgu))
-            ff = wgu.shape[0] // 2
+            gu = self._add_expert_bias(li, "gate_up", e, mm(h, "gate_up"))
+            ff = mats["gate_up"][0].shape[0] // 2
             g, u = gu[:, :ff], gu[:, ff:]
         else:
-            wg, tg = mats["gate"]
-            wu, tu = mats["up"]
-            u = linear(h, wu, tu)
-            g = linear(h, wg, tg)
-            u = self._add_expert_bias(li, "up", e, u)
-            g = self._add_expert_bias(li, "gate", e, g)
+            u = self._add_expert_bias(li, "up", e, mm(h, "up"))
+            g = self._add_expert_bias(li, "gate", e, mm(h, "gate"))
         a = silu(g) * u
-        wd, td = mats["down"]
-        d = linear(a, wd, td)
+        d = mm(a, "down")
         return self._add_expert_bias(li, "down", e, d)
 
     def _add_expert_bias(self, li: int, role: str, e: int, y: np.ndarray) -> np.ndarray:

@@ -9,6 +9,8 @@ weight of that type: ggml's CPU `vec_dot` for Q8_0/Q4_0/Q5_0/MXFP4 weights takes
 quantized to Q8_0 (Q8_1 for Q4_1/Q5_1, Q8_K for the K-quants, F16 for F16, BF16 for BF16). A
 reference engine that skips this differs from llama.cpp by ~1% of an activation per layer; with
 it, the two agree to float32 rounding (see tests/test_engine_llama.py for the measured bounds).
+`q8_1_correction` adds the one Q8_1 detail rounding alone cannot express (the fp16 block sum
+that multiplies a Q4_1/Q5_1 weight minimum).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def dequantize(raw: np.ndarray, t, shape: tuple[int, ...], name: str = "?") -> n
         raise MboltError(f"tensor {name}: {raw.size} bytes for {n} {t.name} values "
                          f"(expected {row_bytes(t, n)})")
     if t == T.F32:
-        out = raw.view(np.float32).copy()
+        out = raw.view(np.float32)  # no copy: callers only read (an mmap view stays read-only)
     elif t == T.F16:
         out = raw.view(np.float16).astype(np.float32)
     elif t == T.BF16:
@@ -125,3 +127,22 @@ def round_activations(x: np.ndarray, t) -> np.ndarray:
     if t in _Q8_K_ACT:
         return _q8_k(x)
     return x
+
+
+def q8_1_correction(x: np.ndarray, raw: np.ndarray, t, rows: int) -> np.ndarray | None:
+    """Extra term for Q4_1/Q5_1 weights: ggml's Q8_1 activations store each block's sum
+    s = fp16(d * sum(q)) and the dot adds m_w * s; `round_activations` gives m_w * fp16(d) * sum(q).
+    Returns [n, rows] to add to `round_activations(x, t) @ W.T` (None for other types)."""
+    t = qtype(t)
+    if t not in _Q8_1_ACT:
+        return None
+    bs = GGML_QUANT_SIZES[t][1]
+    nb = x.shape[-1] // 32
+    mins = np.asarray(raw, np.uint8).reshape(rows, nb, bs)[:, :, 2:4].copy().view(np.float16)
+    mins = mins.reshape(rows, nb).astype(np.float32)
+    _, q, amax = _q8_blocks(x)
+    d32 = (amax / np.float32(127.0)).astype(np.float32)[..., 0]
+    qsum = q.sum(axis=-1, dtype=np.float32)
+    s = (d32 * qsum).astype(np.float16).astype(np.float32)
+    mine = d32.astype(np.float16).astype(np.float32) * qsum
+    return (s - mine) @ mins.T

@@ -82,7 +82,8 @@ class StoreCounters:
     experts: int = 0
     hits: int = 0
     misses: int = 0
-    reads: int = 0
+    reads: int = 0  # merged ranges (what a layout changes)
+    ops: int = 0  # read syscalls issued (a merged range may be split to fill the queue)
     bytes: int = 0
     useful_bytes: int = 0
     io_time: float = 0.0
@@ -251,6 +252,8 @@ class ExpertStore:
         where = np.concatenate([[0], np.cumsum(slot)[:-1]]).astype(np.int64)
         view = self._arena_view(int(slot.sum()))
         jobs = [(int(a[i]), int(lens[i]), int(where[i])) for i in range(len(a))]
+        if self.io_threads > 1 and jobs:
+            jobs = split_jobs(jobs, self.io_threads)
         t0 = time.perf_counter()
         if self._pool is None or len(jobs) == 1:
             for j in jobs:
@@ -261,7 +264,8 @@ class ExpertStore:
         dt = time.perf_counter() - t0
         c = self.counters
         c.io_time += dt
-        c.reads += len(jobs)
+        c.reads += len(a)
+        c.ops += len(jobs)
         c.bytes += int(lens.sum())
         c.useful_bytes += int(R[..., 1].sum())
         if self.drop_pages and not self.direct:
@@ -317,6 +321,7 @@ class ExpertStore:
         c.io_time += dt
         c.major_faults += (faults := resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0)
         c.reads += faults  # each major fault is one read the kernel issued (readahead included)
+        c.ops += faults
         c.useful_bytes += int(sizes.sum())
         c.bytes += int(sizes.sum())
         if self.drop_pages:
@@ -325,6 +330,26 @@ class ExpertStore:
             m.madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
             _drop_span(self.fd, a, b)
         return got
+
+
+SPLIT_MIN = 256 << 10  # never split a read into pieces smaller than this
+
+
+def split_jobs(jobs, qd: int):
+    """Split large reads so that `qd` threads have work: each read of a call becomes pieces of at
+    least SPLIT_MIN bytes and at most total/qd (aligned), so one long merged run is not read
+    by a single thread while the others idle."""
+    total = sum(n for _, n, _ in jobs)
+    piece = max(SPLIT_MIN, -(-total // qd))
+    piece += (-piece) % ALIGN
+    out = []
+    for off, n, where in jobs:
+        done = 0
+        while n - done > piece:
+            out.append((off + done, piece, where + done))
+            done += piece
+        out.append((off + done, n - done, where + done))
+    return out
 
 
 # The page cache holds large folios (up to 2 MiB on current kernels): a read brings in whole

@@ -29,6 +29,14 @@ the token embedding at every layer, and routing is a function of the token embed
 * structure="none" (the null control): router rows are iid Gaussian (`NONE_SCALE` logit std)
   plus the same heat bias; embeddings are unchanged, but nothing ties groups to topics.
 
+* context > 0 (opt-in; default 0 keeps routing a function of the token id, apart from small
+  attention noise): attention is built to look at the recent tokens (q = k = a constant vector
+  read off m, so the score depends only on the distance through RoPE) and to add `context` times
+  their topics, plus a random projection of the rest of them, to the residual stream. Routing
+  then depends on the token and its recent context: more distinct expert sets per token id, and
+  co-activation across the groups of neighbouring topics (weaker group coherence).
+  Also with fast_random (the attention matrices are then real, the experts random).
+
 The planted groups are recorded in the file (`mbolt.synth.groups`: int32 [n_layers*E] group id of
 every expert, -1 for dense layers) so tests and benchmarks can score a plan against the truth.
 
@@ -79,9 +87,10 @@ from mbolt.errors import MboltError
 
 SYNTH_ARCHS = {
     "qwen3moe": "Qwen3-MoE: GQA attention with per-head q/k RMSNorm, softmax top-k router",
-    "olmoe": "OLMoE: attention with q/k RMSNorm over the full q/k width (needs kv heads == heads)",
+    "olmoe": "OLMoE: q/k RMSNorm over the full q/k width (needs kv heads == heads, heads x head_dim == hidden)",
     "mixtral": "Mixtral: llama architecture with expert_count (gguf arch 'llama')",
-    "qwen2moe": "Qwen2-MoE: q/k/v biases, routed experts + shared expert with sigmoid shared gate",
+    "qwen2moe": "Qwen2-MoE: q/k/v biases, routed experts + shared expert with sigmoid shared gate "
+                "(needs heads x head_dim == hidden)",
 }
 GGUF_ARCH = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "qwen2moe": "qwen2moe"}
 
@@ -122,7 +131,9 @@ TOPIC_GAIN = 8.0  # logit bonus of the token's own group at strength 1
 INDIVIDUAL = 1.5  # std of the per-expert, per-token logit term
 HEAT_EXPERT, HEAT_GROUP = 1.5, 1.0
 NONE_SCALE = 3.0  # logit std of iid router rows (structure="none")
-ATTN_OUT_GAIN = 1.0
+CONTEXT_NOISE = 0.5  # context attention: weight of the non-topic part of the context
+KERNEL = 24.0  # context attention: score at distance 0 (recency sharpness)
+ATTN_OUT_GAIN = 1.0  # attention output scale: larger = more context-dependent routing, weaker groups
 GAIN = 0.5  # weight std = GAIN / sqrt(fan_in); output projections also / sqrt(n_layers)
 
 POOL_BYTES = 8 << 20  # random-block pool per type (fast_random)
@@ -149,6 +160,7 @@ class SynthConfig:
     n_groups: int = 0  # 0 = auto: max(2, n_experts // (2 * n_used))
     strength: float = 0.5
     heat_skew: float = 0.5
+    context: float = 0.0  # > 0: attention adds recent tokens' topics (context-dependent routing)
     preset: str | None = None
     fast_random: bool = False
     probs_bias: bool = False
@@ -203,10 +215,15 @@ class SynthConfig:
             bad(f"head_dim must be even (rope), got {self.head_dim}")
         if self.arch == "olmoe" and self.n_kv_heads != self.n_heads:
             bad("olmoe needs kv heads == heads (its k norm spans the full width)")
+        if self.arch in ("olmoe", "qwen2moe") and self.n_heads * self.head_dim != self.hidden:
+            bad(f"{self.arch} needs heads x head_dim == hidden (llama.cpp checks it): "
+                f"{self.n_heads} x {self.head_dim} != {self.hidden}")
         if not 1 <= self.groups <= self.n_experts:
             bad(f"groups must be in 1..{self.n_experts}, got {self.groups}")
         if not 0.0 <= self.strength <= 1.0:
             bad(f"strength must be in [0, 1], got {self.strength}")
+        if self.context < 0:
+            bad(f"context must be >= 0, got {self.context}")
         if self.heat_skew < 0:
             bad(f"heat skew must be >= 0, got {self.heat_skew}")
         if self.alignment < 8 or self.alignment & (self.alignment - 1):
@@ -458,6 +475,40 @@ class _Model:
 
         self.tensors.append(_Tensor(name, ne, qt, chunks))
 
+    def _matrix(self, name: str, ne: tuple[int, ...], make: Callable[[], np.ndarray]) -> None:
+        """A dense-type matrix computed by `make` (numpy shape = reversed ne)."""
+        qt = GGMLQuantizationType[self.cfg.dense_type]
+        self.tensors.append(_Tensor(name, ne, qt, lambda: iter([_encode(make().astype(np.float32), qt)])))
+
+    def _context_attention(self, layer: int):
+        """Per-head blocks of an attention that looks at recent tokens and adds their topics.
+
+        q = k = a constant per-head vector (read off the common direction m that every token
+        carries), so the score depends only on the distance i - j through RoPE: the sum of
+        cos(theta_p * (i - j)) over the rotary pairs peaks at distance 0 and decays over the
+        recent tokens (KERNEL = score at distance 0). v holds the topic coordinates of a token;
+        o writes `context` times the attention-weighted topics of the context back into the
+        residual stream, so routing depends on the token and on its recent context.
+        Returns (q/k block [d, H], v block [d, H], o block [H, d], q/k norm weight).
+        """
+        cfg, H, d = self.cfg, self.H, self.cfg.head_dim
+        G = min(cfg.groups, d)
+        unit = np.full(d, 1 / math.sqrt(d))
+        if cfg.arch in ("qwen3moe", "olmoe"):  # q/k RMSNorm: the norm weight sets the scale
+            qk = np.outer(unit, self.common) / TOPIC_B
+            norm = math.sqrt(KERNEL / math.sqrt(d))
+        else:  # |q|^2 / sqrt(d) = KERNEL, with <m, x> = TOPIC_B * sqrt(H)
+            qk = np.outer(unit, self.common) * math.sqrt(KERNEL * math.sqrt(d)) / (TOPIC_B * math.sqrt(H))
+            norm = 1.0
+        # v: the token's topic coordinates (~ TOPIC_A * onehot) and a random projection of the
+        # rest of it (so the context also moves which members of a group are picked)
+        rng = _rng(cfg.seed, "context", layer)
+        proj = rng.standard_normal((d - G, H)) / math.sqrt(H)
+        v = np.concatenate([self.topic_dirs[:G], proj]) / math.sqrt(H)
+        o = np.concatenate([self.topic_dirs[:G].T, proj.T * math.sqrt(H / (d - G or 1)) * CONTEXT_NOISE], axis=1)
+        o *= cfg.context * math.sqrt(H) / cfg.n_heads
+        return qk, v, o, norm
+
     def _const(self, name: str, arr, shape: tuple[int, ...] | None = None) -> None:
         """An F32 tensor given as an array, or as a function making it (then `shape` is
         required) so that big ones (routers) exist only while they are written."""
@@ -478,20 +529,31 @@ class _Model:
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
             self._const(p + "attn_norm.weight", np.ones(H))
-            self._dense(p + "attn_q.weight", (H, q_w), GAIN / math.sqrt(H))
-            self._dense(p + "attn_k.weight", (H, kv_w), GAIN / math.sqrt(H))
-            self._dense(p + "attn_v.weight", (H, kv_w), GAIN / math.sqrt(H))
+            ctx = cfg.context > 0
+            if ctx:  # recency attention that carries the context's topics (module docstring)
+                qk, v, o, norm = self._context_attention(i)
+                self._matrix(p + "attn_q.weight", (H, q_w), lambda: np.tile(qk, (cfg.n_heads, 1)))
+                self._matrix(p + "attn_k.weight", (H, kv_w), lambda: np.tile(qk, (cfg.n_kv_heads, 1)))
+                self._matrix(p + "attn_v.weight", (H, kv_w), lambda: np.tile(v, (cfg.n_kv_heads, 1)))
+            else:
+                self._dense(p + "attn_q.weight", (H, q_w), GAIN / math.sqrt(H))
+                self._dense(p + "attn_k.weight", (H, kv_w), GAIN / math.sqrt(H))
+                self._dense(p + "attn_v.weight", (H, kv_w), GAIN / math.sqrt(H))
             if cfg.arch == "qwen2moe":
                 self._const(p + "attn_q.bias", np.zeros(q_w))
                 self._const(p + "attn_k.bias", np.zeros(kv_w))
                 self._const(p + "attn_v.bias", np.zeros(kv_w))
-            self._dense(p + "attn_output.weight", (q_w, H), GAIN * ATTN_OUT_GAIN * out_scale / math.sqrt(q_w))
+            if ctx:
+                self._matrix(p + "attn_output.weight", (q_w, H), lambda: np.tile(o, (1, cfg.n_heads)))
+            else:
+                self._dense(p + "attn_output.weight", (q_w, H), GAIN * ATTN_OUT_GAIN * out_scale / math.sqrt(q_w))
+            qn = norm if ctx else 1.0
             if cfg.arch == "qwen3moe":
-                self._const(p + "attn_q_norm.weight", np.ones(cfg.head_dim))
-                self._const(p + "attn_k_norm.weight", np.ones(cfg.head_dim))
+                self._const(p + "attn_q_norm.weight", np.full(cfg.head_dim, qn))
+                self._const(p + "attn_k_norm.weight", np.full(cfg.head_dim, qn))
             elif cfg.arch == "olmoe":
-                self._const(p + "attn_q_norm.weight", np.ones(q_w))
-                self._const(p + "attn_k_norm.weight", np.ones(kv_w))
+                self._const(p + "attn_q_norm.weight", np.full(q_w, qn))
+                self._const(p + "attn_k_norm.weight", np.full(kv_w, qn))
             self._const(p + "ffn_norm.weight", np.ones(H))
             if i < cfg.dense_layers:
                 self._dense(p + "ffn_gate.weight", (H, cfg.dense_ff), GAIN / math.sqrt(H))
@@ -566,6 +628,7 @@ class _Model:
             _kv_bytes("mbolt.synth.strength", F32, cfg.strength),
             _kv_bytes("mbolt.synth.heat_skew", F32, cfg.heat_skew),
             _kv_bytes("mbolt.synth.fast_random", BOOL, cfg.fast_random),
+            _kv_bytes("mbolt.synth.context", F32, cfg.context),
             _kv_bytes("mbolt.synth.groups", ARR, self.groups.reshape(-1), GGUFValueType.INT32),
             _kv_bytes("mbolt.synth.token_topic", ARR, self.token_topic.astype(np.int32), GGUFValueType.INT32),
         ]

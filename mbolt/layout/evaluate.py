@@ -64,7 +64,7 @@ class Geometry:
     def expert_bytes(self) -> int:
         return int(sum(self.slice_bytes))
 
-    def far_weights(self, gap: int, far_credit: float = 0.5, max_d: int = 8) -> tuple[float, ...]:
+    def far_weights(self, gap: int, far_credit: float = 1.0, max_d: int = 8) -> tuple[float, ...]:
         """Objective weights for pairs at distance d = 2, 3, ...: the share of regions in which
         the (d-1) slices between them fit in the merge gap, times `far_credit` (a pair at d > 1
         only saves a read when the experts between are not selected themselves)."""

@@ -170,7 +170,7 @@ def split_trace(trace: Trace, *, train_frac: float = 0.5, holdout_domain: str | 
 
 
 def plan_orders(co: Coact, method: str, *, geometry: Geometry | None = None, gap: int = 0,
-                far_credit: float = 0.5, clusters=None, **opts) -> np.ndarray:
+                far_credit: float = 1.0, clusters=None, **opts) -> np.ndarray:
     """perm [n_layers, E] for every layer (identity where nothing was recorded)."""
     L, E = co.n_layers, co.n_experts
     perm = np.tile(np.arange(E, dtype=np.int32), (L, 1))
@@ -287,3 +287,78 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
                 if r[part] is not None and lb > 0:
                     r[part]["over_bound"] = r[part]["reads_per_token"] / lb - 1.0
     return out
+
+
+# ---------------------------------------------------------------- the `mbolt plan` stage
+
+
+def load_any_trace(path: str | os.PathLike) -> Trace:
+    """A .mbtrace, or any format `mbolt.trace.importers` understands (auto-detected)."""
+    from mbolt.trace.format import is_mbtrace, read_trace
+
+    if not Path(path).exists():
+        raise MboltError(f"{path}: trace file not found")
+    if is_mbtrace(path):
+        return read_trace(path)
+    from mbolt.trace.importers import import_trace
+
+    return import_trace(path)
+
+
+def check_model(trace: Trace, moemap, where: str = "") -> None:
+    """Trace and model must describe the same model: expert count, layers, fingerprint."""
+    where = where or str(moemap.path)
+    if moemap.n_experts != trace.n_experts:
+        raise MboltError(f"{where}: model has {moemap.n_experts} experts per layer, trace has {trace.n_experts}")
+    if moemap.n_layers != trace.n_layers:
+        raise MboltError(f"{where}: model has {moemap.n_layers} layers, trace has {trace.n_layers}")
+    moe = {l.index for l in moemap.layers if not l.dense}
+    for l in trace.moe_layers().tolist():
+        if l not in moe:
+            raise MboltError(f"{where}: trace routes experts at layer {l}, which is not an MoE layer of the model")
+    if trace.fingerprint and trace.fingerprint not in (moemap.fingerprint, moemap.source_fingerprint):
+        raise MboltError(f"{where}: trace was recorded on a different model (fingerprint {trace.fingerprint[:12]} "
+                         f"vs {moemap.source_fingerprint[:12]})")
+
+
+def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 0.5,
+              holdout_domain: str | None = None, phase: str = "decode", model=None, geometry: str | None = None,
+              layout: str = "reorder", gap: int = 0, cache_slots: int = 0, compare: bool = False,
+              bound: str = "lp", force: bool = True, progress=None) -> dict:
+    """What `mbolt plan` does: build (and save) a plan; with `compare`, score every method."""
+    from mbolt.layout.evaluate import geometry_from_model
+
+    if gap < 0 or cache_slots < 0:
+        raise MboltError("--gap and --cache must be >= 0")
+    trace = load_any_trace(trace_path)
+    if model is not None:
+        from mbolt.gguf.moe_map import moe_map
+
+        mm = moe_map(model)
+        check_model(trace, mm, str(model))
+        geo = geometry_from_model(mm, layout)
+        if not trace.fingerprint:
+            trace.fingerprint = mm.source_fingerprint
+    else:
+        geo = geometry_preset(geometry or "unit", layout)
+    if out is not None and Path(out).exists() and not force:
+        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    plan = make_plan(trace, method, train_frac=train_frac, holdout_domain=holdout_domain, phase=phase,
+                     geometry=geo, gap=gap)
+    if progress:
+        progress(method)
+    train, held, split = split_trace(trace, train_frac=train_frac, holdout_domain=holdout_domain, phase=phase)
+    result = {"trace": str(trace_path), "method": method, "split": split, "geometry": geo.to_dict(), "gap": gap,
+              "cache_slots": cache_slots, "plan_seconds": plan.meta["plan_seconds"],
+              "n_layers": plan.n_layers, "n_experts": plan.n_experts, "k": trace.k}
+    result["train"] = evaluate(train, plan.perm, geo, gap, cache_slots)
+    if held is not None:
+        result["heldout"] = evaluate(held, plan.perm, geo, gap, cache_slots)
+    if compare:
+        result["compare"] = compare_methods(train, held, geo, gap=gap, cache_slots=cache_slots, bound=bound,
+                                            progress=progress)
+    if out is not None:
+        plan.meta["evaluation"] = {k: result[k] for k in ("train", "heldout") if k in result}
+        save_plan(out, plan)
+        result["out"] = str(out)
+    return result

@@ -44,7 +44,10 @@ from mbolt.gguf.packed import PackedLayer, PackedRole, packed_kvs, packed_name
 from mbolt.rewrite.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, read_route_map, sidecar_dict, sidecar_path
 
 CHUNK = 64 << 20  # bytes per copy_file_range call (progress granularity)
+SPLIT = 16 << 20  # copy ranges are cut to this size
 BUF = 8 << 20  # buffer of the fallback copy
+READAHEAD = 64 << 20  # source bytes advised (WILLNEED) ahead of the copy
+WRITEBACK = 32 << 20  # start writeback of the output every this many bytes
 PACK_PAD_MAX = 1 / 8  # pad a packed slot to 4 KiB (or 512 B) only if it costs at most this share
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -292,7 +295,16 @@ def _copy_ops(tensors: list[OutTensor], data_start: int) -> list[tuple[int, int,
                 else:
                     ops.append([src, dst, n])
             dst += n
-    return [tuple(o) for o in ops]
+    return split_ops([tuple(o) for o in ops], SPLIT)
+
+
+def split_ops(ops, most: int) -> list[tuple[int, int, int]]:
+    """Cut ranges into pieces of at most `most` bytes (bounded readahead advice per piece)."""
+    out = []
+    for s, d, n in ops:
+        for k in range(0, n, most):
+            out.append((s + k, d + k, min(most, n - k)))
+    return out
 
 
 # ---- copying ----
@@ -337,6 +349,70 @@ class _Copier:
         while w < k:
             w += os.pwrite(self.fout, self._buf[w:k], dst + w)
         return k
+
+
+class _Readahead:
+    """Ask the kernel to read the next READAHEAD bytes of source ranges asynchronously.
+
+    A permuted tensor is read slice by slice in an order the kernel's readahead cannot guess;
+    WILLNEED on the upcoming ranges keeps several reads in flight (page cache, not our memory)."""
+
+    def __init__(self, fd: int, ops: list[tuple[int, int, int]], window: int = READAHEAD):
+        self.fd, self.ops, self.window = fd, ops, window
+        self.next = 0  # first op not advised yet
+        self.bytes = 0  # advised bytes not yet copied
+        self.ok = hasattr(os, "posix_fadvise")
+
+    def advance(self, i: int) -> None:
+        if not self.ok:
+            return
+        if i:
+            self.bytes -= self.ops[i - 1][2]
+        while self.next < len(self.ops) and (self.next <= i or self.bytes < self.window):
+            s, _, n = self.ops[self.next]
+            try:
+                os.posix_fadvise(self.fd, s, n, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                self.ok = False
+                return
+            self.bytes += n
+            self.next += 1
+
+
+class _Writeback:
+    """Start writeback of every WRITEBACK bytes written (sync_file_range, Linux) so the final
+    fsync has little left to do and disk writes overlap the reads."""
+
+    def __init__(self, fd: int):
+        self.fd, self.done = fd, 0
+        self.fn = _sync_file_range()
+
+    def wrote(self, end: int) -> None:
+        if self.fn is None or end - self.done < WRITEBACK:
+            return
+        if self.fn(self.fd, self.done, end - self.done, 2) != 0:  # SYNC_FILE_RANGE_WRITE
+            self.fn = None
+        self.done = end
+
+
+_SFR = []
+
+
+def _sync_file_range():
+    if not _SFR:
+        fn = None
+        try:
+            import ctypes
+            import ctypes.util
+
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+            fn = libc.sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            fn = None
+        _SFR.append(fn)
+    return _SFR[0]
 
 
 @contextlib.contextmanager
@@ -457,8 +533,12 @@ def reorder(
         copier = _Copier(fin.fileno(), fd, n_data, progress, str(src))
         if os.fstat(fin.fileno()).st_size != header.file_size:
             raise MboltError(f"{src}: file changed size while reading")
-        for s, d, n in ops:
+        ahead = _Readahead(fin.fileno(), ops)
+        flush = _Writeback(fd)
+        for i, (s, d, n) in enumerate(ops):
+            ahead.advance(i)
             copier.copy(s, d, n)
+            flush.wrote(d + n)
         os.ftruncate(fd, total)  # zero padding beyond the last tensor (fallocate already sized it)
     out_header = read_header(dst)
     out_map = moe_map(out_header)

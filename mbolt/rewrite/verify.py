@@ -28,10 +28,10 @@ import numpy as np
 from mbolt.errors import MboltError
 from mbolt.gguf.header import GGUFHeader, read_header
 from mbolt.gguf.moe_map import MoeMap, moe_map
-from mbolt.rewrite.reorder import LTensor, logical_tensors
+from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
 from mbolt.rewrite.routemap import RouteMap, is_route_map_key, read_route_map
 
-BUF = 8 << 20
+BUF = 4 << 20
 MAX_LISTED = 50  # mismatches kept in the report (all are counted)
 IGNORED_KEYS = ("general.alignment",)  # besides mbolt.*
 
@@ -183,42 +183,45 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
     na, nb = np.frombuffer(bufa, np.uint8), np.frombuffer(bufb, np.uint8)
     mva, mvb = memoryview(bufa), memoryview(bufb)
     done = last = 0
+    last_bad = -1
+    # Jobs contiguous on both sides are compared as one range, read in chunks of at most BUF.
+    cont = (jobs.src[1:] == jobs.src[:-1] + jobs.n[:-1]) & (jobs.out[1:] == jobs.out[:-1] + jobs.n[:-1])
+    starts = np.flatnonzero(np.concatenate([[True], ~cont])) if len(jobs.n) else np.zeros(0, np.int64)
+    ends = np.append(starts[1:], len(jobs.n))
+    job_out_end = jobs.out + jobs.n
+    groups = [(int(jobs.src[a]), int(jobs.out[a]), int(job_out_end[b - 1] - jobs.out[a])) for a, b in zip(starts, ends)]
+    chunks = split_ops(groups, BUF)
     fa, fb = os.open(src_path, os.O_RDONLY), os.open(out_path, os.O_RDONLY)
     try:
-        for fd in (fa, fb):
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        # Groups of jobs contiguous on both sides are compared as one range.
-        cont = (jobs.src[1:] == jobs.src[:-1] + jobs.n[:-1]) & (jobs.out[1:] == jobs.out[:-1] + jobs.n[:-1])
-        starts = np.flatnonzero(np.concatenate([[True], ~cont])) if len(jobs.n) else np.zeros(0, np.int64)
-        ends = np.append(starts[1:], len(jobs.n))
-        job_out_end = jobs.out + jobs.n
-        for g0, g1 in zip(starts.tolist(), ends.tolist()):
-            s0, o0 = int(jobs.src[g0]), int(jobs.out[g0])
-            length = int(job_out_end[g1 - 1] - o0)
-            off = 0
-            while off < length:
-                k = min(BUF, length - off)
-                ra = os.preadv(fa, [mva[:k]], s0 + off)
-                rb = os.preadv(fb, [mvb[:k]], o0 + off)
-                if ra != k or rb != k:
-                    raise MboltError(f"{src_path if ra != k else out_path}: short read at byte "
-                                     f"{(s0 if ra != k else o0) + off} (file truncated while verifying?)")
-                if not _equal(na[:k], nb[:k]):
-                    first = int(np.flatnonzero(na[:k] != nb[:k])[0])
-                    bad_out = o0 + off + first
-                    i = int(np.searchsorted(job_out_end, bad_out, side="right"))
-                    _record(jobs, i, int(bad_out - jobs.out[i]), report)
-                    # skip to the end of the mismatching job (one report per slice)
-                    nxt = int(job_out_end[i] - o0)
-                    done += nxt - off
-                    off = nxt
-                    continue
-                off += k
-                done += k
-                if progress and (done - last >= 64 << 20):
-                    last = done
-                    progress(done, total)
+        # the output is read in order (kernel readahead works); source slices come permuted
+        ahead = _Readahead(fa, chunks)
+        for i, (s0, o0, k) in enumerate(chunks):
+            ahead.advance(i)
+            ra = os.preadv(fa, [mva[:k]], s0)
+            rb = os.preadv(fb, [mvb[:k]], o0)
+            if ra != k or rb != k:
+                raise MboltError(f"{src_path if ra != k else out_path}: short read at byte "
+                                 f"{(s0 if ra != k else o0) + min(ra, rb)} (file truncated while verifying?)")
+            if k == BUF and bufa == bufb:  # memcmp
+                pass
+            elif k < BUF and _equal(na[:k], nb[:k]):
+                pass
+            else:
+                at = 0
+                while at < k:
+                    diff = np.flatnonzero(na[at:k] != nb[at:k])
+                    if not diff.size:
+                        break
+                    bad_out = o0 + at + int(diff[0])
+                    j = int(np.searchsorted(job_out_end, bad_out, side="right"))
+                    if j != last_bad:  # a slice spanning chunks is reported once
+                        _record(jobs, j, int(bad_out - jobs.out[j]), report)
+                        last_bad = j
+                    at = int(job_out_end[j] - o0)  # one report per slice: resume after this job
+            done += k
+            if progress and (done - last >= 64 << 20):
+                last = done
+                progress(done, total)
     finally:
         os.close(fa)
         os.close(fb)

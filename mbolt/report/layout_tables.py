@@ -1,0 +1,70 @@
+"""Rich tables for the layout planner (`mbolt plan`, `mbolt synth-trace`)."""
+
+from __future__ import annotations
+
+from rich.table import Table
+
+
+def _f(x, nd=1):
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def plan_summary(res: dict) -> str:
+    s = res["split"]
+    g = res["geometry"]
+    line = (f"[bold]{res['method']}[/] plan: {res['n_layers']} layers x {res['n_experts']} experts, k={res['k']}; "
+            f"{s['n_train']:,} training / {s['n_heldout']:,} held-out {s['phase']} tokens; "
+            f"layout {g['layout']}, slices {'/'.join(str(b) for b in g['slice_bytes'])} B, gap {res['gap']} B"
+            f"{', cache ' + str(res['cache_slots']) if res['cache_slots'] else ''}; planned in {res['plan_seconds']:.2f} s")
+    ev = res.get("heldout") or res["train"]
+    which = "held-out" if "heldout" in res else "training"
+    line += (f"\n{which}: {ev['reads_per_token']:,.1f} reads/token, {ev['bytes_per_token'] / 2**20:,.1f} MiB/token, "
+             f"{ev['runs_per_token_layer']:.3f} runs per token-layer")
+    if "out" in res:
+        line += f"\nwrote [bold]{res['out']}[/]"
+    return line
+
+
+def compare_table(cmp: dict) -> Table:
+    t = Table(title=f"reads/token by expert order ({cmp['geometry']['layout']}, gap {cmp['gap']} B"
+                    f"{', cache ' + str(cmp['cache_slots']) if cmp['cache_slots'] else ''})")
+    # reads/token held-out and training, ratio to stock, runs per token-layer, training reads over the bound
+    t.add_column("method", no_wrap=True, min_width=11)
+    for col in ("held-out", "x stock", "runs/tl", "train", "x stock", "vs bound", "plan s"):
+        t.add_column(col, justify="right")
+    for r in cmp["rows"]:
+        ho, tr = r["heldout"] or {}, r["train"]
+        t.add_row(r["method"], _f(ho.get("reads_per_token")), _f(ho.get("ratio_to_stock"), 3),
+                  _f(ho.get("runs_per_token_layer"), 3), _f(tr["reads_per_token"]), _f(tr.get("ratio_to_stock"), 3),
+                  "-" if tr.get("over_bound") is None else f"{100 * tr['over_bound']:+.1f}%",
+                  _f(r["plan_seconds"], 2))
+    b = cmp.get("bound")
+    if b:
+        ho, tr = b.get("heldout", {}), b.get("train", {})
+        stock = next((r for r in cmp["rows"] if r["method"] == "stock"), None)
+        ratio = lambda part, v: (v / stock[part]["reads_per_token"]) if stock and stock[part] and v else None
+        t.add_row(f"[italic]bound ({b['kind']}{'' if b['valid'] else ', gap/cache: not valid'})[/]",
+                  _f(ho.get("reads_per_token")), _f(ratio("heldout", ho.get("reads_per_token")), 3),
+                  _f(ho.get("runs_per_token_layer"), 3), _f(tr.get("reads_per_token")),
+                  _f(ratio("train", tr.get("reads_per_token")), 3), "0.0%", "-")
+        t.caption = ("runs/tl: gap-free runs per token-layer; vs bound: training reads over the bound. "
+                     "bound: no order can read fewer (adjacency upper bound as reads, gap 0, no cache); "
+                     "held-out bound uses the held-out tokens' own counts (an oracle)")
+    return t
+
+
+def match_table(rep: dict) -> Table:
+    t = Table(title=f"calibration vs {rep['profile']} ({rep['n_tokens']:,} tokens)")
+    t.add_column("statistic")
+    t.add_column("published", justify="right")
+    t.add_column("sampled", justify="right")
+    he = rep["heat_entropy_bits"]
+    t.add_row("heat entropy, mean over layers (bits)", f"{he['published_mean']:.3f}", f"{he['sampled_mean']:.3f}")
+    t.add_row("heat entropy, worst layer |diff|", "", f"{he['max_abs_diff']:.3f}")
+    t.add_row("heat correlation, worst layer", "", f"{rep['heat_corr_min']:.4f}")
+    lp = rep["pair_lift_percentiles"]
+    for q, a, b in zip(lp["q"], lp["published"], lp["sampled"]):
+        t.add_row(f"lift of published pairs, p{q}", f"{a:.2f}", f"{b:.2f}")
+    pc = rep["published_pairs_count_per_token"]
+    t.add_row("published pairs co-selected per token", f"{pc['published']:.2f}", f"{pc['sampled']:.2f}")
+    return t
