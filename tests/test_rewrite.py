@@ -13,7 +13,7 @@ import re
 
 import numpy as np
 import pytest
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 
 from mbolt.errors import MboltError
 from mbolt.gguf.synth import SynthConfig, write_synth
@@ -323,3 +323,23 @@ def test_alignment_notes_when_slices_are_small(tmp_path):
     assert any("NOT 4 KiB aligned" in n and "512 B aligned" in n for n in p.alignment), p.alignment
     blob = next(t for t in GGUFReader(tmp_path / "p.gguf").tensors if t.name == "blk.1.ffn_exps_packed")
     assert blob.n_bytes == 8 * 3584
+
+
+def test_buffered_fallback_when_kernel_copy_refused(q8, tmp_path, monkeypatch):
+    import errno
+
+    calls = []
+
+    def refuse(*a, **k):
+        calls.append(1)
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    perm = random_perm(3, 8, seed=8)
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    ra = reorder(q8, a, perm)
+    assert ra.copy_mode == "buffered" and calls
+    monkeypatch.undo()
+    rb = reorder(q8, b, perm)
+    assert rb.copy_mode == "copy_file_range"
+    assert a.read_bytes() == b.read_bytes()

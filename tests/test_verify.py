@@ -178,3 +178,21 @@ def test_llama_cpp_loads_reorder_output(tmp_path, arch):
     assert ll["tokens_identical"] == ll["tokens"] > 0
     assert ll["max_logit_diff"] <= ll["tolerance"]
     assert ll["routing_share"] >= 0.99 and ll["routing_decisions"] > 0
+
+
+def test_packed_slot_padding_must_be_zero(tmp_path):
+    src = tmp_path / "s.gguf"
+    # Q4_0 64 x 32 slices of 1152 B: 3456 B per expert, padded to 3584 B slots (2 layers x 8 x 128 B)
+    write_synth(src, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=8, n_used=2, hidden=64, expert_ff=32,
+                                 expert_type="Q4_0"))
+    out = tmp_path / "p.gguf"
+    reorder(src, out, random_perm(2, 8, seed=3), layout="packed")
+    rep = verify(src, out)
+    assert rep.ok
+    assert "2,048 packed padding bytes zero" in next(c for c in rep.checks if c.name == "data").detail
+    blob = next(t for t in GGUFReader(out).tensors if t.name == "blk.1.ffn_exps_packed")
+    flip(out, blob.data_offset + 2 * 3584 + 3456 + 5)
+    rep = verify(src, out)
+    assert not rep.ok
+    m = rep.mismatches[0]
+    assert (m.tensor, m.layer, m.position, m.offset) == ("blk.1.ffn_exps_packed (slot padding)", 1, 2, 3461)

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.env import environment
-from mbolt.bench.pagecache import evict, expert_spans, resident_share
+from mbolt.bench.pagecache import evict, expert_spans, resident_share, wait_quiet
 from mbolt.engine.store import ExpertStore
 from mbolt.errors import MboltError
 from mbolt.gguf.moe_map import MoeMap, moe_map
@@ -141,6 +141,9 @@ class RoundResult:
     misses: int
     major_faults: int
     note: str = ""
+    ops: int = 0
+    inflight_before: int | None = None  # device I/O in flight when the arm was about to start
+    settle_s: float = 0.0  # time waited for it to drain
 
 
 @dataclass
@@ -243,6 +246,7 @@ def run_arm(arm: Arm, mm: MoeMap, trace: Trace | None, *, threshold: float, rnd:
             from mbolt.engine import load_model
 
             model = load_model(arm.path, expert_source=store)
+        quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         ev = evict(arm.path, threshold)
         if mode == "decode" and ev.resident_after == ev.resident_after:
             # the engine maps the file: its dense weights stay resident; the experts must not
@@ -262,7 +266,7 @@ def run_arm(arm: Arm, mm: MoeMap, trace: Trace | None, *, threshold: float, rnd:
     rejected = bool(ev.resident_after == ev.resident_after and ev.resident_after > threshold)
     return RoundResult(arm.name, rnd, position, ev.resident_before, ev.resident_after, ev.proven, rejected,
                        tokens, wall, c.io_time, ttft, c.reads, c.bytes, c.useful_bytes, c.device_bytes, c.hits,
-                       c.misses, c.major_faults, ev.note)
+                       c.misses, c.major_faults, ev.note, c.ops, quiet.get("inflight_at_start"), quiet["waited_s"])
 
 
 # ---- the harness ----

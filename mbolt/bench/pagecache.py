@@ -132,3 +132,38 @@ def evict(path: str | os.PathLike, threshold: float = 0.01, tries: int = 3) -> E
     if not note and not proven:
         note = f"{100 * after:.2f}% of the pages stayed resident after DONTNEED"
     return Eviction(path, before, after, proven, threshold, note)
+
+
+def _inflight_file(path: str) -> str | None:
+    from mbolt.bench.env import _mount_of
+
+    dev = _mount_of(path)[0]
+    name = os.path.basename(dev)
+    base = f"/sys/class/block/{name}"
+    if not os.path.exists(base):
+        return None
+    if os.path.exists(f"{base}/partition"):
+        base = os.path.dirname(os.path.realpath(base))
+    f = f"{base}/inflight"
+    return f if os.path.exists(f) else None
+
+
+def wait_quiet(path: str | os.PathLike, timeout: float = 2.0, poll: float = 0.005) -> dict:
+    """Wait until the block device holding `path` has no I/O in flight (e.g. the readahead a
+    previous arm left behind), at most `timeout` seconds. Returns what it saw."""
+    import time
+
+    f = _inflight_file(str(path))
+    t0 = time.perf_counter()
+    first = None
+    while f is not None:
+        try:
+            r, w = (int(x) for x in open(f).read().split())
+        except (OSError, ValueError):
+            break
+        if first is None:
+            first = r + w
+        if r + w == 0 or time.perf_counter() - t0 >= timeout:
+            return {"inflight_at_start": first, "inflight_at_end": r + w, "waited_s": time.perf_counter() - t0}
+        time.sleep(poll)
+    return {"inflight_at_start": first, "inflight_at_end": None, "waited_s": time.perf_counter() - t0}

@@ -489,17 +489,15 @@ class _Model:
         recent tokens (KERNEL = score at distance 0). v holds the topic coordinates of a token;
         o writes `context` times the attention-weighted topics of the context back into the
         residual stream, so routing depends on the token and on its recent context.
-        Returns (q/k block [d, H], v block [d, H], o block [H, d], q/k norm weight).
+        Returns (q/k block [d, H], v block [d, H], o block [H, d]); see _context_norm.
         """
         cfg, H, d = self.cfg, self.H, self.cfg.head_dim
         G = min(cfg.groups, d)
         unit = np.full(d, 1 / math.sqrt(d))
-        if cfg.arch in ("qwen3moe", "olmoe"):  # q/k RMSNorm: the norm weight sets the scale
+        if cfg.arch in ("qwen3moe", "olmoe"):  # q/k RMSNorm: its weight (_context_norm) sets the scale
             qk = np.outer(unit, self.common) / TOPIC_B
-            norm = math.sqrt(KERNEL / math.sqrt(d))
         else:  # |q|^2 / sqrt(d) = KERNEL, with <m, x> = TOPIC_B * sqrt(H)
             qk = np.outer(unit, self.common) * math.sqrt(KERNEL * math.sqrt(d)) / (TOPIC_B * math.sqrt(H))
-            norm = 1.0
         # v: the token's topic coordinates (~ TOPIC_A * onehot) and a random projection of the
         # rest of it (so the context also moves which members of a group are picked)
         rng = _rng(cfg.seed, "context", layer)
@@ -507,7 +505,11 @@ class _Model:
         v = np.concatenate([self.topic_dirs[:G], proj]) / math.sqrt(H)
         o = np.concatenate([self.topic_dirs[:G].T, proj.T * math.sqrt(H / (d - G or 1)) * CONTEXT_NOISE], axis=1)
         o *= cfg.context * math.sqrt(H) / cfg.n_heads
-        return qk, v, o, norm
+        return qk, v, o
+
+    def _context_norm(self) -> float:
+        """q/k norm weight of the context attention: |q|^2 / sqrt(d) = KERNEL after the norm."""
+        return math.sqrt(KERNEL / math.sqrt(self.cfg.head_dim)) if self.cfg.arch in ("qwen3moe", "olmoe") else 1.0
 
     def _const(self, name: str, arr, shape: tuple[int, ...] | None = None) -> None:
         """An F32 tensor given as an array, or as a function making it (then `shape` is
@@ -531,10 +533,10 @@ class _Model:
             self._const(p + "attn_norm.weight", np.ones(H))
             ctx = cfg.context > 0
             if ctx:  # recency attention that carries the context's topics (module docstring)
-                qk, v, o, norm = self._context_attention(i)
-                self._matrix(p + "attn_q.weight", (H, q_w), lambda: np.tile(qk, (cfg.n_heads, 1)))
-                self._matrix(p + "attn_k.weight", (H, kv_w), lambda: np.tile(qk, (cfg.n_kv_heads, 1)))
-                self._matrix(p + "attn_v.weight", (H, kv_w), lambda: np.tile(v, (cfg.n_kv_heads, 1)))
+                att = self._context_attention  # built when written, per layer (memory)
+                self._matrix(p + "attn_q.weight", (H, q_w), lambda i=i: np.tile(att(i)[0], (cfg.n_heads, 1)))
+                self._matrix(p + "attn_k.weight", (H, kv_w), lambda i=i: np.tile(att(i)[0], (cfg.n_kv_heads, 1)))
+                self._matrix(p + "attn_v.weight", (H, kv_w), lambda i=i: np.tile(att(i)[1], (cfg.n_kv_heads, 1)))
             else:
                 self._dense(p + "attn_q.weight", (H, q_w), GAIN / math.sqrt(H))
                 self._dense(p + "attn_k.weight", (H, kv_w), GAIN / math.sqrt(H))
@@ -544,10 +546,10 @@ class _Model:
                 self._const(p + "attn_k.bias", np.zeros(kv_w))
                 self._const(p + "attn_v.bias", np.zeros(kv_w))
             if ctx:
-                self._matrix(p + "attn_output.weight", (q_w, H), lambda: np.tile(o, (1, cfg.n_heads)))
+                self._matrix(p + "attn_output.weight", (q_w, H), lambda i=i: np.tile(att(i)[2], (1, cfg.n_heads)))
             else:
                 self._dense(p + "attn_output.weight", (q_w, H), GAIN * ATTN_OUT_GAIN * out_scale / math.sqrt(q_w))
-            qn = norm if ctx else 1.0
+            qn = self._context_norm() if ctx else 1.0
             if cfg.arch == "qwen3moe":
                 self._const(p + "attn_q_norm.weight", np.full(cfg.head_dim, qn))
                 self._const(p + "attn_k_norm.weight", np.full(cfg.head_dim, qn))
@@ -737,7 +739,9 @@ def write_synth_info(path: str | os.PathLike, cfg: SynthConfig, *, force: bool =
         path=str(path), bytes=path.stat().st_size, arch=cfg.arch, gguf_arch=GGUF_ARCH[cfg.arch],
         preset=cfg.preset, geometry=geometry, expert_type=cfg.expert_type, structure=cfg.structure,
         fast_random=cfg.fast_random, n_tensors=len(model.tensors), header_sha256=sha,
-        fingerprint=sha[:32], extra={"note": cfg.note} if cfg.note else {},
+        fingerprint=sha[:32],
+        extra={"seed": cfg.seed, "strength": cfg.strength, "heat_skew": cfg.heat_skew, "context": cfg.context,
+               **({"note": cfg.note} if cfg.note else {})},
     )
 
 

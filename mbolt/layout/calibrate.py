@@ -91,21 +91,23 @@ def _log_lift(pairs: np.ndarray, E: int) -> np.ndarray:
 def sample_sets(b: np.ndarray, A: np.ndarray, gamma: float, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
     """n token sets of k distinct experts (see module doc). Returns int16 [n, k]."""
     E = len(b)
-    logb = np.log(np.maximum(b, 1e-300))
-    logb[b <= 0] = -np.inf
-    score = np.tile(logb, (n, 1))  # log weight of every expert for every token
+    expA = np.exp(gamma * A).astype(np.float32)
+    w = np.tile((np.asarray(b) / max(np.max(b), 1e-300)).astype(np.float32), (n, 1))  # weight per token x expert
     out = np.zeros((n, k), np.int64)
     rows = np.arange(n)
+    cdf = np.empty_like(w)
     for r in range(k):
-        m = score.max(axis=1, keepdims=True)
-        w = np.exp(score - m)
-        cdf = np.cumsum(w, axis=1)
-        u = rng.random(n) * cdf[:, -1]
-        e = np.minimum((cdf < u[:, None]).sum(axis=1), E - 1)
+        np.cumsum(w, axis=1, out=cdf)
+        total = cdf[:, -1]
+        u = rng.random(n, dtype=np.float32) * total * np.float32(1 - 1e-6)
+        # first expert whose cumulative weight exceeds u: always one with positive weight
+        e = np.minimum((cdf <= u[:, None]).sum(axis=1), E - 1)
         out[:, r] = e
-        score[rows, e] = -np.inf
-        if gamma and r < k - 1:
-            score += gamma * A[e]
+        w[rows, e] = 0.0
+        if r < k - 1:
+            if gamma:
+                w *= expA[e]
+            w /= np.maximum(w.sum(axis=1, keepdims=True), 1e-30)
     return out.astype(np.int16)
 
 

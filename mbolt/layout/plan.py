@@ -238,12 +238,14 @@ def _jsonable(o):
 
 def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap: int = 0, cache_slots: int = 0,
                     methods=METHODS, bound: str = "lp", extra_perms: dict | None = None,
-                    progress=None, **opts) -> dict:
+                    progress=None, planned: dict | None = None, **opts) -> dict:
     """Every method's training and held-out reads/token (plus any `extra_perms` {name: perm}),
     ratio to stock, and the adjacency bound as a lower bound on reads (valid for gap 0, no cache).
 
     bound: "lp" (2-matching LP), "top2" or "none". The held-out bound is computed from the
     held-out tokens' own counts (the best any order could do on them: an oracle, not a plan).
+    `planned` {method: (perm, seconds)} reuses orders already built from the same training
+    tokens; the orders used are returned under "perms" when `planned` is given (filled in).
     """
     from mbolt.layout.bounds import adjacency_bounds, reads_lower_bound
 
@@ -251,9 +253,14 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
     rows = []
     perms = {}
     for m in methods:
+        if planned is not None and m in planned:
+            perms[m], perms[m + ":seconds"] = planned[m]
+            continue
         t0 = time.perf_counter()
         perms[m] = plan_orders(co, m, geometry=geometry, gap=gap, **opts)
         perms[m + ":seconds"] = time.perf_counter() - t0
+        if planned is not None:
+            planned[m] = (perms[m], perms[m + ":seconds"])
         if progress:
             progress(m)
     for name, p in (extra_perms or {}).items():

@@ -38,7 +38,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from mbolt.atomic import atomic_output, clean_stale_parts, write_text_atomic
 from mbolt.errors import MboltError
-from mbolt.gguf.header import _NP, _SCALAR, GGUF_MAGIC, GGUFHeader, read_header
+from mbolt.gguf.header import _NP, _SCALAR, GGUF_MAGIC, read_header
 from mbolt.gguf.moe_map import PAGE, WEIGHT_ROLES, MoeMap, moe_map
 from mbolt.gguf.packed import PackedLayer, PackedRole, packed_kvs, packed_name
 from mbolt.rewrite.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, read_route_map, sidecar_dict, sidecar_path

@@ -27,7 +27,7 @@ import numpy as np
 
 from mbolt.errors import MboltError
 from mbolt.gguf.header import GGUFHeader, read_header
-from mbolt.gguf.moe_map import MoeMap, moe_map
+from mbolt.gguf.moe_map import moe_map
 from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
 from mbolt.rewrite.routemap import RouteMap, is_route_map_key, read_route_map
 
@@ -230,6 +230,32 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
         progress(total, total)
 
 
+def check_packed_padding(om, out_rm: RouteMap, report: VerifyReport) -> int:
+    """Packed slots may end in padding (to keep slots 4 KiB aligned): it must be zeros."""
+    checked = 0
+    with open(om.path, "rb") as f:
+        for layer in om.moe_layers:
+            ws = [w for w in layer.weights if w.container]
+            if not ws:
+                continue
+            stride = ws[0].stride
+            used = max(w.data_offset + w.slice_bytes for w in ws) - min(w.data_offset for w in ws)
+            if stride <= used:
+                continue
+            first = min(w.data_offset for w in ws) + used
+            for p in range(om.n_experts):
+                f.seek(first + p * stride)
+                buf = f.read(stride - used)
+                checked += len(buf)
+                if buf.count(0) != len(buf):
+                    report.n_mismatches += 1
+                    if len(report.mismatches) < MAX_LISTED:
+                        at = next(i for i, b in enumerate(buf) if b)
+                        report.mismatches.append(Mismatch(ws[0].container + " (slot padding)", layer.index, p,
+                                                          int(out_rm.perm[layer.index, p]), used + at))
+    return checked
+
+
 def _record(jobs: _Jobs, i: int, offset: int, report: VerifyReport) -> None:
     report.n_mismatches += 1
     if len(report.mismatches) < MAX_LISTED:
@@ -312,21 +338,32 @@ def verify(
 
     jobs = _jobs(st, od, src_rm, out_rm)
     compare_data(src, out, jobs, report, progress)
+    pad = check_packed_padding(om, out_rm, report)
     n_slices = int((jobs.pos >= 0).sum())
     report.add("data", report.n_mismatches == 0,
                f"{report.n_mismatches} slices/tensors differ" if report.n_mismatches else
                f"{report.bytes_compared:,} bytes identical ({n_slices:,} expert slices, "
-               f"{int((jobs.pos < 0).sum()):,} plain tensors)")
+               f"{int((jobs.pos < 0).sum()):,} plain tensors)" + (f"; {pad:,} packed padding bytes zero" if pad else ""))
     report.seconds = time.perf_counter() - t0  # the bit-identity part (what the benchmark times)
 
     if parity:
         from mbolt.rewrite.parity import routing_parity
 
         try:
-            report.parity = routing_parity(src, out, prompts=prompts, n_tokens=n_tokens)
-            report.add("routing", report.parity["ok"], report.parity["detail"])
+            from mbolt.engine import load_model
         except ImportError as e:
             report.add("routing", None, f"pending: reference engine not available ({e})")
+        else:
+            try:  # a source the engine cannot run (architecture, type) is skipped, with the reason
+                load_model(src).close()
+            except MboltError as e:
+                report.add("routing", None, f"skipped: the reference engine cannot run the source ({e})")
+            else:
+                try:
+                    report.parity = routing_parity(src, out, prompts=prompts, n_tokens=n_tokens)
+                    report.add("routing", report.parity["ok"], report.parity["detail"])
+                except MboltError as e:
+                    report.add("routing", False, str(e))
     if llama:
         from mbolt.rewrite.parity import llama_parity
 
