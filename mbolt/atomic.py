@@ -24,6 +24,8 @@ def atomic_output(path: str | os.PathLike, *, force: bool = True, mode: str = "w
         raise MboltError(f"{path.parent}: output directory does not exist")
     # The pid in the name lets clean_stale_parts() tell a killed writer's leftover from a live one.
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".part", dir=path.parent)
+    # mkstemp creates 0600; give the output the permissions a plain open() would.
+    os.fchmod(fd, 0o666 & ~_umask())
     try:
         with os.fdopen(fd, mode) as f:
             yield f
@@ -72,3 +74,9 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
