@@ -635,5 +635,33 @@ def synth_trace_cmd(
                       f"{tr.n_experts} experts, k={tr.k}", highlight=False)
 
 
+@app.command("demo")
+@user_errors
+def demo_cmd(
+    workdir: Path = typer.Option(Path("mbolt-demo"), "--workdir", help="Where the model, traces, plans and results go."),
+    size: str = typer.Option("tiny", "--size", help="tiny (< 3 min on 2 cores), small or medium."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the synthetic model."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Run the whole pipeline on a built-in synthetic model: synth, trace, plan, reorder,
+    verify, cold A/B with an A/A control. No downloads."""
+    from mbolt.demo import run_demo
+    from mbolt.report.tables import demo_table
+
+    with console.status("starting") as status:
+        def progress(step, detail=""):
+            status.update(f"[bold]{step}[/]: {detail}")
+            if not as_json:
+                console.log(f"[bold]{step}[/] {detail}")
+
+        summary = run_demo(workdir, size, seed=seed, progress=progress)
+    if as_json:
+        print_json(summary)
+    else:
+        console.print(demo_table(summary))
+    if not all(v["ok"] for v in summary["verify"].values()):
+        raise typer.Exit(1)
+
+
 def main() -> None:
     app()

@@ -58,6 +58,9 @@ def test_plan_rich_output_and_bad_input(tmp_path):
     write_trace(tmp_path / "few.mbtrace", tr.select(np.arange(200) < 3))
     r = run("plan", tmp_path / "few.mbtrace")
     assert r.exit_code == 2 and "too few" in r.output
+    write_trace(tmp_path / "empty.mbtrace", tr.select(np.zeros(200, bool)))
+    r = run("plan", tmp_path / "empty.mbtrace")
+    assert r.exit_code == 2 and "no tokens" in r.output
     r = run("plan", tmp_path / "missing.mbtrace")
     assert r.exit_code == 2 and "not found" in r.output
     r = run("plan", tmp_path / "t.mbtrace", "--geometry", "nope")

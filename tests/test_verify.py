@@ -62,7 +62,7 @@ def test_every_arch_survives_reorder_and_verify(tmp_path, arch, layout):
     rep = verify(src, out, parity=True, n_tokens=2, prompts=["hello world", "def f(x): return x"])
     assert rep.ok, [c for c in rep.checks if not c.ok]
     names = [c.name for c in rep.checks]
-    assert names == ["header", "route map", "metadata", "tensors", "data", "routing"]
+    assert names == ["header", "route map", "sidecar", "metadata", "tensors", "data", "routing"]
     assert rep.parity["decisions"] > 0 and rep.parity["identical"] == rep.parity["decisions"]
     assert rep.bytes_compared > 0.9 * sum(t.nbytes for t in read_header(src).tensors)
 
@@ -74,8 +74,9 @@ def test_biased_model_parity_both_layouts(files):
         assert rep.ok, [c for c in rep.checks if not c.ok]
 
 
+@pytest.mark.parametrize("reader", ["mmap", "pread"])
 @pytest.mark.parametrize("layout", ["reorder", "packed"])
-def test_flipped_byte_in_expert_slice_is_named(files, tmp_path, layout):
+def test_flipped_byte_in_expert_slice_is_named(files, tmp_path, layout, reader):
     src, out, perm = files
     bad = copy(out[layout], tmp_path / "bad.gguf")
     layer, position = 2, 5
@@ -90,7 +91,7 @@ def test_flipped_byte_in_expert_slice_is_named(files, tmp_path, layout):
         slot = t.n_bytes // 8
         at = t.data_offset + position * slot + g.n_bytes // 8 + 17
     flip(bad, at)
-    rep = verify(src, bad)
+    rep = verify(src, bad, reader=reader)
     assert not rep.ok and rep.n_mismatches == 1
     m = rep.mismatches[0]
     assert (m.tensor, m.layer, m.position, m.expert, m.offset) == (
@@ -106,7 +107,7 @@ def test_flipped_byte_in_router_and_plain_tensor(files, tmp_path):
     router = next(t for t in r.tensors if t.name == "blk.1.ffn_gate_inp.weight")
     flip(bad, emb.data_offset + 100)
     flip(bad, router.data_offset + 3 * (router.n_bytes // 8))  # first byte of position 3's row
-    rep = verify(src, bad)
+    rep = verify(src, bad, reader="pread")
     got = {(m.tensor, m.layer, m.position, m.expert, m.offset) for m in rep.mismatches}
     assert got == {("token_embd.weight", -1, -1, -1, 100), ("blk.1.ffn_gate_inp.weight", 1, 3, int(perm[1, 3]), 0)}
 
@@ -196,3 +197,37 @@ def test_packed_slot_padding_must_be_zero(tmp_path):
     assert not rep.ok
     m = rep.mismatches[0]
     assert (m.tensor, m.layer, m.position, m.offset) == ("blk.1.ffn_exps_packed (slot padding)", 1, 2, 3461)
+
+
+@pytest.mark.parametrize("reader", ["mmap", "pread"])
+def test_small_chunks_report_each_slice_once(files, tmp_path, monkeypatch, reader):
+    import mbolt.rewrite.verify as V
+
+    monkeypatch.setattr(V, "BUF", 512)  # slices span several chunks
+    monkeypatch.setattr(V, "RELEASE", 4096)
+    src, out, perm = files
+    bad = copy(out["reorder"], tmp_path / "bad.gguf")
+    t = next(t for t in GGUFReader(bad).tensors if t.name == "blk.1.ffn_gate_exps.weight")
+    sb = t.n_bytes // 8
+    assert sb > 3 * 512
+    for off in (10, 700, sb - 1):  # three bytes of position 4's slice, in different chunks
+        flip(bad, t.data_offset + 4 * sb + off)
+    flip(bad, t.data_offset + 6 * sb)  # and the first byte of position 6
+    rep = V.verify(src, bad, reader=reader)
+    got = [(m.tensor, m.position, m.expert, m.offset) for m in rep.mismatches]
+    name = "blk.1.ffn_gate_exps.weight"
+    assert got == [(name, 4, int(perm[1, 4]), 10), (name, 6, int(perm[1, 6]), 0)]
+
+
+def test_stale_sidecar_is_flagged(files, tmp_path):
+    src, out, _ = files
+    a = copy(out["reorder"], tmp_path / "a.gguf")
+    rep = verify(src, a)
+    assert next(c for c in rep.checks if c.name == "sidecar").ok is None  # none written for the copy
+    side = tmp_path / "a.gguf.mbolt.json"
+    side.write_text((out["packed"].parent / "packed.gguf.mbolt.json").read_text())
+    rep = verify(src, a)
+    c = next(c for c in rep.checks if c.name == "sidecar")
+    assert c.ok is False and "stale" in c.detail and not rep.ok
+    side.write_text((out["reorder"].parent / "reorder.gguf.mbolt.json").read_text())
+    assert verify(src, a).ok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -39,3 +40,51 @@ def moe_map_table(m: MoeMap) -> Group:
         for name in layer.shared:
             t.add_row(str(layer.index), f"[dim]{name}[/]", "[dim]shared[/]", "", "", "", "")
     return Group(head, t)
+
+
+def _fmt(x, spec=".1f", none="–"):
+    return none if x is None else format(x, spec)
+
+
+def demo_table(s: dict) -> Group:
+    """The one summary `mbolt demo` ends with (every number from demo.json)."""
+    g, tr = s["geometry"], s["trace"]
+    head = Text.assemble(
+        ("mbolt demo", "bold"), f" ({s['size']}): {g['n_layers']} layers x {g['n_experts']} experts, k={g['k']}, "
+        f"{human_bytes(g['slice_bytes'])} expert slices; traced {tr['prompts']} prompts "
+        f"({tr['prefill_tokens']} prefill + {tr['decode_tokens']} decode tokens); planned on "
+        f"{tr['train_decode_tokens']} training decode tokens, replayed {tr['heldout_decode_tokens']} held-out ones.",
+    )
+    t = Table(title=f"cold replay of held-out tokens: explicit reads, QD1 buffered, {_fmt(s['ab']['arms'][0]['mb_per_token'], '.2f')} "
+                    "MB/token in every arm; medians over rounds with swapped arm order", header_style="bold",
+              box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in ("arm", "reads\n/token", "pred.\nreads", "I/O ms\n/token", "cold\ntok/s", "x stock", "95% CI",
+                "pred.\nx stock"):
+        t.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True,
+                     min_width=max(len(line) for line in col.split("\n")))
+    for a in s["ab"]["arms"]:
+        ci = a.get("speedup_ci95") or [None, None]
+        t.add_row(a["arm"], _fmt(a["reads_per_token"]), _fmt(a["pred_reads_per_token"]),
+                  _fmt(a["io_ms_per_token"], ".1f"), _fmt(a["cold_tokens_per_s"], ".0f"),
+                  _fmt(a["speedup_vs_stock"], ".2f"), f"{_fmt(ci[0], '.2f')}-{_fmt(ci[1], '.2f')}",
+                  _fmt(a["pred_speedup"], ".2f"))
+    v = Table(title="verification", header_style="bold")
+    v.add_column("file")
+    v.add_column("verdict")
+    v.add_column("checks")
+    for name, rep in s["verify"].items():
+        v.add_row(name, "[green]PASS[/]" if rep["ok"] else "[red]FAIL[/]",
+                  ", ".join(c["name"] for c in rep["checks"] if c["ok"] is not None))
+    notes = []
+    ab = s["ab"]
+    notes.append("cold: page cache evicted and proven empty (mincore) before every arm" if ab["cold"]
+                 else "[red]NOT cold: eviction could not be proven[/]")
+    notes += [f"[yellow]flag:[/] {f}" for f in ab["flags"]] + list(ab["notes"])
+    aa = ab.get("aa_deviation")
+    if aa is not None:
+        verdict = "within" if abs(aa) <= 0.03 else "[yellow]outside[/]"
+        notes.append(f"A/A control: {100 * aa:+.1f}% ({verdict} +-3%); differences smaller than that are noise"
+                     + ("" if abs(aa) <= 0.03 else " on this machine right now"))
+    notes.append(f"files in {s['workdir']}; A/B result {ab['result']}; summary {s['workdir']}/demo.json; "
+                 f"{s['seconds']:.0f} s")
+    return Group(head, t, v, Text.from_markup("\n".join(notes)))

@@ -29,9 +29,12 @@ from mbolt.errors import MboltError
 from mbolt.gguf.header import GGUFHeader, read_header
 from mbolt.gguf.moe_map import moe_map
 from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
-from mbolt.rewrite.routemap import RouteMap, is_route_map_key, read_route_map
+from mbolt.rewrite.routemap import RouteMap, is_route_map_key, read_route_map, read_sidecar, sidecar_path
 
-BUF = 4 << 20
+BUF = 4 << 20  # bytes compared per step
+RELEASE = 16 << 20  # mmap reader: drop compared pages from the mapping every this many bytes
+MARGIN = 2 << 20  # ... widened by this much: faults map whole (large) folios around what was read
+PAGE = 4096
 MAX_LISTED = 50  # mismatches kept in the report (all are counted)
 IGNORED_KEYS = ("general.alignment",)  # besides mbolt.*
 
@@ -177,14 +180,92 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.array_equal(a[m:], b[m:]))
 
 
-def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress: Progress | None) -> None:
+class _PreadPair:
+    """Chunks of both files read into two reusable buffers (bounded memory, clean errors)."""
+
+    def __init__(self, fa: int, fb: int, paths):
+        self.fa, self.fb, self.paths = fa, fb, paths
+        self.bufa, self.bufb = bytearray(BUF), bytearray(BUF)
+        self.na, self.nb = np.frombuffer(self.bufa, np.uint8), np.frombuffer(self.bufb, np.uint8)
+        self.mva, self.mvb = memoryview(self.bufa), memoryview(self.bufb)
+
+    def get(self, s0: int, o0: int, k: int):
+        ra = os.preadv(self.fa, [self.mva[:k]], s0)
+        rb = os.preadv(self.fb, [self.mvb[:k]], o0)
+        if ra != k or rb != k:
+            raise MboltError(f"{self.paths[0] if ra != k else self.paths[1]}: short read at byte "
+                             f"{(s0 if ra != k else o0) + min(ra, rb)} (file truncated while verifying?)")
+        return self.na[:k], self.nb[:k]
+
+    def done(self, s0: int, o0: int, k: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _MmapPair:
+    """Both files mapped and compared in place (no copy: as fast as reading them once).
+
+    Mapped pages count in RSS, so every RELEASE bytes the pages compared so far are dropped
+    from the mapping (MADV_DONTNEED; they stay in the page cache): memory stays bounded."""
+
+    def __init__(self, fa: int, fb: int, paths):
+        import mmap
+
+        self.mmap = mmap
+        self.ma = mmap.mmap(fa, 0, access=mmap.ACCESS_READ)
+        self.mb = mmap.mmap(fb, 0, access=mmap.ACCESS_READ)
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            self.mb.madvise(mmap.MADV_SEQUENTIAL)  # the output is read in order
+        self.A, self.B = np.frombuffer(self.ma, np.uint8), np.frombuffer(self.mb, np.uint8)
+        self.paths = paths
+        self._reset()
+
+    def _reset(self):
+        self.lo_a = self.lo_b = 1 << 62
+        self.hi_a = self.hi_b = 0
+        self.since = 0
+
+    def get(self, s0: int, o0: int, k: int):
+        if s0 + k > len(self.A) or o0 + k > len(self.B):
+            bad = self.paths[0] if s0 + k > len(self.A) else self.paths[1]
+            raise MboltError(f"{bad}: shorter than its header says (file truncated while verifying?)")
+        return self.A[s0:s0 + k], self.B[o0:o0 + k]
+
+    def done(self, s0: int, o0: int, k: int) -> None:
+        self.lo_a, self.hi_a = min(self.lo_a, s0), max(self.hi_a, s0 + k)
+        self.lo_b, self.hi_b = min(self.lo_b, o0), max(self.hi_b, o0 + k)
+        self.since += k
+        if self.since >= RELEASE:
+            self.release()
+
+    def release(self) -> None:
+        if not hasattr(self.mmap, "MADV_DONTNEED") or self.since == 0:
+            return
+        for m, lo, hi in ((self.ma, self.lo_a, self.hi_a), (self.mb, self.lo_b, self.hi_b)):
+            lo = max(0, lo - MARGIN)
+            lo -= lo % PAGE
+            hi = min(len(m), hi + MARGIN + (-hi) % PAGE)
+            if hi > lo:
+                m.madvise(self.mmap.MADV_DONTNEED, lo, hi - lo)
+        self._reset()
+
+    def close(self) -> None:
+        self.A = self.B = None
+        for m in (self.ma, self.mb):
+            try:
+                m.close()
+            except BufferError:  # a view still alive (an exception in flight): the GC closes it
+                pass
+
+
+def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress: Progress | None,
+                 reader: str = "mmap") -> None:
     total = int(jobs.n.sum())
-    bufa, bufb = bytearray(BUF), bytearray(BUF)
-    na, nb = np.frombuffer(bufa, np.uint8), np.frombuffer(bufb, np.uint8)
-    mva, mvb = memoryview(bufa), memoryview(bufb)
     done = last = 0
     last_bad = -1
-    # Jobs contiguous on both sides are compared as one range, read in chunks of at most BUF.
+    # Jobs contiguous on both sides are compared as one range, in chunks of at most BUF.
     cont = (jobs.src[1:] == jobs.src[:-1] + jobs.n[:-1]) & (jobs.out[1:] == jobs.out[:-1] + jobs.n[:-1])
     starts = np.flatnonzero(np.concatenate([[True], ~cont])) if len(jobs.n) else np.zeros(0, np.int64)
     ends = np.append(starts[1:], len(jobs.n))
@@ -192,24 +273,21 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
     groups = [(int(jobs.src[a]), int(jobs.out[a]), int(job_out_end[b - 1] - jobs.out[a])) for a, b in zip(starts, ends)]
     chunks = split_ops(groups, BUF)
     fa, fb = os.open(src_path, os.O_RDONLY), os.open(out_path, os.O_RDONLY)
+    pair = None
     try:
+        pair = (_MmapPair if reader == "mmap" else _PreadPair)(fa, fb, (src_path, out_path))
         # the output is read in order (kernel readahead works); source slices come permuted
         ahead = _Readahead(fa, chunks)
+        ahead_out = _Readahead(fb, [(o, s, k) for s, o, k in chunks]) if reader == "mmap" else None
         for i, (s0, o0, k) in enumerate(chunks):
             ahead.advance(i)
-            ra = os.preadv(fa, [mva[:k]], s0)
-            rb = os.preadv(fb, [mvb[:k]], o0)
-            if ra != k or rb != k:
-                raise MboltError(f"{src_path if ra != k else out_path}: short read at byte "
-                                 f"{(s0 if ra != k else o0) + min(ra, rb)} (file truncated while verifying?)")
-            if k == BUF and bufa == bufb:  # memcmp
-                pass
-            elif k < BUF and _equal(na[:k], nb[:k]):
-                pass
-            else:
+            if ahead_out is not None:  # page faults read synchronously: ask for the output ahead too
+                ahead_out.advance(i)
+            a, b = pair.get(s0, o0, k)
+            if not _equal(a, b):
                 at = 0
                 while at < k:
-                    diff = np.flatnonzero(na[at:k] != nb[at:k])
+                    diff = np.flatnonzero(a[at:] != b[at:])
                     if not diff.size:
                         break
                     bad_out = o0 + at + int(diff[0])
@@ -218,16 +296,41 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
                         _record(jobs, j, int(bad_out - jobs.out[j]), report)
                         last_bad = j
                     at = int(job_out_end[j] - o0)  # one report per slice: resume after this job
+            del a, b
+            pair.done(s0, o0, k)
             done += k
             if progress and (done - last >= 64 << 20):
                 last = done
                 progress(done, total)
     finally:
+        if pair is not None:
+            pair.close()
         os.close(fa)
         os.close(fb)
     report.bytes_compared = total
     if progress:
         progress(total, total)
+
+
+def check_sidecar(out: Path, oh: GGUFHeader, rm: RouteMap) -> tuple[bool | None, str]:
+    """The JSON sidecar, when present, must describe this very file and route map."""
+    import json
+
+    sp = sidecar_path(out)
+    if not sp.exists():
+        return None, f"no {sp.name} (engines that read GGUF metadata do not need it)"
+    try:
+        d = json.loads(sp.read_text())
+        side = read_sidecar(sp)
+    except (MboltError, ValueError, OSError) as e:
+        return False, str(e)
+    problems = []
+    if d.get("fingerprint") != oh.fingerprint:
+        problems.append(f"written for another file (fingerprint {str(d.get('fingerprint'))[:12]}, this file "
+                        f"{oh.fingerprint[:12]}): stale")
+    elif not np.array_equal(side.perm, rm.perm) or side.layout != rm.layout or side.source_fingerprint != rm.source_fingerprint:
+        problems.append("route map differs from the file's mbolt.* metadata")
+    return (not problems), ("; ".join(problems) or f"{sp.name} matches the route map")
 
 
 def check_packed_padding(om, out_rm: RouteMap, report: VerifyReport) -> int:
@@ -275,6 +378,7 @@ def verify(
     n_tokens: int = 8,
     llama: bool = False,
     progress: Progress | None = None,
+    reader: str = "mmap",
 ) -> VerifyReport:
     """Verify `out` (written by `mbolt reorder`) against `src`; returns a report (never raises
     for a difference; raises MboltError only when `src` itself is unreadable)."""
@@ -315,6 +419,7 @@ def verify(
         report.seconds = time.perf_counter() - t0
         return report
 
+    report.add("sidecar", *check_sidecar(out, oh, out_rm))
     meta = compare_metadata(sh, oh)
     report.add("metadata", not meta, "; ".join(meta[:5]) + (f" (+{len(meta) - 5} more)" if len(meta) > 5 else "")
                if meta else f"{sum(not is_route_map_key(k) for k in sh.kv)} keys identical")
@@ -337,7 +442,7 @@ def verify(
         return report
 
     jobs = _jobs(st, od, src_rm, out_rm)
-    compare_data(src, out, jobs, report, progress)
+    compare_data(src, out, jobs, report, progress, reader)
     pad = check_packed_padding(om, out_rm, report)
     n_slices = int((jobs.pos >= 0).sum())
     report.add("data", report.n_mismatches == 0,

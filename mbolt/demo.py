@@ -1,0 +1,243 @@
+"""`mbolt demo`: the whole pipeline on a built-in synthetic model, no downloads.
+
+synth (planted co-activation groups) -> trace built-in prompts with the reference engine ->
+split by prompt (held-out prompts never seen by the planner) -> plan (tsp and mbolt-chain) ->
+rewrite (reorder and packed layouts) -> verify (bit-identity + routing parity) -> probe the
+drive -> cold replay A/B of the held-out tokens with an A/A control -> one summary.
+
+Every number the summary shows is read back from `demo.json`, the file the run writes, so what
+a user sees and what a script reads cannot disagree.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.errors import MboltError
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    n_layers: int
+    n_experts: int
+    k: int
+    hidden: int
+    expert_ff: int
+    n_prompts: int
+    new_tokens: int
+    rounds: int
+
+
+# Expert slices are hidden * expert_ff * 4 bytes (F32): 64 KiB for tiny and small, the
+# fine-grained regime where coalescing reads pays (DESIGN.md: the slice-size law).
+SIZES = {
+    "tiny": DemoSize(n_layers=8, n_experts=32, k=4, hidden=128, expert_ff=128, n_prompts=24, new_tokens=24, rounds=3),
+    "small": DemoSize(n_layers=16, n_experts=64, k=8, hidden=128, expert_ff=128, n_prompts=48, new_tokens=32, rounds=5),
+    "medium": DemoSize(n_layers=16, n_experts=128, k=8, hidden=256, expert_ff=256, n_prompts=64, new_tokens=32, rounds=5),
+}
+
+# Two domains of short prompts; every third prompt is held out (never seen by the planner).
+_CODE = [
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }",
+    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
+    "import numpy as np\nx = np.linspace(0, 1, 100)\n",
+    "fn main() { let v: Vec<u32> = (0..10).collect(); }",
+    "class Stack:\n    def push(self, x):\n        self.items.append(x)\n",
+    "git rebase -i HEAD~3 && git push --force-with-lease",
+    "const total = items.reduce((acc, x) => acc + x.price, 0);",
+    "while read line; do echo \"$line\" | cut -d, -f2; done < data.csv",
+    "try:\n    f = open(path)\nexcept OSError as e:\n    log(e)\n",
+    "template <typename T> T max(T a, T b) { return a > b ? a : b; }",
+    "df.groupby('city')['sales'].sum().sort_values()",
+]
+_PROSE = [
+    "The river wound slowly through the valley, past fields of barley and old stone walls.",
+    "Write a short letter thanking a colleague for their help with the quarterly report.",
+    "What are the main causes of the French Revolution? Answer in three sentences.",
+    "Describe the smell of rain on a hot summer afternoon in the city.",
+    "Summarise the plot of a story about a lighthouse keeper who finds a message in a bottle.",
+    "Give three tips for a beginner who wants to start running in the winter.",
+    "Explain to a child why the sky looks blue during the day and red at sunset.",
+    "Once upon a time, in a kingdom by the sea, there lived a baker with a secret.",
+    "List the planets of the solar system in order of their distance from the sun.",
+    "Why do cats purr? Give the scientific explanation in simple words.",
+    "Compose a haiku about the first snow falling on a quiet mountain village.",
+    "Recommend a weekend itinerary for a first visit to Lisbon on a small budget.",
+]
+
+
+def demo_prompts(n: int) -> list[dict]:
+    """n prompts alternating code and prose (cycled with a numbered suffix when n > 24)."""
+    out = []
+    for i in range(n):
+        pool, tag = (_CODE, "code") if i % 2 == 0 else (_PROSE, "prose")
+        j = i // 2
+        text = pool[j % len(pool)] + ("" if j < len(pool) else f" ({j // len(pool) + 1})")
+        out.append({"prompt": text, "source": tag})
+    return out
+
+
+def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress=None) -> dict:
+    """Run the pipeline in `workdir`; returns the summary (also written to workdir/demo.json).
+
+    `progress(step, detail)` is called as each stage starts.
+    """
+    from mbolt.bench.ab import Arm, run_ab, write_result
+    from mbolt.bench.predict import predict_vs_measured
+    from mbolt.bench.probe import probe
+    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.layout.evaluate import geometry_from_model
+    from mbolt.layout.plan import make_plan, save_plan
+    from mbolt.rewrite.reorder import reorder_file
+    from mbolt.rewrite.verify import verify
+    from mbolt.trace.format import read_trace, write_trace
+    from mbolt.trace.model import DECODE
+    from mbolt.trace.tracer import trace_prompts
+
+    if size not in SIZES:
+        raise MboltError(f"unknown demo size {size!r} (choose from {', '.join(SIZES)})")
+    sz = SIZES[size]
+    wd = Path(workdir)
+    wd.mkdir(parents=True, exist_ok=True)
+    say = progress or (lambda step, detail="": None)
+    t_start = time.perf_counter()
+    timings = {}
+
+    def step(name, detail=""):
+        timings[name] = time.perf_counter()
+        say(name, detail)
+
+    # 1. model
+    step("synth", f"{sz.n_layers} layers x {sz.n_experts} experts, k={sz.k}, planted groups")
+    model = wd / "model.gguf"
+    cfg = SynthConfig(arch="qwen3moe", n_layers=sz.n_layers, n_experts=sz.n_experts, n_used=sz.k,
+                      hidden=sz.hidden, expert_ff=sz.expert_ff, n_heads=4, n_kv_heads=2,
+                      head_dim=sz.hidden // 4, expert_type="F32", seed=seed, structure="planted",
+                      context=1)
+    write_synth(model, cfg)
+
+    # 2. trace every prompt; held-out = every third prompt (split by prompt, not by token)
+    prompts = demo_prompts(sz.n_prompts)
+    step("trace", f"{len(prompts)} prompts x {sz.new_tokens} new tokens, reference engine")
+    run_path = wd / "run.mbtrace"
+    trace_info = trace_prompts(model, [_as_prompt(p) for p in prompts], run_path, max_new_tokens=sz.new_tokens)
+    trace = read_trace(run_path)
+    held_seqs = np.array([s for s in range(len(prompts)) if s % 3 == 2])
+    is_held = np.isin(trace.seq, held_seqs)
+    # Replay the held-out decode tokens: decode is where an engine streams experts one token at a time.
+    train, held = trace.select(~is_held), trace.select(is_held & (trace.phase == DECODE))
+    held_path = wd / "held.mbtrace"
+    write_trace(held_path, held)
+
+    # 3. plans on the training prompts only
+    step("plan", "tsp and mbolt-chain on the training prompts")
+    from mbolt.gguf.moe_map import moe_map
+
+    mm = moe_map(model)
+    plans = {}
+    for method in ("tsp", "mbolt-chain"):
+        plan = make_plan(train, method, train_frac=1.0, geometry=geometry_from_model(mm, "packed"))
+        plans[method] = save_plan(wd / f"plan-{method}.json", plan)
+
+    # 4. rewrite: tsp in both layouts, mbolt-chain packed, and identity-packed (coalescing alone)
+    step("reorder", "reorder tsp, packed tsp, packed chain (mbolt-chain order), packed identity (coalescing alone)")
+    files = {
+        "stock": model,
+        "reorder tsp": wd / "model.reorder-tsp.gguf",
+        "packed tsp": wd / "model.packed-tsp.gguf",
+        "packed chain": wd / "model.packed-chain.gguf",
+        "packed identity": wd / "model.packed-identity.gguf",
+    }
+    reorder_file(model, files["reorder tsp"], plan=plans["tsp"], layout="reorder", force=True)
+    reorder_file(model, files["packed tsp"], plan=plans["tsp"], layout="packed", force=True)
+    reorder_file(model, files["packed chain"], plan=plans["mbolt-chain"], layout="packed", force=True)
+    reorder_file(model, files["packed identity"], identity=True, layout="packed", force=True)
+
+    # 5. verify: bit-identity of every tensor, and routing parity through the reference engine
+    step("verify", "bit-identity of every tensor + routing parity")
+    verdicts = {}
+    for name, path in files.items():
+        if name == "stock":
+            continue
+        rep = verify(model, path, parity=name in ("reorder tsp", "packed tsp"))
+        verdicts[name] = {"ok": rep.ok, "checks": [c.__dict__ for c in rep.checks],
+                          "bytes_compared": rep.bytes_compared}
+
+    # 6. probe the drive (t_op and bandwidth for the prediction), then the cold A/B
+    step("probe", "cold random reads, buffered QD1")
+    probe_d = probe(wd, sizes=(16 << 10, 64 << 10, 256 << 10), qds=(1,), modes=("buffered",), size_mb=64,
+                    reads_mb=4, max_reads=64, repeats=2)
+    probe_path = wd / "probe.json"
+    probe_path.write_text(json.dumps(probe_d, indent=2))
+    step("ab", f"cold replay of {held.n_tokens} held-out tokens, {sz.rounds} rounds, arms swapped, A/A control")
+    arms = [Arm(name=name, path=str(path)) for name, path in files.items()]
+    ab = run_ab(arms, trace=held, mode="replay", rounds=sz.rounds, name="demo", trace_path=str(held_path))
+    ab.prediction = predict_vs_measured(ab, None, held, probe_path)
+    write_result(wd / "ab.json", ab)
+
+    total_s = time.perf_counter() - t_start
+    summary = _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s)
+    (wd / "demo.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+    return json.loads((wd / "demo.json").read_text())
+
+
+def _as_prompt(p: dict):
+    from mbolt.trace.tracer import Prompt
+
+    return Prompt(text=p["prompt"], domain=p["source"], line=0)
+
+
+def _jsonable(o):
+    if isinstance(o, (np.integer,)):
+        return int(o)
+    if isinstance(o, (np.floating,)):
+        return float(o)
+    if isinstance(o, Path):
+        return str(o)
+    raise TypeError(type(o))
+
+
+def _aa_deviation(summary: list[dict]) -> float | None:
+    """How far the A/A control (same file, same options) landed from the baseline: the noise floor."""
+    aa = next((s for s in summary if s["arm"].endswith("(A/A)")), None)
+    if aa is None or aa.get("speedup_vs_baseline_median") is None:
+        return None
+    return aa["speedup_vs_baseline_median"] - 1.0
+
+
+def _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s) -> dict:
+    pred = {p["arm"]: p for p in (ab.prediction or [])}
+    arms = []
+    for s in ab.summary:
+        p = pred.get(s["arm"], {})
+        arms.append({
+            "arm": s["arm"],
+            "reads_per_token": s.get("reads_per_token"),
+            "mb_per_token": s.get("mb_per_token"),
+            "io_ms_per_token": s.get("io_ms_per_token_median"),
+            "cold_tokens_per_s": 1e3 / s["io_ms_per_token_median"] if s.get("io_ms_per_token_median") else None,
+            "speedup_vs_stock": s.get("speedup_vs_baseline_median"),
+            "speedup_ci95": s.get("speedup_ci95"),
+            "pred_reads_per_token": p.get("pred_reads_per_token"),
+            "pred_speedup": p.get("pred_speedup"),
+        })
+    return {
+        "size": size,
+        "geometry": {"n_layers": sz.n_layers, "n_experts": sz.n_experts, "k": sz.k,
+                     "slice_bytes": sz.hidden * sz.expert_ff * 4},
+        "workdir": str(wd),
+        "files": {k: str(v) for k, v in files.items()},
+        "trace": {"prompts": trace_info["prompts"], "prefill_tokens": trace_info["prefill_tokens"],
+                  "decode_tokens": trace_info["decode_tokens"],
+                  "train_decode_tokens": int((train.phase == 1).sum()), "heldout_decode_tokens": held.n_tokens},
+        "verify": verdicts,
+        "ab": {"cold": ab.cold, "flags": ab.flags, "aa_deviation": _aa_deviation(ab.summary), "notes": ab.notes, "baseline": ab.baseline,
+               "result": str(Path(wd) / "ab.json"), "arms": arms},
+        "seconds": round(total_s, 1),
+    }
