@@ -216,6 +216,8 @@ def ab_cmd(
     no_aa: bool = typer.Option(False, "--no-aa", help="Drop the A/A control arm."),
     threshold: float = typer.Option(0.01, "--threshold", help="Reject a round whose resident share exceeds this."),
     max_tokens: int = typer.Option(0, "--max-tokens", help="Replay at most this many held-out tokens (0 = all)."),
+    tokens_per_round: int = typer.Option(0, "--tokens-per-round",
+                                         help="Replay: each round reads the next slice of this many tokens (0 = all)."),
     name: str = typer.Option("", "--name", help="Result name: results/<name>.json."),
     out_dir: Path = typer.Option(Path("results"), "--out-dir", help="Where the result JSON goes."),
     prereg: Path = typer.Option(None, "--prereg", help="Run a pre-registration (prereg/x.toml): arms and rule from the file."),
@@ -242,6 +244,9 @@ def ab_cmd(
         decode = pr.mode == "decode"
         rounds = pr.rounds
         name = name or pr.name
+        if tokens_per_round:
+            raise MboltError("--prereg defines the protocol: set tokens_per_round in the file, not on the command line")
+        tokens_per_round = int(pr.raw.get("tokens_per_round", 0))
     else:
         if not arms:
             raise MboltError("give at least one arm (or --prereg)")
@@ -272,7 +277,8 @@ def ab_cmd(
         res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", rounds=rounds,
                      threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
                      progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
-                     prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""))
+                     prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
+                     tokens_per_round=tokens_per_round)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 

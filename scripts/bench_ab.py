@@ -157,7 +157,8 @@ def run_config(name: str, spec: dict, qd: int, direct: bool) -> dict:
         arms = pr.arms
     t0 = time.perf_counter()
     res = run_ab(arms, trace=held, rounds=pr.rounds if pr else spec["rounds"], name=cname,
-                 prereg=pr.to_dict() if pr else None, trace_path=str(p["held"]))
+                 prereg=pr.to_dict() if pr else None, trace_path=str(p["held"]),
+                 tokens_per_round=int(pr.raw.get("tokens_per_round", 0)) if pr else 0)
     res.prediction = predict_vs_measured(res, p["plan"], held, PROBE)
     if pr:
         res.prereg["result"] = verdict(pr, res.summary)
@@ -176,7 +177,7 @@ def run_config(name: str, spec: dict, qd: int, direct: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["prepare", "predict", "run", "decode"])
+    ap.add_argument("stage", choices=["prepare", "predict", "run", "decode", "explore"])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reprobe", action="store_true")
     args = ap.parse_args()
@@ -202,6 +203,9 @@ def main() -> None:
     if args.stage == "decode":
         run_decode()
         return
+    if args.stage == "explore":
+        run_explore(names)
+        return
     t0 = time.perf_counter()
     out = {}
     for n in names:
@@ -211,6 +215,58 @@ def main() -> None:
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     write_text_atomic(RESULTS / "ab_summary.json", json.dumps(summary, indent=1) + "\n")
     log(json.dumps(summary["goals"], indent=1))
+
+
+def run_explore(names: list[str], tokens_per_round: int = 8) -> dict:
+    """Not pre-registered, run after the registered configs: the same arms and tokens, but many
+    short rounds (tokens_per_round held-out tokens each, cycling) so that the neighbours' bursts
+    of I/O land on every arm, and the os arm in its own comparison (its 8 MiB read-around
+    disturbed the arm after it in the mixed runs)."""
+    from mbolt.trace.format import read_trace
+
+    out = {}
+    for n in names:
+        spec = MODELS[n]
+        p = paths(n)
+        held = read_trace(p["held"])
+        tpr = tokens_per_round if n == "s64k" else 4
+        rounds = spec["rounds"] * held.n_tokens // tpr
+        for qd, direct in spec["configs"]:
+            cname = cfg_name(n, qd, direct) + "_fine"
+            arms = [a for a in arms_for(n, qd, direct) if a.mode != "os"]
+            t0 = time.perf_counter()
+            res = run_ab(arms, trace=held, rounds=rounds, name=cname, trace_path=str(p["held"]),
+                         tokens_per_round=tpr)
+            res.prediction = predict_vs_measured(res, p["plan"], held, PROBE)
+            res.notes.append("exploratory (not pre-registered): many short rounds; 2 shared cores, ~7 other "
+                             "workers running on the machine")
+            write_result(RESULTS / f"{cname}.json", res)
+            out[cname] = res.to_dict()
+            _log_summary(cname, res, t0)
+        if spec["configs"][0] == (1, False):
+            cname = f"ab_{n}_os_vs_stock_fine"
+            arms = [Arm("stock", str(p["stock"])), Arm("os", str(p["stock"]), mode="os")]
+            t0 = time.perf_counter()
+            res = run_ab(arms, trace=held, rounds=max(4, rounds // 4), name=cname, trace_path=str(p["held"]),
+                         tokens_per_round=tpr)
+            res.notes.append("exploratory: mmap page faults (kernel read-around, read_ahead_kb of the device) "
+                             "vs explicit buffered preadv of the same stock file")
+            write_result(RESULTS / f"{cname}.json", res)
+            out[cname] = res.to_dict()
+            _log_summary(cname, res, t0)
+    summary = summarise_goals({k.replace("_fine", ""): v for k, v in out.items() if k.endswith("_fine")})
+    write_text_atomic(RESULTS / "ab_summary_fine.json", json.dumps(summary, indent=1) + "\n")
+    log(json.dumps(summary["goals"], indent=1))
+    return out
+
+
+def _log_summary(cname, res, t0):
+    log(cname, f"{time.perf_counter() - t0:.1f}s")
+    for s in res.summary:
+        log(f"  {s['arm']:<18} io {s['io_ms_per_token_median']:8.3f} ms/tok  reads/tok {s['reads_per_token']:7.1f}  "
+            f"speedup {s['speedup_vs_baseline_median']:.3f} CI {s['speedup_ci95'][0]:.3f}-{s['speedup_ci95'][1]:.3f}")
+    for f in res.flags:
+        log("  flag:", f)
 
 
 def run_decode(name: str = "s64k", rounds: int = 3) -> dict:

@@ -13,7 +13,7 @@ from mbolt.layout.bounds import lp_bound, top2_bound
 from mbolt.layout.coact import coactivation, groups
 from mbolt.layout.evaluate import Geometry, evaluate, lru_hits
 from mbolt.layout.methods import METHODS, order, path_weight
-from mbolt.layout.plan import Plan, load_plan, make_plan, save_plan, split_trace
+from mbolt.layout.plan import load_plan, make_plan, save_plan, split_trace
 from mbolt.trace.model import DECODE, PREFILL, Trace
 
 

@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.layout.calibrate import load_profile, match_report, structured_trace, synth_trace_like
+from mbolt.layout.calibrate import load_profile, structured_trace
 from mbolt.layout.plan import load_plan
 from mbolt.trace.format import read_trace, write_trace
-from mbolt.trace.model import DECODE, Trace
+from mbolt.trace.model import DECODE
 
 runner = CliRunner()
 

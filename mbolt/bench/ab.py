@@ -341,7 +341,14 @@ def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str
 
 def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay", rounds: int = 5,
            threshold: float = 0.01, aa: bool = True, name: str = "ab", prompts=None, n_new: int = 16,
-           seed: int = 0, progress=None, prereg: dict | None = None, trace_path: str = "") -> AbResult:
+           seed: int = 0, progress=None, prereg: dict | None = None, trace_path: str = "",
+           tokens_per_round: int = 0, aa_tolerance: float = 0.03) -> AbResult:
+    """Run every arm `rounds` times in alternating order (see the module docstring).
+
+    `tokens_per_round` > 0 (replay): round r replays the next slice of that many held-out tokens
+    (cycling), so many short rounds spread the neighbours' bursts of I/O over all arms; every
+    arm of a round reads the same tokens. 0: every round replays the whole trace.
+    """
     if len(arms) < 1:
         raise MboltError("ab needs at least one arm")
     if mode not in ("replay", "decode"):
@@ -375,9 +382,15 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     done = 0
     for r in range(rounds):
         order = list(range(len(arms))) if r % 2 == 0 else list(reversed(range(len(arms))))
+        tr_r = trace
+        if trace is not None and tokens_per_round and tokens_per_round < trace.n_tokens:
+            idx = (r * tokens_per_round + np.arange(tokens_per_round)) % trace.n_tokens
+            mask = np.zeros(trace.n_tokens, bool)
+            mask[idx] = True
+            tr_r = trace.select(mask)
         for pos, i in enumerate(order):
             a = arms[i]
-            res = run_arm(a, info[a.path][0], trace, threshold=threshold, rnd=r, position=pos, mode=mode,
+            res = run_arm(a, info[a.path][0], tr_r, threshold=threshold, rnd=r, position=pos, mode=mode,
                           prompts=prompts, n_new=n_new)
             results.append(res)
             done += 1
@@ -393,6 +406,12 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         bad = next(r for r in results if not r.cold_proven)
         notes.append(f"eviction could not be proven ({bad.note}): this run is NOT cold")
     summary = summarise(arms, results, metric, seed)
+    for srow in summary:
+        if srow["arm"].endswith("(A/A)") and srow.get("speedup_vs_baseline_median") is not None:
+            dev = srow["speedup_vs_baseline_median"] - 1.0
+            if abs(dev) > aa_tolerance:
+                flags.append(f"A/A control off by {100 * dev:+.1f}% (tolerance {100 * aa_tolerance:.0f}%): differences "
+                             f"between arms of this run smaller than the noise are not evidence")
     arm_dicts = []
     for a in arms:
         mm, lay = info[a.path]
@@ -403,6 +422,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     if trace is not None:
         tinfo = {"path": trace_path, "tokens": trace.n_tokens, "n_layers": trace.n_layers,
                  "n_experts": trace.n_experts, "k": trace.k, "fingerprint": trace.fingerprint}
+    if tokens_per_round:
+        tinfo["tokens_per_round"] = int(tokens_per_round)
     return AbResult(name, mode, arm_dicts, results, summary, flags, cold, environment(arms[0].path), tinfo,
                     metric, arms[0].name, prereg, None, notes)
 

@@ -7,6 +7,7 @@
     mode = "replay"                      # replay | decode
     trace = "${MBOLT_BENCH}/held.mbtrace"  # environment variables are expanded
     rounds = 7
+    tokens_per_round = 0                 # optional: replay slices of this many tokens per round
     metric = "io_s"                      # io_s (replay) or wall_s (decode), per token
     baseline = "stock"                   # arm names
     treatment = "packed-tsp"
