@@ -669,5 +669,21 @@ def demo_cmd(
         raise typer.Exit(1)
 
 
+@app.command("report")
+@user_errors
+def report_cmd(
+    src: Path = typer.Argument(..., help="A results JSON (ab, demo, layout, cache) or, with --plan, a trace."),
+    out: Path = typer.Option(..., "-o", "--out", help="PNG to write."),
+    plan: Path = typer.Option(None, "--plan", help="Draw SRC's co-activation heatmap before/after this plan."),
+    layer: int = typer.Option(None, "--layer", help="Layer for the heatmap (default: the first MoE layer)."),
+):
+    """Plot a results file: A/B speedups with CIs, reads/token per method, cache hit-rate curves,
+    or (with --plan) a layer's co-activation heatmap before and after the permutation."""
+    from mbolt.report.plots import plot, plot_heatmap
+
+    path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
+    console.print(f"wrote {path}")
+
+
 def main() -> None:
     app()

@@ -94,9 +94,12 @@ def test_bootstrap_ci_brackets_the_median():
 def test_cli_writes_json_with_aa(files, tmp_path):
     r = CliRunner().invoke(app, ["ab", str(files["stock"]), f"{files['packed']}:name=packed,qd=2",
                                  "--replay", str(files["trace"]), "--rounds", "2", "--name", "tiny",
-                                 "--out-dir", str(tmp_path)])
+                                 "--out-dir", str(tmp_path), "--plan", str(tmp_path / "unused.json"),
+                                 "--probe", str(fake_probe(tmp_path))])
     assert r.exit_code == 0, r.output
+    assert "prediction" in r.output
     d = json.loads((tmp_path / "tiny.json").read_text())
+    assert [p["arm"] for p in d["prediction"]] == ["stock", "packed", "stock (A/A)"]
     assert [a["name"] for a in d["arms"]][-1].endswith("(A/A)")
     assert {"kernel", "filesystem", "device", "memory", "git"} <= set(d["environment"])
     assert all("description" in a["read_pattern"] for a in d["arms"])
