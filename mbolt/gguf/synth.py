@@ -83,6 +83,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quantize
 
 from mbolt.atomic import atomic_output
+from mbolt.engine.tokenizer import bytes_to_unicode
 from mbolt.errors import MboltError
 
 SYNTH_ARCHS = {
@@ -238,19 +239,6 @@ class SynthConfig:
 
 BYTE_MERGES = [("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġ", "a")]
 SPECIALS = ["<|bos|>", "<|eos|>"]
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable unicode character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 def vocabulary() -> tuple[list[str], list[int], list[str], int, int]:
