@@ -213,6 +213,7 @@ def ab_cmd(
     direct: bool = typer.Option(False, "--direct", help="Default: O_DIRECT reads for arms."),
     gap: int = typer.Option(0, "--gap", help="Default merge gap (bytes)."),
     cache_slots: int = typer.Option(0, "--cache-slots", help="Default per-layer slot cache."),
+    resident_frac: float = typer.Option(None, "--resident-frac", help="Default slot cache as a share of each layer's experts."),
     no_aa: bool = typer.Option(False, "--no-aa", help="Drop the A/A control arm."),
     threshold: float = typer.Option(0.01, "--threshold", help="Reject a round whose resident share exceeds this."),
     max_tokens: int = typer.Option(0, "--max-tokens", help="Replay at most this many held-out tokens (0 = all)."),
@@ -250,7 +251,7 @@ def ab_cmd(
     else:
         if not arms:
             raise MboltError("give at least one arm (or --prereg)")
-        defaults = dict(io_threads=qd, direct=direct, gap=gap, cache_slots=cache_slots)
+        defaults = dict(io_threads=qd, direct=direct, gap=gap, cache_slots=cache_slots, resident_frac=resident_frac)
         arm_list = [parse_arm(a, i, defaults) for i, a in enumerate(arms)]
     if decode == (replay_trace is not None):
         raise MboltError("choose one mode: --replay TRACE or --decode")
@@ -302,7 +303,7 @@ def ab_cmd(
         console.print(prediction_table(res.prediction))
     if pr is not None:
         v = res.prereg["result"]
-        colour = "green" if v["verdict"] == "PASS" else "red"
+        colour = {"PASS": "green", "FAIL": "red"}.get(v["verdict"], "yellow")
         console.print(f"[bold {colour}]{v['verdict']}[/]: {pr.treatment} vs {pr.baseline} "
                       f"{v.get('measured_speedup', float('nan')):.3f}x (95% CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}), "
                       f"threshold {pr.pass_threshold}, predicted {pr.predicted_speedup}")
@@ -582,7 +583,7 @@ def plan_cmd(
     gap: int = typer.Option(0, "--gap", help="Merge gap in bytes (the reader reads through holes this small)."),
     cache: int = typer.Option(0, "--cache", help="Per-layer LRU cache slots when scoring."),
     compare: bool = typer.Option(False, "--compare", help="Score every method and the bound."),
-    bound: str = typer.Option("lp", "--bound", help="lp, top2 or none (with --compare)."),
+    bound: str = typer.Option("auto", "--bound", help="auto, subtour, lp, top2 or none (with --compare)."),
     force: bool = typer.Option(True, "--force/--no-force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):

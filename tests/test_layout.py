@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from mbolt.errors import MboltError
-from mbolt.layout.bounds import lp_bound, top2_bound
+from mbolt.layout.bounds import lp_bound, subtour_bound, top2_bound
 from mbolt.layout.coact import coactivation, groups
 from mbolt.layout.evaluate import Geometry, evaluate, lru_hits
 from mbolt.layout.methods import METHODS, order, path_weight
@@ -152,8 +152,24 @@ def test_bounds_bracket_the_optimum_and_tsp_finds_it_on_small_cases():
         tsp = path_weight(C, order(C, np.ones(E), "tsp"))
         assert tsp <= opt + 1e-9
         assert tsp == pytest.approx(opt)
-        assert lp_bound(C) >= opt - 1e-6
+        assert subtour_bound(C) >= opt - 1e-6
+        assert lp_bound(C) >= subtour_bound(C) - 1e-6
         assert top2_bound(C) >= lp_bound(C) - 1e-6
+
+
+def test_subtour_cuts_close_planted_cliques():
+    """Two disjoint 4-cliques: the 2-matching LP closes each into a cycle (4 edges each), a path
+    can use 3 edges in each plus one light edge between them; the subtour cuts see that."""
+    C = np.zeros((8, 8))
+    for grp in ((0, 1, 2, 3), (4, 5, 6, 7)):
+        for a in grp:
+            for b in grp:
+                if a != b:
+                    C[a, b] = 10.0
+    C[3, 4] = C[4, 3] = 1.0
+    assert lp_bound(C) == pytest.approx(70.0)  # two 4-cycles, capped at E - 1 = 7 edges
+    assert subtour_bound(C) == pytest.approx(61.0)
+    assert path_weight(C, order(C, np.ones(8), "tsp")) == pytest.approx(61.0)
 
 
 def test_tsp_beats_chain_on_planted_structure():
@@ -241,9 +257,13 @@ def test_split_errors_and_phases():
     with pytest.raises(MboltError, match="no tokens"):
         split_trace(tr.select(np.zeros(15, bool)))
     tr.seq = np.array([0] * 5 + [1] * 5 + [2] * 5, np.int32)
-    tr.domains = {1: "code", 2: "chat"}
-    train, held, info = split_trace(tr, holdout_domain="chat")
+    tr.domains = {1: "code", 2: "chat/open_qa"}
+    train, held, info = split_trace(tr, holdout_domain="chat/open_qa")
     assert held.n_tokens == 5 and train.n_tokens == 5 and info["by"] == "domain"
+    train2, held2, _ = split_trace(tr, holdout_domain="chat")  # a family prefix
+    assert np.array_equal(held2.experts, held.experts)
+    with pytest.raises(MboltError, match="no decode tokens in domain 'cha'"):
+        split_trace(tr, holdout_domain="cha")
     with pytest.raises(MboltError, match="no decode tokens in domain 'math'"):
         split_trace(tr, holdout_domain="math")
 

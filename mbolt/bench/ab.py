@@ -43,34 +43,36 @@ class Arm:
     mode: str = "read"  # read | os
     cache_slots: int = 0
     control_of: str = ""  # the A/A copy names the arm it repeats
+    resident_frac: float | None = None  # slot-cache budget as a share of each layer's experts
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
-                    cache_slots=self.cache_slots)
+                    cache_slots=self.cache_slots, resident_frac=self.resident_frac)
 
 
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
-            "cache": int, "cache_slots": int, "name": str}
+            "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
-    """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots."""
+    """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
+    frac|resident_frac."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
-            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache)")
+            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
         except ValueError:
             raise MboltError(f"arm {spec!r}: {k} needs a {typ.__name__}, got {v!r}") from None
-        k = {"qd": "io_threads", "cache": "cache_slots"}.get(k, k)
+        k = {"qd": "io_threads", "cache": "cache_slots", "frac": "resident_frac"}.get(k, k)
         if k == "os":
             k, val = "mode", "os" if val else "read"
         kw[k] = val
-    name = kw.pop("name", None) or f"{Path(path).stem}" + ("" if index == 0 else "")
+    name = kw.pop("name", None) or Path(path).stem
     return Arm(name=name, path=path, **kw)
 
 
@@ -100,8 +102,9 @@ def read_pattern(mm: MoeMap, arm: Arm, layout: str) -> dict:
     else:
         desc += (f"explicit preadv, QD{arm.io_threads}, {'O_DIRECT' if arm.direct else 'buffered (no readahead)'}, "
                  f"merge gap {arm.gap} B")
-    if arm.cache_slots:
-        desc += f", {arm.cache_slots} cache slots/layer"
+    if arm.cache_slots or arm.resident_frac:
+        desc += (f", {arm.cache_slots} cache slots/layer" if arm.resident_frac is None
+                 else f", slot cache {100 * arm.resident_frac:.0f}% of each layer's experts")
     return {"description": desc, "layout": layout, "ranges_per_expert": per_expert,
             "slice_bytes": [w.slice_bytes for w in ws], "queue_depth": arm.io_threads,
             "direct": arm.direct, "mode": arm.mode, "gap": arm.gap, "cache_slots": arm.cache_slots}
@@ -166,6 +169,8 @@ class AbResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["rounds"] = [asdict(r) for r in self.rounds]
+        if self.arms:
+            d["baseline_read_pattern"] = self.arms[0]["read_pattern"]["description"]
         return d
 
 
@@ -330,7 +335,8 @@ def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str
                     flags.append(f"A/A control {a.name} vs {b.name}: counters differ (the same arm is not deterministic)")
                 continue
             same_file_pattern = perms.get(a.path) == perms.get(b.path) and layouts.get(a.path) == layouts.get(b.path)
-            same_reader = (a.gap, a.direct, a.mode, a.cache_slots) == (b.gap, b.direct, b.mode, b.cache_slots)
+            same_reader = (a.gap, a.direct, a.mode, a.cache_slots, a.resident_frac) == \
+                (b.gap, b.direct, b.mode, b.cache_slots, b.resident_frac)
             if counters[a.name] == counters[b.name] and not (same_file_pattern and same_reader) and a.mode != "os":
                 flags.append(f"{a.name} and {b.name} should read differently but report identical counters "
                              f"(same code ran twice?)")

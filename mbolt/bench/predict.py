@@ -161,8 +161,8 @@ def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> l
         if rm.layout == "packed":
             w = mm.moe_layers[0].weights[0]
             pad = int((w.stride or 0) - mm.moe_layers[0].expert_bytes)
-        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"],
-                   a["cache_slots"], pad)
+        slots = a["cache_slots"] if a.get("resident_frac") is None else int(round(a["resident_frac"] * mm.n_experts))
+        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], slots, pad)
         n = len(mm.moe_layers)
         t_op, bw, opr = reader_cost(pr, a["direct"], a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
         T = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)

@@ -123,15 +123,23 @@ def check_and_lock(pr: Prereg) -> dict:
     return lock
 
 
-def verdict(pr: Prereg, summary: list[dict]) -> dict:
+def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = 0.03) -> dict:
+    """PASS/FAIL of the treatment's median per-round speedup against the threshold; INCONCLUSIVE
+    when the run's A/A control missed 1 by more than `aa_tolerance` (DESIGN.md: controls or it
+    didn't happen), the threshold comparison still reported as `by_threshold`."""
     row = next((s for s in summary if s["arm"] == pr.treatment), None)
     if row is None or row.get("speedup_vs_baseline_median") is None:
         return {"verdict": "NO RESULT", "why": f"no valid rounds for {pr.treatment}"}
     got = row["speedup_vs_baseline_median"]
     lo, hi = row["speedup_ci95"]
     ok = got >= pr.pass_threshold
+    aa = next((s for s in summary if s["arm"].endswith("(A/A)") and s.get("speedup_vs_baseline_median")), None)
+    aa_ok = aa is None or abs(aa["speedup_vs_baseline_median"] - 1.0) <= aa_tolerance
     return {
-        "verdict": "PASS" if ok else "FAIL",
+        "verdict": ("PASS" if ok else "FAIL") if aa_ok else "INCONCLUSIVE",
+        "by_threshold": "PASS" if ok else "FAIL",
+        "aa_control": None if aa is None else aa["speedup_vs_baseline_median"],
+        "aa_within_tolerance": aa_ok,
         "measured_speedup": got,
         "ci95": [lo, hi],
         "pass_threshold": pr.pass_threshold,

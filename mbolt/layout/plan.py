@@ -146,11 +146,14 @@ def split_trace(trace: Trace, *, train_frac: float = 0.5, holdout_domain: str | 
         raise MboltError(f"unknown phase {phase!r} (decode, all)")
     N = trace.n_tokens
     if holdout_domain is not None:
-        held_seqs = [s for s, tag in trace.domains.items() if tag == holdout_domain]
+        # a domain matches exactly or as a family prefix: "dolly" holds out "dolly/open_qa" too
+        held_seqs = [s for s, tag in trace.domains.items()
+                     if tag == holdout_domain or tag.startswith(holdout_domain.rstrip("/") + "/")]
         held = np.isin(trace.seq, held_seqs)
         if not held.any():
             known = sorted(set(trace.domains.values()))
-            raise MboltError(f"no {phase} tokens in domain {holdout_domain!r} (trace domains: {known or 'none'})")
+            which = "decode tokens" if phase == "decode" else "tokens"
+            raise MboltError(f"no {which} in domain {holdout_domain!r} (trace domains: {known or 'none'})")
         if held.all():
             raise MboltError(f"every token is in domain {holdout_domain!r}: nothing left to train on")
         info = {"by": "domain", "holdout_domain": holdout_domain}
@@ -237,12 +240,13 @@ def _jsonable(o):
 
 
 def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap: int = 0, cache_slots: int = 0,
-                    methods=METHODS, bound: str = "lp", extra_perms: dict | None = None,
+                    methods=METHODS, bound: str = "auto", extra_perms: dict | None = None,
                     progress=None, planned: dict | None = None, **opts) -> dict:
     """Every method's training and held-out reads/token (plus any `extra_perms` {name: perm}),
     ratio to stock, and the adjacency bound as a lower bound on reads (valid for gap 0, no cache).
 
-    bound: "lp" (2-matching LP), "top2" or "none". The held-out bound is computed from the
+    bound: "subtour" (2-matching LP with subtour cuts), "lp" (2-matching LP), "top2", "none", or
+    "auto" (subtour up to 256 experts, where it takes well under a second per layer; lp above). The held-out bound is computed from the
     held-out tokens' own counts (the best any order could do on them: an oracle, not a plan).
     `planned` {method: (perm, seconds)} reuses orders already built from the same training
     tokens; the orders used are returned under "perms" when `planned` is given (filled in).
@@ -278,6 +282,8 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
                 r[part]["ratio_to_stock"] = r[part]["reads_per_token"] / base[part]["reads_per_token"]
     out = {"geometry": geometry.to_dict(), "gap": int(gap), "cache_slots": int(cache_slots),
            "n_train": train.n_tokens, "n_heldout": 0 if held is None else held.n_tokens, "rows": rows}
+    if bound == "auto":
+        bound = "subtour" if train.n_experts <= 256 else "lp"
     if bound != "none":
         n_regions = len(geometry.regions)
         out["bound"] = {"kind": bound, "valid": gap == 0 and cache_slots == 0}
@@ -285,7 +291,7 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
             if tr is None:
                 continue
             c = co if part == "train" else coactivation(tr)
-            adj = adjacency_bounds(c.counts, c.layers, lp=(bound == "lp"))[bound]
+            adj = adjacency_bounds(c.counts, c.layers, bound)
             sel = c.heat.sum(axis=1)
             lb = reads_lower_bound(sel, adj, tr.n_tokens, n_regions)
             lb_runs = float((sel.sum() - adj.sum()) / max(int(c.n_tokens[c.layers].sum()), 1))
@@ -331,7 +337,7 @@ def check_model(trace: Trace, moemap, where: str = "") -> None:
 def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 0.5,
               holdout_domain: str | None = None, phase: str = "decode", model=None, geometry: str | None = None,
               layout: str = "reorder", gap: int = 0, cache_slots: int = 0, compare: bool = False,
-              bound: str = "lp", force: bool = True, progress=None) -> dict:
+              bound: str = "auto", force: bool = True, progress=None) -> dict:
     """What `mbolt plan` does: build (and save) a plan; with `compare`, score every method."""
     from mbolt.layout.evaluate import geometry_from_model
 

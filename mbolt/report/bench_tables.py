@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
+from mbolt.report.tables import data_table
+
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
@@ -26,35 +28,38 @@ def ab_table(result) -> Table:
     d = result if isinstance(result, dict) else result.to_dict()
     metric = d["metric"]
     cold = "cold (mincore-proven)" if d["cold"] else "NOT COLD (eviction unproven)"
-    t = Table(title=f"{d['name']}: {d['mode']}, {len({r['round'] for r in d['rounds']})} rounds, {cold}; "
-                    f"speedup = {d['baseline']} {metric}/token over arm's, per round", header_style="bold")
-    cols = ("arm", "ms/token", "speedup", "95% CI", "reads/tok", "MB/tok", "MB/s", "tok/s", "TTFT ms", "hit",
-            "resident")
-    for c in cols:
-        t.add_column(c, justify="left" if c == "arm" else "right", no_wrap=c in ("arm", "95% CI"))
-    for s in d["summary"]:
-        if not s.get("rounds"):
-            t.add_row(s["arm"], *["-"] * (len(cols) - 1))
+    rows = [x for x in d["summary"] if x.get("rounds")]
+    cached = any(x["hit_rate"] for x in rows)
+    resident = max((x["resident_max"] for x in rows), default=0.0)
+    decode = d["mode"] == "decode"  # time to first token means something only when the engine generates
+    cols = ["arm", f"{metric[:-2]} ms\n/token", "x base", "95% CI", "reads\n/token", "MB\n/token", "MB/s",
+            "tok/s"] + (["TTFT\nms"] if decode else []) + (["hit\nrate"] if cached else [])
+    t = data_table(f"{d['name']}: {d['mode']}, {len({r['round'] for r in d['rounds']})} rounds, {cold}, resident "
+                   f"after eviction <= {pct(resident)}; x base = {d['baseline']} {metric}/token over the arm's, "
+                   "per round", cols)
+    for x in d["summary"]:
+        if not x.get("rounds"):
+            t.add_row(x["arm"], *["-"] * (len(cols) - 1))
             continue
-        sp = s["speedup_vs_baseline_median"]
-        lo, hi = s["speedup_ci95"]
-        t.add_row(s["arm"], f"{s[f'{metric}_per_token_ms_median']:.3f}", "-" if sp is None else f"{sp:.3f}x",
-                  f"{lo:.3f}-{hi:.3f}", f"{s['reads_per_token']:.1f}", f"{s['mb_per_token']:.3f}",
-                  f"{s['mb_per_s']:.0f}", f"{s['tokens_per_s']:.1f}", f"{s['ttft_ms_median']:.2f}",
-                  pct(s["hit_rate"]), pct(s["resident_max"]))
+        sp = x["speedup_vs_baseline_median"]
+        lo, hi = x["speedup_ci95"]
+        t.add_row(x["arm"], f"{x[f'{metric}_per_token_ms_median']:.2f}", "-" if sp is None else f"{sp:.2f}",
+                  f"{lo:.2f}-{hi:.2f}", f"{x['reads_per_token']:.1f}", f"{x['mb_per_token']:.2f}",
+                  f"{x['mb_per_s']:.0f}", f"{x['tokens_per_s']:.1f}",
+                  *([f"{x['ttft_ms_median']:.1f}"] if decode else []), *([pct(x["hit_rate"])] if cached else []))
     return t
 
 
 def prediction_table(rows: list[dict]) -> Table:
-    t = Table(title="prediction (probe figures + evaluator) vs measurement", header_style="bold")
-    for c in ("arm", "reads/tok pred", "meas", "ms/tok pred", "meas", "speedup pred", "meas", "error"):
-        t.add_column(c, justify="left" if c == "arm" else "right")
+    t = data_table("prediction (probe figures + evaluator) vs measurement",
+                   ["arm", "reads/tok\npred.", "\nmeas.", "ms/tok\npred.", "\nmeas.", "speedup\npred.", "\nmeas.",
+                    "\nerror"])
     for r in rows:
         def f(x, fmt):
             return "-" if x is None else format(x, fmt)
         t.add_row(r["arm"], f(r.get("pred_reads_per_token"), ".1f"), f(r.get("meas_reads_per_token"), ".1f"),
-                  f(r.get("pred_ms_per_token"), ".3f"), f(r.get("meas_ms_per_token"), ".3f"),
-                  f(r.get("pred_speedup"), ".3f"), f(r.get("meas_speedup"), ".3f"),
+                  f(r.get("pred_ms_per_token"), ".2f"), f(r.get("meas_ms_per_token"), ".2f"),
+                  f(r.get("pred_speedup"), ".2f"), f(r.get("meas_speedup"), ".2f"),
                   "-" if r.get("speedup_error") is None else f"{100 * r['speedup_error']:+.1f}%")
     return t
 

@@ -10,6 +10,16 @@ from rich.text import Text
 from mbolt.gguf.moe_map import MoeMap
 
 
+def data_table(title: str, columns: list[str], *, left: tuple[str, ...] = ("arm",)) -> Table:
+    """A table of numbers that stays readable in 80 columns: light borders, headers may break at
+    "\n" but are never truncated, cells never wrap."""
+    t = Table(title=title, header_style="bold", box=box.SIMPLE_HEAD, pad_edge=False)
+    for col in columns:
+        t.add_column(col, justify="left" if col in left else "right", no_wrap=True,
+                     min_width=max(len(line) for line in col.split("\n")))
+    return t
+
+
 def human_bytes(n: int) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -55,13 +65,10 @@ def demo_table(s: dict) -> Group:
         f"({tr['prefill_tokens']} prefill + {tr['decode_tokens']} decode tokens); planned on "
         f"{tr['train_decode_tokens']} training decode tokens, replayed {tr['heldout_decode_tokens']} held-out ones.",
     )
-    t = Table(title=f"cold replay of held-out tokens: explicit reads, QD1 buffered, {_fmt(s['ab']['arms'][0]['mb_per_token'], '.2f')} "
-                    "MB/token in every arm; medians over rounds with swapped arm order", header_style="bold",
-              box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("arm", "reads\n/token", "I/O ms\n/token", "cold\ntok/s", "x stock", "95% CI",
-                "pred.\nx stock"):
-        t.add_column(col, justify="left" if col == "arm" else "right", no_wrap=True,
-                     min_width=max(len(line) for line in col.split("\n")))
+    t = data_table(f"cold replay of held-out tokens: explicit reads, QD1 buffered, "
+                   f"{_fmt(s['ab']['arms'][0]['mb_per_token'], '.2f')} MB/token in every arm; medians over rounds "
+                   "with swapped arm order",
+                   ["arm", "reads\n/token", "I/O ms\n/token", "cold\ntok/s", "x stock", "95% CI", "pred.\nx stock"])
     for a in s["ab"]["arms"]:
         ci = a.get("speedup_ci95") or [None, None]
         t.add_row(a["arm"], _fmt(a["reads_per_token"]),
