@@ -573,7 +573,7 @@ def trace_cmd(
 def plan_cmd(
     trace: Path = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin)."),
     out: Path = typer.Option(None, "-o", "--out", help="Write the plan JSON here."),
-    method: str = typer.Option("tsp", "--method", help="stock, heat, mbolt-chain or tsp."),
+    method: str = typer.Option("tsp", "--method", help="stock, heat, heat-tsp, mbolt-chain or tsp."),
     train_frac: float = typer.Option(0.5, "--train-frac", help="Leading share of tokens to train on (rest held out)."),
     holdout_domain: str = typer.Option(None, "--holdout-domain", help="Hold out the sequences of this domain instead."),
     phase: str = typer.Option("decode", "--phase", help="decode or all."),

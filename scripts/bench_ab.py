@@ -38,6 +38,10 @@ from mbolt.bench.probe import load_probe, probe  # noqa: E402
 BENCH = Path(os.environ.get("MBOLT_BENCH", "/tmp/mbolt-bench"))
 RESULTS = ROOT / "results"
 PROBE = RESULTS / "probe.json"
+# --seed/--tag: a fresh synthetic model (new planted groups, new weights, so a new trace) whose
+# results, pre-registrations and probe carry the tag, so earlier runs are never overwritten.
+SEED = 0
+TAG = ""
 PROMPTS = ROOT.parent / "shared" / "data" / "mbolt" / "prompts.jsonl"
 
 MODELS = {
@@ -51,12 +55,15 @@ MODELS = {
 }
 
 
+NOISE_NOTE = "2 shared cores, ~7 other workers running on the machine: timings are noisy"
+
+
 def log(*a):
     print(time.strftime("%H:%M:%S"), *a, flush=True)
 
 
 def paths(name: str) -> dict:
-    d = BENCH / name
+    d = BENCH / (f"{name}_{TAG}" if TAG else name)
     return {"dir": d, "stock": d / "stock.gguf", "trace": d / "full.mbtrace", "held": d / "held.mbtrace",
             "plan": d / "plan.json", "reorder-tsp": d / "reorder-tsp.gguf", "packed-tsp": d / "packed-tsp.gguf",
             "packed-id": d / "packed-id.gguf"}
@@ -71,7 +78,7 @@ def prepare(name: str, spec: dict) -> dict:
 
     p = paths(name)
     p["dir"].mkdir(parents=True, exist_ok=True)
-    sy = dict(spec["synth"])
+    sy = dict(spec["synth"], seed=SEED)
     cfg = SynthConfig.from_preset(sy.pop("preset"), **sy) if "preset" in sy else SynthConfig(**sy)
     t0 = time.perf_counter()
     write_synth(p["stock"], cfg)
@@ -107,7 +114,7 @@ def arms_for(name: str, qd: int, direct: bool) -> list[Arm]:
 
 
 def cfg_name(name: str, qd: int, direct: bool) -> str:
-    return f"ab_{name}_qd{qd}_{'direct' if direct else 'buffered'}"
+    return f"ab_{name}_qd{qd}_{'direct' if direct else 'buffered'}" + (f"_{TAG}" if TAG else "")
 
 
 def predictions(name: str, qd: int, direct: bool) -> list[dict]:
@@ -162,7 +169,7 @@ def run_config(name: str, spec: dict, qd: int, direct: bool) -> dict:
     res.prediction = predict_vs_measured(res, p["plan"], held, PROBE)
     if pr:
         res.prereg["result"] = verdict(pr, res.summary)
-    res.notes.append("2 shared cores, ~7 other workers running on the machine: timings are noisy")
+    res.notes.append(NOISE_NOTE)
     write_result(RESULTS / f"{cname}.json", res)
     log(cname, f"{time.perf_counter() - t0:.1f}s")
     for s in res.summary:
@@ -180,7 +187,17 @@ def main() -> None:
     ap.add_argument("stage", choices=["prepare", "predict", "run", "decode", "explore", "summary"])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reprobe", action="store_true")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic models (a fresh model per seed)")
+    ap.add_argument("--tag", default="", help="suffix of result/prereg names and of the probe file")
+    ap.add_argument("--quiet-machine", action="store_true",
+                    help="record that nothing else ran on the machine (default note: shared and noisy)")
     args = ap.parse_args()
+    global SEED, TAG, PROBE, NOISE_NOTE
+    SEED, TAG = args.seed, args.tag
+    if TAG:
+        PROBE = RESULTS / f"probe_{TAG}.json"
+    if args.quiet_machine:
+        NOISE_NOTE = "no other jobs on the machine during the run (2 cores)"
     names = [m for m in args.models.split(",") if m]
     RESULTS.mkdir(exist_ok=True)
     if args.stage == "prepare":
@@ -299,7 +316,7 @@ def run_decode(name: str = "s64k", rounds: int = 12) -> dict:
     g = st["io_ms_per_token_median"] / tr["io_ms_per_token_median"]
     pred = 1.0 / ((1 - s_share) + s_share / g)
     res.notes.append("packed files are not decoded: the reference engine does not load the packed container yet")
-    res.notes.append("2 shared cores, ~7 other workers running on the machine: timings are noisy")
+    res.notes.append(NOISE_NOTE)
     res.prediction = [{"law": "speedup = 1/((1-s) + s/g)", "s": s_share, "g": g, "pred_speedup": pred,
                        "meas_speedup": tr["speedup_vs_baseline_median"],
                        "speedup_error": tr["speedup_vs_baseline_median"] / pred - 1, "arm": "reorder-tsp"}]

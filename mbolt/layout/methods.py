@@ -15,7 +15,8 @@ selection counts; the result `perm[p]` is the original expert id stored at posit
 - `tsp` (ours): with gap-free merging a token at a layer costs k - (adjacent selected pairs)
   reads per tensor, so the order maximising the summed C over adjacent positions (a max-weight
   Hamiltonian path) minimises expected reads. Greedy-edge construction, then vectorised 2-opt
-  and Or-opt on the path. Gap-aware (`far=[w2, w3, ...]`): a pair at distance d>1 is worth
+  and Or-opt on the path, then (up to 256 experts, where it is cheap) iterated local search
+  with double-bridge kicks; deterministic for a given `seed`. Gap-aware (`far=[w2, w3, ...]`): a pair at distance d>1 is worth
   w_d of an adjacent pair (the reader merges across the slices between them); refined with
   vectorised swap moves on that windowed objective.
 """
