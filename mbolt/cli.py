@@ -77,7 +77,6 @@ def root(
 # ---- commands (one per pipeline stage; each calls one stage function) ----
 
 
-@app.command("inspect")
 @user_errors
 def inspect_cmd(
     model: Path = typer.Argument(..., help="A llama.cpp MoE GGUF file."),
@@ -94,7 +93,6 @@ def inspect_cmd(
         console.print(moe_map_table(m))
 
 
-@app.command("cache")
 @user_errors
 def cache_cmd(
     trace: Path = typer.Argument(..., help="A routing trace (.mbtrace, or a file the importers read)."),
@@ -124,7 +122,6 @@ def cache_cmd(
         console.print(cache_table(sweep))
 
 
-@app.command("synth")
 @user_errors
 def synth_cmd(
     out: Path = typer.Argument(..., help="Output GGUF path."),
@@ -199,7 +196,6 @@ def synth_cmd(
         )
 
 
-@app.command("ab")
 @user_errors
 def ab_cmd(
     arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S]. The first is the baseline."),
@@ -310,7 +306,6 @@ def ab_cmd(
     console.print(f"wrote {out}")
 
 
-@app.command("reorder")
 @user_errors
 def reorder_cmd(
     src: Path = typer.Argument(..., help="Source MoE GGUF (stock, or a file mbolt already rewrote)."),
@@ -346,7 +341,6 @@ def reorder_cmd(
         console.print(reorder_table(r))
 
 
-@app.command("verify")
 @user_errors
 def verify_cmd(
     src: Path = typer.Argument(..., help="The source GGUF."),
@@ -383,7 +377,6 @@ def verify_cmd(
         raise typer.Exit(1)
 
 
-@app.command("trace-stats")
 @user_errors
 def trace_stats_cmd(
     trace: Path = typer.Argument(..., help="A .mbtrace, or MBOLT_TRACE / nuthatch text / NUTHTRC1 (auto-detected)."),
@@ -401,7 +394,6 @@ def trace_stats_cmd(
             console.print(r, highlight=False)
 
 
-@app.command("import-trace")
 @user_errors
 def import_trace_cmd(
     src: Path = typer.Argument(..., help="MBOLT_TRACE, nuthatch text or NUTHTRC1 trace (auto-detected)."),
@@ -434,7 +426,6 @@ def import_trace_cmd(
             console.print(f"[yellow]note:[/] {note}", highlight=False)
 
 
-@app.command("probe")
 @user_errors
 def probe_cmd(
     file: Path = typer.Option(None, "--file", help="A file (or directory) on the drive to measure; a temp file "
@@ -467,7 +458,6 @@ def probe_cmd(
     console.print(f"wrote {out}")
 
 
-@app.command("predict")
 @user_errors
 def predict_cmd(
     model: Path = typer.Argument(..., help="The GGUF as it is now (usually stock)."),
@@ -503,7 +493,6 @@ def predict_cmd(
     console.print(t)
 
 
-@app.command("generate")
 @user_errors
 def generate_cmd(
     model: Path = typer.Argument(..., help="A MoE GGUF the reference engine runs (qwen3moe, olmoe, mixtral, qwen2moe)."),
@@ -531,7 +520,6 @@ def generate_cmd(
                   f"generated {len(res['ids'])} at {res['decode_tokens_per_s']:.1f} tok/s[/]")
 
 
-@app.command("trace")
 @user_errors
 def trace_cmd(
     model: Path = typer.Argument(..., help="A MoE GGUF file."),
@@ -568,7 +556,6 @@ def trace_cmd(
                       f"({res['tokens_per_s']:.1f} tok/s, {engine})")
 
 
-@app.command("plan")
 @user_errors
 def plan_cmd(
     trace: Path = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin)."),
@@ -585,6 +572,7 @@ def plan_cmd(
     compare: bool = typer.Option(False, "--compare", help="Score every method and the bound."),
     bound: str = typer.Option("auto", "--bound", help="auto, subtour, lp, top2 or none (with --compare)."),
     force: bool = typer.Option(True, "--force/--no-force", help="Overwrite the output."),
+    heldout: Path = typer.Option(None, "--heldout", help="Also write the held-out tokens here (.mbtrace, for `mbolt ab --replay`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
     """Co-activation -> expert order per layer (plan.json), scored on held-out tokens."""
@@ -598,7 +586,7 @@ def plan_cmd(
         task = bar.add_task(f"planning ({method})")
         res = plan_file(trace, out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
                         phase=phase, model=model, geometry=geometry, layout=layout, gap=gap, cache_slots=cache,
-                        compare=compare, bound=bound, force=force,
+                        compare=compare, bound=bound, force=force, heldout_out=heldout,
                         progress=lambda m: bar.update(task, description=f"planned {m}"))
     if as_json:
         print_json(res)
@@ -608,7 +596,6 @@ def plan_cmd(
         console.print(compare_table(res["compare"]))
 
 
-@app.command("synth-trace")
 @user_errors
 def synth_trace_cmd(
     like: Path = typer.Option(..., "--like", help="A published co-activation profile (coactivation_*.json)."),
@@ -642,7 +629,6 @@ def synth_trace_cmd(
                       f"{tr.n_experts} experts, k={tr.k}", highlight=False)
 
 
-@app.command("demo")
 @user_errors
 def demo_cmd(
     workdir: Path = typer.Option(Path("mbolt-demo"), "--workdir", help="Where the model, traces, plans and results go."),
@@ -670,7 +656,6 @@ def demo_cmd(
         raise typer.Exit(1)
 
 
-@app.command("report")
 @user_errors
 def report_cmd(
     src: Path = typer.Argument(..., help="A results JSON (ab, demo, layout, cache) or, with --plan, a trace."),
@@ -684,6 +669,29 @@ def report_cmd(
 
     path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
     console.print(f"wrote {path}")
+
+
+# One table registers every command: the order and panels of `mbolt --help` (pipeline order).
+COMMANDS = [
+    ("demo", demo_cmd, "Start here"),
+    ("report", report_cmd, "Start here"),
+    ("trace", trace_cmd, "Pipeline"),
+    ("plan", plan_cmd, "Pipeline"),
+    ("reorder", reorder_cmd, "Pipeline"),
+    ("verify", verify_cmd, "Pipeline"),
+    ("ab", ab_cmd, "Pipeline"),
+    ("probe", probe_cmd, "Measure and predict"),
+    ("predict", predict_cmd, "Measure and predict"),
+    ("cache", cache_cmd, "Measure and predict"),
+    ("inspect", inspect_cmd, "Models and traces"),
+    ("synth", synth_cmd, "Models and traces"),
+    ("generate", generate_cmd, "Models and traces"),
+    ("trace-stats", trace_stats_cmd, "Models and traces"),
+    ("import-trace", import_trace_cmd, "Models and traces"),
+    ("synth-trace", synth_trace_cmd, "Models and traces"),
+]
+for _name, _fn, _panel in COMMANDS:
+    app.command(_name, rich_help_panel=_panel)(_fn)
 
 
 def main() -> None:

@@ -113,6 +113,10 @@ def arms_for(name: str, qd: int, direct: bool) -> list[Arm]:
     return arms
 
 
+def summary_name(suffix: str = "") -> str:
+    return f"ab_summary{suffix}" + (f"_{TAG}" if TAG else "") + ".json"
+
+
 def cfg_name(name: str, qd: int, direct: bool) -> str:
     return f"ab_{name}_qd{qd}_{'direct' if direct else 'buffered'}" + (f"_{TAG}" if TAG else "")
 
@@ -224,7 +228,7 @@ def main() -> None:
         run_explore(names)
         return
     if args.stage == "summary":  # re-derive the goal tables from the stored results (no measuring)
-        for suffix, dst in (("", "ab_summary.json"), ("_fine", "ab_summary_fine.json")):
+        for suffix, dst in (("", summary_name()), ("_fine", summary_name("_fine"))):
             out = {}
             for n in names:
                 for qd, direct in MODELS[n]["configs"]:
@@ -245,7 +249,7 @@ def main() -> None:
             out[cfg_name(n, qd, direct)] = run_config(n, MODELS[n], qd, direct)
     summary = summarise_goals(out)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
-    write_text_atomic(RESULTS / "ab_summary.json", json.dumps(summary, indent=1) + "\n")
+    write_text_atomic(RESULTS / summary_name(), json.dumps(summary, indent=1) + "\n")
     log(json.dumps(summary["goals"], indent=1))
 
 
@@ -287,7 +291,7 @@ def run_explore(names: list[str], tokens_per_round: int = 8) -> dict:
             out[cname] = res.to_dict()
             _log_summary(cname, res, t0)
     summary = summarise_goals({k.replace("_fine", ""): v for k, v in out.items() if k.endswith("_fine")})
-    write_text_atomic(RESULTS / "ab_summary_fine.json", json.dumps(summary, indent=1) + "\n")
+    write_text_atomic(RESULTS / summary_name("_fine"), json.dumps(summary, indent=1) + "\n")
     log(json.dumps(summary["goals"], indent=1))
     return out
 

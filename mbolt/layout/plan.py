@@ -337,8 +337,9 @@ def check_model(trace: Trace, moemap, where: str = "") -> None:
 def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 0.5,
               holdout_domain: str | None = None, phase: str = "decode", model=None, geometry: str | None = None,
               layout: str = "reorder", gap: int = 0, cache_slots: int = 0, compare: bool = False,
-              bound: str = "auto", force: bool = True, progress=None) -> dict:
-    """What `mbolt plan` does: build (and save) a plan; with `compare`, score every method."""
+              bound: str = "auto", force: bool = True, progress=None, heldout_out=None) -> dict:
+    """What `mbolt plan` does: build (and save) a plan; with `compare`, score every method;
+    with `heldout_out`, write the held-out tokens as an .mbtrace (what `mbolt ab --replay` reads)."""
     from mbolt.layout.evaluate import geometry_from_model
 
     if gap < 0 or cache_slots < 0:
@@ -367,6 +368,13 @@ def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 
     result["train"] = evaluate(train, plan.perm, geo, gap, cache_slots)
     if held is not None:
         result["heldout"] = evaluate(held, plan.perm, geo, gap, cache_slots)
+    if heldout_out is not None:
+        if held is None:
+            raise MboltError(f"{heldout_out}: nothing is held out (--train-frac 1): no held-out trace to write")
+        from mbolt.trace.format import write_trace
+
+        write_trace(heldout_out, held, force=force)
+        result["heldout_trace"] = str(heldout_out)
     if compare:
         result["compare"] = compare_methods(train, held, geo, gap=gap, cache_slots=cache_slots, bound=bound,
                                             progress=progress)
