@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
+from mbolt.atomic import json_default
 from mbolt.errors import MboltError
 
 app = typer.Typer(
@@ -42,21 +43,7 @@ def user_errors(fn):
 
 
 def print_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=2, default=_json_default) + "\n")
-
-
-def _json_default(o):
-    import numpy as np
-
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(f"not JSON serialisable: {type(o)}")
+    sys.stdout.write(json.dumps(obj, indent=2, default=json_default) + "\n")
 
 
 def _version(value: bool):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mbolt.atomic import json_default, write_text_atomic
 from mbolt.errors import MboltError
 
 
@@ -174,7 +175,7 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
     probe_d = probe(wd, sizes=(16 << 10, 64 << 10, 256 << 10), qds=(1,), modes=("buffered",), size_mb=64,
                     reads_mb=4, max_reads=64, repeats=2)
     probe_path = wd / "probe.json"
-    probe_path.write_text(json.dumps(probe_d, indent=2))
+    write_text_atomic(probe_path, json.dumps(probe_d, indent=2))
     step("ab", f"cold replay of {held.n_tokens} held-out tokens, {sz.rounds} rounds, arms swapped, A/A control")
     arms = [Arm(name=name, path=str(path)) for name, path in files.items()]
     ab = run_ab(arms, trace=held, mode="replay", rounds=sz.rounds, name="demo", trace_path=str(held_path))
@@ -183,7 +184,7 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
 
     total_s = time.perf_counter() - t_start
     summary = _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s)
-    (wd / "demo.json").write_text(json.dumps(summary, indent=2, default=_jsonable))
+    write_text_atomic(wd / "demo.json", json.dumps(summary, indent=2, default=json_default))
     return json.loads((wd / "demo.json").read_text())
 
 
@@ -191,16 +192,6 @@ def _as_prompt(p: dict):
     from mbolt.trace.tracer import Prompt
 
     return Prompt(text=p["prompt"], domain=p["source"], line=0)
-
-
-def _jsonable(o):
-    if isinstance(o, (np.integer,)):
-        return int(o)
-    if isinstance(o, (np.floating,)):
-        return float(o)
-    if isinstance(o, Path):
-        return str(o)
-    raise TypeError(type(o))
 
 
 def _aa_deviation(summary: list[dict]) -> float | None:

@@ -200,6 +200,7 @@ def main() -> None:
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--out", default=str(ROOT / "results" / "rewrite.json"))
     ap.add_argument("--reps", type=int, default=2, help="rounds per cache state (arm order alternates)")
+    ap.add_argument("--quiet-machine", action="store_true", help="record that nothing else ran during the run")
     a = ap.parse_args()
     sizes = [float(x) for x in a.sizes.split(",")]
     base = Path(a.tmp or tempfile.gettempdir())
@@ -238,7 +239,8 @@ def main() -> None:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "filesystem_note": "temp dir on the same filesystem as the source (copy_file_range in-kernel)",
-                    "shared": "2 cores shared with other jobs; single run per arm: noisy"},
+                    "shared": ("2 cores, no other jobs during the run" if a.quiet_machine
+                               else "2 cores shared with other jobs; single run per arm: noisy")},
         "method": __doc__,
         "runs": runs,
         "goals": goals,

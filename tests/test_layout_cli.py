@@ -147,3 +147,25 @@ def test_structure_none_gives_no_gain_beyond_heat():
     assert ho["heat-tsp"] < 0.98 * ho["heat"]
     # ... but with no co-activation structure, planning on pair counts gains nothing beyond it
     assert ho["tsp"] >= 0.99 * ho["heat-tsp"]
+
+
+def test_plan_writes_the_heldout_trace_for_ab(tmp_path, shared_data):
+    """`mbolt plan --heldout` writes exactly the tokens the plan was not trained on."""
+    from typer.testing import CliRunner
+
+    from mbolt.cli import app
+    from mbolt.trace.format import read_trace
+    from mbolt.trace.importers import import_trace
+    from mbolt.trace.model import DECODE
+
+    src = shared_data / "nuthatch" / "granite3moe.trace.txt"
+    out, held_path = tmp_path / "plan.json", tmp_path / "held.mbtrace"
+    res = CliRunner().invoke(app, ["plan", str(src), "-o", str(out), "--heldout", str(held_path)])
+    assert res.exit_code == 0, res.output
+    held = read_trace(held_path)
+    decode = import_trace(src)
+    decode = decode.select(decode.phase == DECODE)
+    assert held.n_tokens == 32  # the second half of granite's 64 decode tokens
+    assert (held.experts == decode.experts[32:]).all()
+    res = CliRunner().invoke(app, ["plan", str(src), "--train-frac", "1", "--heldout", str(tmp_path / "h2.mbtrace")])
+    assert res.exit_code == 2 and "nothing is held out" in res.output

@@ -442,20 +442,11 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def write_result(path: str | os.PathLike, result: AbResult) -> Path:
-    from mbolt.atomic import write_text_atomic
-
-    def default(o):
-        if isinstance(o, (np.integer,)):
-            return int(o)
-        if isinstance(o, (np.floating,)):
-            return float(o)
-        if isinstance(o, np.ndarray):
-            return o.tolist()
-        return str(o)
+    from mbolt.atomic import json_default, write_text_atomic
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(p, json.dumps(result.to_dict(), indent=1, default=default) + "\n")
+    write_text_atomic(p, json.dumps(result.to_dict(), indent=1, default=json_default) + "\n")
     return p
 
 
@@ -464,27 +455,13 @@ DEFAULT_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacc
 
 
 def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2) -> list[list[int]]:
-    """Token ids of the first `n` prompts (jsonl `prompt`/`instruction`/`text`, or text lines)."""
+    """Token ids of the first `n` prompts (the tracer's prompt files: jsonl or text lines)."""
     from mbolt.engine.tokenizer import Tokenizer
     from mbolt.gguf.header import read_header
 
-    texts = DEFAULT_PROMPTS
-    if prompts_path is not None:
-        p = Path(prompts_path)
-        try:
-            lines = [x for x in p.read_text().splitlines() if x.strip()]
-        except OSError as e:
-            raise MboltError(f"{p}: {e.strerror}") from None
-        texts = []
-        for i, line in enumerate(lines, 1):
-            if p.suffix == ".jsonl":
-                try:
-                    d = json.loads(line)
-                except ValueError:
-                    raise MboltError(f"{p}:{i}: not JSON") from None
-                texts.append(str(d.get("prompt") or d.get("instruction") or d.get("text") or ""))
-            else:
-                texts.append(line)
+    from mbolt.trace.tracer import read_prompts
+
+    texts = DEFAULT_PROMPTS if prompts_path is None else [p.text for p in read_prompts(prompts_path, n)]
     tok = Tokenizer.from_header(read_header(model_path))
     out = [tok.encode(t)[:64] for t in texts[:n]]
     if not out or not all(out):

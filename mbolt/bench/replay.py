@@ -304,23 +304,14 @@ def nuthatch_lines_trace(path: str | Path) -> Trace:
     Replaying this reproduces `trace_replay --text` exactly, including the 93 prompt lines that
     the export bug corrupted (DESIGN.md); use the shared importer for real analyses.
     """
+    from mbolt.trace.importers import nuthatch_text_rows
+
     path = Path(path)
-    rows = []
     try:
         text = path.read_text()
     except OSError as e:
         raise MboltError(f"{path}: {e.strerror}") from None
-    for i, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
-        try:
-            vals = [int(x) for x in parts]
-        except ValueError:
-            raise MboltError(f"{path}:{i}: not a line of integers") from None
-        if len(vals) < 2 or min(vals) < 0:
-            raise MboltError(f"{path}:{i}: expected `layer e0 .. ek` with non-negative ids")
-        rows.append(vals)
+    rows, _ = nuthatch_text_rows(text, str(path))
     if not rows:
         raise MboltError(f"{path}: no records")
     L = max(r[0] for r in rows) + 1

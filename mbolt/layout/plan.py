@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.atomic import write_text_atomic
+from mbolt.atomic import json_default, write_text_atomic
 from mbolt.errors import MboltError
 from mbolt.layout.coact import Coact, coactivation, groups as find_groups
 from mbolt.layout.evaluate import Geometry, evaluate, geometry_preset
@@ -82,7 +82,7 @@ def validate_plan(plan: Plan, where: str = "plan", n_layers: int | None = None, 
 
 def save_plan(path: str | os.PathLike, plan: Plan) -> Path:
     validate_plan(plan)
-    write_text_atomic(path, json.dumps(plan.to_dict(), default=_jsonable) + "\n")
+    write_text_atomic(path, json.dumps(plan.to_dict(), default=json_default) + "\n")
     return Path(path)
 
 
@@ -224,16 +224,6 @@ def _groups_method(co: Coact, how: str) -> str:
 def layer_groups(co: Coact, how: str = "auto") -> list:
     m = _groups_method(co, how)
     return [find_groups(co, l, method=m) if l in set(co.layers.tolist()) else None for l in range(co.n_layers)]
-
-
-def _jsonable(o):
-    if isinstance(o, np.integer):
-        return int(o)
-    if isinstance(o, np.floating):
-        return float(o)
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serialisable: {type(o)}")
 
 
 # ---------------------------------------------------------------- comparing methods

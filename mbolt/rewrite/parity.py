@@ -157,28 +157,7 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
 
 
 def load_prompts(path, n: int | None = None) -> list[str]:
-    """Prompts from a .jsonl file ("prompt" or "text" field per line) or a text file (one per line)."""
-    import json
-    from pathlib import Path
+    """Prompt texts from the tracer's prompt files (.jsonl with "prompt"/"text", or text lines)."""
+    from mbolt.trace.tracer import read_prompts
 
-    from mbolt.errors import MboltError
-
-    p = Path(path)
-    try:
-        lines = [ln for ln in p.read_text().splitlines() if ln.strip()]
-    except OSError as e:
-        raise MboltError(f"{p}: cannot read prompts ({e})") from None
-    out = []
-    for i, ln in enumerate(lines):
-        if p.suffix == ".jsonl":
-            try:
-                d = json.loads(ln)
-                out.append(str(d.get("prompt") or d.get("text") or ""))
-            except (json.JSONDecodeError, AttributeError):
-                raise MboltError(f"{p}: line {i + 1} is not a JSON object") from None
-        else:
-            out.append(ln)
-    out = [x for x in out if x]
-    if not out:
-        raise MboltError(f"{p}: no prompts")
-    return out[:n] if n else out
+    return [p.text for p in read_prompts(path, n)]

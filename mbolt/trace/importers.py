@@ -391,13 +391,8 @@ def _span(layers: list[int]) -> str:
 # nuthatch text
 
 
-def _import_nuthatch_text(path: Path, data: bytes, n_layers, n_experts) -> Trace:
-    where = str(path)
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError as e:
-        raise MboltError(f"{where}: not a nuthatch text trace (non-ASCII byte at {e.start})") \
-            from None
+def nuthatch_text_rows(text: str, where: str) -> tuple[list[list[int]], list[int]]:
+    """The lines `layer e0 .. ek` of a nuthatch text export as integer rows, with line numbers."""
     rows: list[list[int]] = []
     linenos: list[int] = []
     for i, line in enumerate(text.splitlines(), 1):
@@ -414,6 +409,17 @@ def _import_nuthatch_text(path: Path, data: bytes, n_layers, n_experts) -> Trace
             raise MboltError(f"{where}: line {i}: negative number in {line.strip()[:60]!r}")
         rows.append(vals)
         linenos.append(i)
+    return rows, linenos
+
+
+def _import_nuthatch_text(path: Path, data: bytes, n_layers, n_experts) -> Trace:
+    where = str(path)
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise MboltError(f"{where}: not a nuthatch text trace (non-ASCII byte at {e.start})") \
+            from None
+    rows, linenos = nuthatch_text_rows(text, where)
     if not rows:
         raise MboltError(f"{where}: no routing lines")
     K = max(len(r) for r in rows) - 1
