@@ -90,6 +90,7 @@ def cache_cmd(
     phase: str = typer.Option("decode", "--phase", help="Tokens replayed: decode, prefill or all."),
     nuthatch_lines: bool = typer.Option(False, "--nuthatch-lines",
                                         help="Read a nuthatch text export line by line, as nuthatch's trace_replay did."),
+    plot: Path = typer.Option(None, "--plot", help="Also draw the hit-rate curves into this PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
 ):
     """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady) over a trace."""
@@ -103,6 +104,10 @@ def cache_cmd(
     t = nuthatch_lines_trace(trace) if nuthatch_lines else load_trace(trace)
     sweep = cache_sweep(t, bs, in_sample=in_sample, pin_share=pin_share, train_share=train_share,
                         phase="all" if nuthatch_lines else phase)
+    if plot is not None:
+        from mbolt.report.plots import plot_cache
+
+        plot_cache(sweep.to_dict(), plot, title=Path(trace).name)
     if as_json:
         print_json(sweep.to_dict())
     else:
@@ -207,6 +212,7 @@ def ab_cmd(
     prereg: Path = typer.Option(None, "--prereg", help="Run a pre-registration (prereg/x.toml): arms and rule from the file."),
     plan: Path = typer.Option(None, "--plan", help="Plan of the treatment: print the prediction next to the measurement."),
     probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures for the prediction."),
+    plot: Path = typer.Option(None, "--plot", help="Also draw speedups with CIs and reads/token into this PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
     """Controlled cold A/B of arms (files + reader options): alternating order, eviction proven, A/A control."""
@@ -272,6 +278,10 @@ def ab_cmd(
 
         res.prediction = predict_vs_measured(res, plan, trace, probe_json)
     out = write_result(out_dir / f"{res.name}.json", res)
+    if plot is not None:
+        from mbolt.report.plots import plot_ab
+
+        plot_ab(res.to_dict(), plot)
     if as_json:
         print_json(res.to_dict())
         return

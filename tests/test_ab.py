@@ -96,9 +96,10 @@ def test_cli_writes_json_with_aa(files, tmp_path):
     r = CliRunner().invoke(app, ["ab", str(files["stock"]), f"{files['packed']}:name=packed,qd=2",
                                  "--replay", str(files["trace"]), "--rounds", "2", "--name", "tiny",
                                  "--out-dir", str(tmp_path), "--plan", str(tmp_path / "unused.json"),
-                                 "--probe", str(fake_probe(tmp_path))])
+                                 "--probe", str(fake_probe(tmp_path)), "--plot", str(tmp_path / "tiny.png")])
     assert r.exit_code == 0, r.output
     assert "prediction" in r.output
+    assert (tmp_path / "tiny.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     d = json.loads((tmp_path / "tiny.json").read_text())
     assert [p["arm"] for p in d["prediction"]] == ["stock", "packed", "stock (A/A)"]
     assert [a["name"] for a in d["arms"]][-1].endswith("(A/A)")

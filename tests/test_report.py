@@ -63,3 +63,17 @@ def test_heatmap_layer_out_of_range(tmp_path, layer):
     res = CliRunner().invoke(app, ["report", str(tmp_path / "t.mbtrace"), "--plan", str(tmp_path / "p.json"),
                                    "--layer", str(layer), "-o", str(tmp_path / "h.png")])
     assert res.exit_code == 2 and f"layer {layer}" in res.output
+
+
+def test_cache_plot_from_the_granite_trace(tmp_path, shared_data):
+    out = tmp_path / "cache.png"
+    src = shared_data / "nuthatch" / "granite3moe.trace.txt"
+    res = CliRunner().invoke(app, ["cache", str(src), "--budgets", "2,4,8", "--plot", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    assert _is_png(out)
+    sweep = json.loads(res.output)
+    # the file the report command reads back is the same sweep
+    (tmp_path / "sweep.json").write_text(json.dumps(sweep))
+    res = CliRunner().invoke(app, ["report", str(tmp_path / "sweep.json"), "-o", str(tmp_path / "again.png")])
+    assert res.exit_code == 0, res.output
+    assert _is_png(tmp_path / "again.png")

@@ -42,7 +42,7 @@ def kind_of(d: dict) -> str:
         return "demo"
     if "goals" in d and any(isinstance(v, dict) and "reorder" in v for v in d.values()):
         return "layout"
-    if "policies" in d or ("budgets" in d and "table" in d):
+    if "rows" in d and d["rows"] and "belady" in d["rows"][0]:
         return "cache"
     raise MboltError("unrecognised results file: expected an `mbolt ab`/`demo` result, results/layout.json "
                      "or an `mbolt cache --json` result")
@@ -110,16 +110,23 @@ def plot_layout(d: dict, out, title: str = "") -> Path:
     return _save(fig, out)
 
 
+CACHE_POLICIES = ("learned-pin", "lru", "os", "belady")
+
+
 def plot_cache(d: dict, out, title: str = "") -> Path:
-    budgets = d["budgets"]
+    """Hit rate per budget for each policy of an `mbolt cache` sweep; Belady dashed (the bound)."""
+    budgets = [r["budget"] for r in d["rows"]]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for policy, rates in d["table"].items():
-        style = dict(ls="--", color="k") if policy.lower().startswith("belady") else {}
-        ax.plot(budgets, [100 * r for r in rates], marker="o", label=policy, **style)
+    for policy in CACHE_POLICIES:
+        if policy not in d["rows"][0]:
+            continue
+        style = dict(ls="--", color="k") if policy == "belady" else {}
+        ax.plot(budgets, [100 * r[policy] for r in d["rows"]], marker="o", label=policy, **style)
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("cache slots per layer")
+    ax.set_xticks(budgets, [str(b) for b in budgets])
+    ax.set_xlabel("expert slots per layer")
     ax.set_ylabel("hit rate (%)")
-    ax.set_title(d.get("title", title), fontsize=10)
+    ax.set_title(f"{title}: {d.get('mode', '')}, {d.get('test_tokens', '?')} {d.get('phase', '')} tokens", fontsize=10)
     ax.legend(fontsize=8)
     return _save(fig, out)
 
