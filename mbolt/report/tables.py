@@ -75,10 +75,9 @@ def demo_table(s: dict) -> Group:
                   _fmt(a["io_ms_per_token"], ".1f"), _fmt(a["cold_tokens_per_s"], ".0f"),
                   _fmt(a["speedup_vs_stock"], ".2f"), f"{_fmt(ci[0], '.2f')}-{_fmt(ci[1], '.2f')}",
                   _fmt(a["pred_speedup"], ".2f"))
-    v = Table(title="verification", header_style="bold")
-    v.add_column("file")
-    v.add_column("verdict")
-    v.add_column("checks")
+    v = data_table("verification: every tensor byte-identical through the route map; routing parity on the "
+                   "reference engine", ["file", "verdict", "checks"], left=("file", "verdict", "checks"))
+    v.columns[2].no_wrap = False
     for name, rep in s["verify"].items():
         v.add_row(name, "[green]PASS[/]" if rep["ok"] else "[red]FAIL[/]",
                   ", ".join(c["name"] for c in rep["checks"] if c["ok"] is not None))
