@@ -199,3 +199,32 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         tensors.append(TensorInfo(name, ne, ttype, offset, nbytes, start))
     fp = hashlib.sha256(bytes(buf[:header_size])).hexdigest()[:32]
     return GGUFHeader(path, version, kv, tensors, alignment, data_offset, header_size, size, fp)
+
+
+# ---- writing: the same encoding, for the writers (synth, reorder) ----
+
+
+def encode_str(s: str) -> bytes:
+    b = s.encode("utf-8")
+    return struct.pack("<Q", len(b)) + b
+
+
+def encode_kv(key: str, vtype: GGUFValueType, value, sub: GGUFValueType | None = None) -> bytes:
+    """One metadata pair, byte for byte as `read_header` parses it."""
+    out = encode_str(key) + struct.pack("<I", int(vtype))
+    if vtype == GGUFValueType.STRING:
+        return out + encode_str(value)
+    if vtype == GGUFValueType.ARRAY:
+        out += struct.pack("<IQ", int(sub), len(value))
+        if sub == GGUFValueType.STRING:
+            return out + b"".join(encode_str(x) for x in value)
+        return out + np.asarray(value).astype(np.dtype(_NP[sub]).newbyteorder("<"), copy=False).tobytes()
+    return out + struct.pack(_SCALAR[vtype], value)
+
+
+def encode_tensor_info(name: str, ne, ttype: GGMLQuantizationType, offset: int) -> bytes:
+    return encode_str(name) + struct.pack(f"<I{len(ne)}QIQ", len(ne), *ne, int(ttype), offset)
+
+
+def encode_header_start(n_tensors: int, n_kv: int, version: int = 3) -> bytes:
+    return GGUF_MAGIC + struct.pack("<IQQ", version, n_tensors, n_kv)

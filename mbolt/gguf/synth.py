@@ -72,7 +72,6 @@ import dataclasses
 import hashlib
 import math
 import os
-import struct
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +83,7 @@ from gguf.quants import quantize
 
 from mbolt.atomic import atomic_output
 from mbolt.engine.tokenizer import bytes_to_unicode
+from mbolt.gguf.header import encode_header_start, encode_kv, encode_tensor_info
 from mbolt.errors import MboltError
 
 SYNTH_ARCHS = {
@@ -260,28 +260,6 @@ def vocabulary() -> tuple[list[str], list[int], list[str], int, int]:
 # ---- GGUF serialisation ----
 
 
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-_PACK = {
-    GGUFValueType.UINT32: "<I", GGUFValueType.INT32: "<i", GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?", GGUFValueType.UINT64: "<Q",
-}
-_NP_OF = {GGUFValueType.INT32: np.int32, GGUFValueType.FLOAT32: np.float32, GGUFValueType.UINT32: np.uint32}
-
-
-def _kv_bytes(key: str, vtype: GGUFValueType, value, sub: GGUFValueType | None = None) -> bytes:
-    out = _str(key) + struct.pack("<I", vtype)
-    if vtype == GGUFValueType.STRING:
-        return out + _str(value)
-    if vtype == GGUFValueType.ARRAY:
-        out += struct.pack("<IQ", sub, len(value))
-        if sub == GGUFValueType.STRING:
-            return out + b"".join(_str(s) for s in value)
-        return out + np.asarray(value, dtype=np.dtype(_NP_OF[sub]).newbyteorder("<")).tobytes()
-    return out + struct.pack(_PACK[vtype], value)
 
 
 @dataclass
@@ -578,65 +556,64 @@ class _Model:
         ff_key = cfg.expert_ff if cfg.arch in ("olmoe", "mixtral") else cfg.dense_ff
         name = cfg.name or f"mbolt-synth-{cfg.preset or cfg.arch}"
         kvs = [
-            _kv_bytes("general.architecture", STR, a),
-            _kv_bytes("general.name", STR, name),
-            _kv_bytes("general.alignment", U32, cfg.alignment),
-            _kv_bytes("general.file_type", U32, FILE_TYPE[cfg.expert_type]),
-            _kv_bytes(f"{a}.context_length", U32, cfg.context_length),
-            _kv_bytes(f"{a}.embedding_length", U32, cfg.hidden),
-            _kv_bytes(f"{a}.block_count", U32, cfg.n_layers),
-            _kv_bytes(f"{a}.feed_forward_length", U32, ff_key),
-            _kv_bytes(f"{a}.expert_feed_forward_length", U32, cfg.expert_ff),
-            _kv_bytes(f"{a}.attention.head_count", U32, cfg.n_heads),
-            _kv_bytes(f"{a}.attention.head_count_kv", U32, cfg.n_kv_heads),
-            _kv_bytes(f"{a}.attention.key_length", U32, cfg.head_dim),
-            _kv_bytes(f"{a}.attention.value_length", U32, cfg.head_dim),
-            _kv_bytes(f"{a}.attention.layer_norm_rms_epsilon", F32, cfg.rms_eps),
-            _kv_bytes(f"{a}.rope.freq_base", F32, cfg.rope_base),
-            _kv_bytes(f"{a}.rope.dimension_count", U32, cfg.head_dim),
-            _kv_bytes(f"{a}.expert_count", U32, cfg.n_experts),
-            _kv_bytes(f"{a}.expert_used_count", U32, cfg.n_used),
-            _kv_bytes(f"{a}.vocab_size", U32, self.V),
+            encode_kv("general.architecture", STR, a),
+            encode_kv("general.name", STR, name),
+            encode_kv("general.alignment", U32, cfg.alignment),
+            encode_kv("general.file_type", U32, FILE_TYPE[cfg.expert_type]),
+            encode_kv(f"{a}.context_length", U32, cfg.context_length),
+            encode_kv(f"{a}.embedding_length", U32, cfg.hidden),
+            encode_kv(f"{a}.block_count", U32, cfg.n_layers),
+            encode_kv(f"{a}.feed_forward_length", U32, ff_key),
+            encode_kv(f"{a}.expert_feed_forward_length", U32, cfg.expert_ff),
+            encode_kv(f"{a}.attention.head_count", U32, cfg.n_heads),
+            encode_kv(f"{a}.attention.head_count_kv", U32, cfg.n_kv_heads),
+            encode_kv(f"{a}.attention.key_length", U32, cfg.head_dim),
+            encode_kv(f"{a}.attention.value_length", U32, cfg.head_dim),
+            encode_kv(f"{a}.attention.layer_norm_rms_epsilon", F32, cfg.rms_eps),
+            encode_kv(f"{a}.rope.freq_base", F32, cfg.rope_base),
+            encode_kv(f"{a}.rope.dimension_count", U32, cfg.head_dim),
+            encode_kv(f"{a}.expert_count", U32, cfg.n_experts),
+            encode_kv(f"{a}.expert_used_count", U32, cfg.n_used),
+            encode_kv(f"{a}.vocab_size", U32, self.V),
         ]
         if cfg.arch == "qwen2moe":
-            kvs.append(_kv_bytes(f"{a}.expert_shared_feed_forward_length", U32, cfg.shared_ff))
+            kvs.append(encode_kv(f"{a}.expert_shared_feed_forward_length", U32, cfg.shared_ff))
         if cfg.dense_layers:
-            kvs.append(_kv_bytes(f"{a}.leading_dense_block_count", U32, cfg.dense_layers))
+            kvs.append(encode_kv(f"{a}.leading_dense_block_count", U32, cfg.dense_layers))
         kvs += [
-            _kv_bytes("tokenizer.ggml.model", STR, "gpt2"),
-            _kv_bytes("tokenizer.ggml.pre", STR, "gpt-2"),
-            _kv_bytes("tokenizer.ggml.tokens", ARR, self.tokens, GGUFValueType.STRING),
-            _kv_bytes("tokenizer.ggml.token_type", ARR, self.token_types, GGUFValueType.INT32),
-            _kv_bytes("tokenizer.ggml.merges", ARR, self.merges, GGUFValueType.STRING),
-            _kv_bytes("tokenizer.ggml.bos_token_id", U32, self.bos),
-            _kv_bytes("tokenizer.ggml.eos_token_id", U32, self.eos),
-            _kv_bytes("tokenizer.ggml.add_bos_token", BOOL, False),
-            _kv_bytes("tokenizer.ggml.add_eos_token", BOOL, False),
-            _kv_bytes("mbolt.synth.structure", STR, cfg.structure),
-            _kv_bytes("mbolt.synth.seed", U32, cfg.seed & 0xFFFFFFFF),
-            _kv_bytes("mbolt.synth.n_groups", U32, cfg.groups),
-            _kv_bytes("mbolt.synth.strength", F32, cfg.strength),
-            _kv_bytes("mbolt.synth.heat_skew", F32, cfg.heat_skew),
-            _kv_bytes("mbolt.synth.fast_random", BOOL, cfg.fast_random),
-            _kv_bytes("mbolt.synth.context", F32, cfg.context),
-            _kv_bytes("mbolt.synth.groups", ARR, self.groups.reshape(-1), GGUFValueType.INT32),
-            _kv_bytes("mbolt.synth.token_topic", ARR, self.token_topic.astype(np.int32), GGUFValueType.INT32),
+            encode_kv("tokenizer.ggml.model", STR, "gpt2"),
+            encode_kv("tokenizer.ggml.pre", STR, "gpt-2"),
+            encode_kv("tokenizer.ggml.tokens", ARR, self.tokens, GGUFValueType.STRING),
+            encode_kv("tokenizer.ggml.token_type", ARR, self.token_types, GGUFValueType.INT32),
+            encode_kv("tokenizer.ggml.merges", ARR, self.merges, GGUFValueType.STRING),
+            encode_kv("tokenizer.ggml.bos_token_id", U32, self.bos),
+            encode_kv("tokenizer.ggml.eos_token_id", U32, self.eos),
+            encode_kv("tokenizer.ggml.add_bos_token", BOOL, False),
+            encode_kv("tokenizer.ggml.add_eos_token", BOOL, False),
+            encode_kv("mbolt.synth.structure", STR, cfg.structure),
+            encode_kv("mbolt.synth.seed", U32, cfg.seed & 0xFFFFFFFF),
+            encode_kv("mbolt.synth.n_groups", U32, cfg.groups),
+            encode_kv("mbolt.synth.strength", F32, cfg.strength),
+            encode_kv("mbolt.synth.heat_skew", F32, cfg.heat_skew),
+            encode_kv("mbolt.synth.fast_random", BOOL, cfg.fast_random),
+            encode_kv("mbolt.synth.context", F32, cfg.context),
+            encode_kv("mbolt.synth.groups", ARR, self.groups.reshape(-1), GGUFValueType.INT32),
+            encode_kv("mbolt.synth.token_topic", ARR, self.token_topic.astype(np.int32), GGUFValueType.INT32),
         ]
         if cfg.preset:
-            kvs.append(_kv_bytes("mbolt.synth.preset", STR, cfg.preset))
+            kvs.append(encode_kv("mbolt.synth.preset", STR, cfg.preset))
         return kvs
 
 
 def _header(model: _Model) -> bytes:
     cfg = model.cfg
     kvs = model.kv()
-    out = [b"GGUF", struct.pack("<IQQ", 3, len(model.tensors), len(kvs))] + kvs
+    out = [encode_header_start(len(model.tensors), len(kvs))] + kvs
     offset = 0
     for t in model.tensors:
         t.offset = offset
         offset += -(-t.nbytes // cfg.alignment) * cfg.alignment
-        out.append(_str(t.name) + struct.pack("<I", len(t.ne)) + struct.pack(f"<{len(t.ne)}Q", *t.ne)
-                   + struct.pack("<IQ", t.type, t.offset))
+        out.append(encode_tensor_info(t.name, t.ne, t.type, t.offset))
     return b"".join(out)
 
 

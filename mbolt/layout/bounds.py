@@ -31,24 +31,33 @@ def top2_bound(C: np.ndarray) -> float:
     return float(top.sum() / 2.0)
 
 
-def lp_bound(C: np.ndarray) -> float:
-    """Max-weight fractional 2-matching (with at most E-1 edges) over positive-weight pairs."""
+def _edges(C: np.ndarray):
+    """The positive-weight pairs i < j of C as LP columns: (E, i, j, weight, expert x edge
+    incidence matrix), or None when there is no edge to place."""
     C = np.asarray(C, dtype=np.float64)
     E = C.shape[0]
     if E < 2:
-        return 0.0
+        return None
     iu, ju = np.triu_indices(E, 1)
     w = C[iu, ju]
     keep = w > 0
     iu, ju, w = iu[keep], ju[keep], w[keep]
     m = len(w)
     if m == 0:
-        return 0.0
+        return None
     cols = np.arange(m)
-    A = sp.csr_matrix(
-        (np.ones(2 * m), (np.concatenate([iu, ju]), np.concatenate([cols, cols]))), shape=(E, m)
-    )
-    A = sp.vstack([A, sp.csr_matrix(np.ones((1, m)))]).tocsr()
+    deg = sp.csr_matrix((np.ones(2 * m), (np.concatenate([iu, ju]), np.concatenate([cols, cols]))), shape=(E, m))
+    return E, iu, ju, w, deg
+
+
+def lp_bound(C: np.ndarray) -> float:
+    """Max-weight fractional 2-matching (with at most E-1 edges) over positive-weight pairs."""
+    edges = _edges(C)
+    if edges is None:
+        return 0.0
+    E, iu, ju, w, deg = edges
+    m = len(w)
+    A = sp.vstack([deg, sp.csr_matrix(np.ones((1, m)))]).tocsr()
     b = np.concatenate([np.full(E, 2.0), [E - 1.0]])
     res = linprog(-w, A_ub=A, b_ub=b, bounds=(0, 1), method="highs")
     if res.status != 0:
@@ -63,19 +72,11 @@ def subtour_bound(C: np.ndarray, max_rounds: int = 30) -> float:
     wherever the LP closes groups of experts into cycles (planted cliques)."""
     from scipy.sparse.csgraph import connected_components
 
-    C = np.asarray(C, dtype=np.float64)
-    E = C.shape[0]
-    if E < 2:
+    edges = _edges(C)
+    if edges is None:
         return 0.0
-    iu, ju = np.triu_indices(E, 1)
-    w = C[iu, ju]
-    keep = w > 0
-    iu, ju, w = iu[keep], ju[keep], w[keep]
+    E, iu, ju, w, deg = edges
     m = len(w)
-    if m == 0:
-        return 0.0
-    cols = np.arange(m)
-    deg = sp.csr_matrix((np.ones(2 * m), (np.concatenate([iu, ju]), np.concatenate([cols, cols]))), shape=(E, m))
     rows = [deg, sp.csr_matrix(np.ones((1, m)))]
     b = [np.full(E, 2.0), np.array([E - 1.0])]
     best = np.inf

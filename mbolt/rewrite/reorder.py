@@ -26,7 +26,6 @@ import errno
 import os
 import shutil
 import signal
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ from gguf import GGMLQuantizationType, GGUFValueType
 
 from mbolt.atomic import atomic_output, clean_stale_parts, write_text_atomic
 from mbolt.errors import MboltError
-from mbolt.gguf.header import _NP, _SCALAR, GGUF_MAGIC, read_header
+from mbolt.gguf.header import encode_header_start, encode_kv, encode_tensor_info, read_header
 from mbolt.gguf.moe_map import PAGE, WEIGHT_ROLES, MoeMap, moe_map
 from mbolt.gguf.packed import PackedLayer, PackedRole, packed_kvs, packed_name
 from mbolt.rewrite.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, read_route_map, sidecar_dict, sidecar_path
@@ -100,27 +99,6 @@ def logical_tensors(m: MoeMap) -> list[LTensor]:
 
 
 # ---- GGUF header encoding ----
-
-
-def _str(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<Q", len(b)) + b
-
-
-def encode_kv(key: str, vtype: GGUFValueType, value, sub: GGUFValueType | None = None) -> bytes:
-    out = _str(key) + struct.pack("<I", int(vtype))
-    if vtype == GGUFValueType.STRING:
-        return out + _str(value)
-    if vtype == GGUFValueType.ARRAY:
-        out += struct.pack("<I", int(sub)) + struct.pack("<Q", len(value))
-        if sub == GGUFValueType.STRING:
-            return out + b"".join(_str(s) for s in value)
-        return out + np.asarray(value).astype(np.dtype(_NP[sub]).newbyteorder("<"), copy=False).tobytes()
-    return out + struct.pack(_SCALAR[vtype], value)
-
-
-def _tensor_info(name: str, ne, ttype: GGMLQuantizationType, offset: int) -> bytes:
-    return _str(name) + struct.pack("<I", len(ne)) + struct.pack(f"<{len(ne)}Q", *ne) + struct.pack("<IQ", int(ttype), offset)
 
 
 _KIND = {"i32": GGUFValueType.INT32, "u32": GGUFValueType.UINT32, "u64": GGUFValueType.UINT64,
@@ -503,12 +481,12 @@ def reorder(
     if "general.alignment" not in header.kv:
         kv_bytes.append(encode_kv("general.alignment", GGUFValueType.UINT32, A))
     kv_bytes += route_map_kvs(layout, perm, heat, method, in_rm.source_fingerprint, packed)
-    infos_len = sum(len(_tensor_info(t.name, t.ne, t.type, 0)) for t in tensors)
-    prefix = GGUF_MAGIC + struct.pack("<IQQ", header.version, len(tensors), len(kv_bytes))
+    infos_len = sum(len(encode_tensor_info(t.name, t.ne, t.type, 0)) for t in tensors)
+    prefix = encode_header_start(len(tensors), len(kv_bytes), header.version)
     head_len = len(prefix) + sum(map(len, kv_bytes)) + infos_len
     data_start = -(-head_len // A) * A
     data_size = _place(tensors, A)
-    head = prefix + b"".join(kv_bytes) + b"".join(_tensor_info(t.name, t.ne, t.type, t.offset) for t in tensors)
+    head = prefix + b"".join(kv_bytes) + b"".join(encode_tensor_info(t.name, t.ne, t.type, t.offset) for t in tensors)
     assert len(head) == head_len
     total = data_start + data_size
 

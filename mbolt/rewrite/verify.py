@@ -369,6 +369,23 @@ def _record(jobs: _Jobs, i: int, offset: int, report: VerifyReport) -> None:
 # ---- top level ----
 
 
+def _engine_check(report: VerifyReport, name: str, load_source, compare, cannot: str) -> dict | None:
+    """A parity check through an engine. A source the engine cannot run (architecture, type) is
+    not the rewriter's fault: the check is skipped with the reason. Otherwise `compare()` decides."""
+    try:
+        load_source()
+    except MboltError as e:
+        report.add(name, None, f"skipped: {cannot} ({e})")
+        return None
+    try:
+        result = compare()
+    except MboltError as e:
+        report.add(name, False, str(e))
+        return None
+    report.add(name, result["ok"], result["detail"])
+    return result
+
+
 def verify(
     src: str | os.PathLike,
     out: str | os.PathLike,
@@ -459,16 +476,10 @@ def verify(
         except ImportError as e:
             report.add("routing", None, f"pending: reference engine not available ({e})")
         else:
-            try:  # a source the engine cannot run (architecture, type) is skipped, with the reason
-                load_model(src).close()
-            except MboltError as e:
-                report.add("routing", None, f"skipped: the reference engine cannot run the source ({e})")
-            else:
-                try:
-                    report.parity = routing_parity(src, out, prompts=prompts, n_tokens=n_tokens)
-                    report.add("routing", report.parity["ok"], report.parity["detail"])
-                except MboltError as e:
-                    report.add("routing", False, str(e))
+            report.parity = _engine_check(
+                report, "routing", lambda: load_model(src).close(),
+                lambda: routing_parity(src, out, prompts=prompts, n_tokens=n_tokens),
+                "the reference engine cannot run the source")
     if llama:
         from mbolt.rewrite.parity import llama_parity
 
@@ -477,14 +488,8 @@ def verify(
         else:
             from mbolt.trace.llama_backend import LlamaRunner
 
-            try:  # a source llama.cpp cannot run is not the rewriter's fault: skip, say why
-                LlamaRunner(src, n_ctx=16, capture=False).close()
-            except MboltError as e:
-                report.add("llama.cpp", None, f"skipped: {e}")
-            else:
-                try:
-                    report.llama = llama_parity(src, out, prompts=prompts, n_tokens=n_tokens)
-                    report.add("llama.cpp", report.llama["ok"], report.llama["detail"])
-                except MboltError as e:
-                    report.add("llama.cpp", False, str(e))
+            report.llama = _engine_check(
+                report, "llama.cpp", lambda: LlamaRunner(src, n_ctx=16, capture=False).close(),
+                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens),
+                "llama.cpp cannot run the source")
     return report
