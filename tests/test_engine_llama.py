@@ -4,7 +4,7 @@ Tolerances on logits, as (max |diff|, mean |diff|) over all positions (logits ar
   F32, BF16 experts: (2e-5, 2e-6). Plain float32 arithmetic on both sides; what is left is the
     summation order (SIMD lanes vs BLAS): measured max <= 1.5e-6.
   F16 experts: (1e-4, 2e-6): measured max 1.4e-5 in prefill (ggml's batched F16 path).
-  Q8_0, Q4_0, Q5_0, MXFP4, Q4_1, Q5_1 experts: (5e-4, 2e-5). ggml's CPU matmul quantizes the
+  Q8_0, Q4_0, Q5_0, MXFP4, Q4_1, Q5_1 experts: (2e-3, 2e-5). ggml's CPU matmul quantizes the
     activations (Q8_0 for the first four, Q8_1 for Q4_1/Q5_1, whose fp16 block sum multiplies
     the weight minimum); the engine does the same (quant.round_activations, q8_1_correction).
     Measured: Q8_0/Q4_1 max ~1.4e-6, Q4_0 max 1.3e-4 / mean 2.1e-6. The Q4_0 maxima are single
@@ -12,6 +12,10 @@ Tolerances on logits, as (max |diff|, mean |diff|) over all positions (logits ar
     (float32 BLAS vs ggml's integer block dots) flips one int8 step, which moves that expert's
     output by ~1e-4 (traced to one row of one expert). Without the activation rounding: max
     1.8-2.9e-3, mean 3.6-4.8e-4, so the mean bound separates "mimicked" from "not" by >15x.
+    How many activations land on a boundary depends on the SIMD kernel llama.cpp was built with:
+    against a GGML_NATIVE build (AVX-512 paths) Q4_1 measured max 5.3e-4 / mean 5.5e-6, against
+    the GGML_NATIVE=OFF build CI makes, 1.4e-6. The max bound is therefore the K-quants' 2e-3
+    (a handful of flips), and the mean bound, which flips barely move, does the discriminating.
   Q2_K..Q6_K experts: (2e-3, 5e-5) (synth cannot quantize K-quants, so the test writes random
     valid blocks). Activations are Q8_K on ggml's side and in the engine. Measured: Q3_K/Q6_K
     max 1.9e-6, Q4_K/Q5_K max 7e-5, Q2_K max 8.8e-4 / mean 1.4e-5 (boundary flips again, with
@@ -34,9 +38,9 @@ from mbolt.gguf.synth import SynthConfig, write_synth
 pytestmark = needs_llama
 
 PROMPT = [104, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101, 33, 256, 257, 65, 66, 10, 200]
-TOL = {"F32": (2e-5, 2e-6), "BF16": (2e-5, 2e-6), "F16": (1e-4, 2e-6), "Q8_0": (5e-4, 2e-5),
-       "Q4_0": (5e-4, 2e-5), "Q5_0": (5e-4, 2e-5), "MXFP4": (5e-4, 2e-5), "Q4_1": (5e-4, 2e-5),
-       "Q5_1": (5e-4, 2e-5)}
+TOL = {"F32": (2e-5, 2e-6), "BF16": (2e-5, 2e-6), "F16": (1e-4, 2e-6), "Q8_0": (2e-3, 2e-5),
+       "Q4_0": (2e-3, 2e-5), "Q5_0": (2e-3, 2e-5), "MXFP4": (2e-3, 2e-5), "Q4_1": (2e-3, 2e-5),
+       "Q5_1": (2e-3, 2e-5)}
 ARCH_KW = {"qwen3moe": {}, "olmoe": {"n_kv_heads": 4}, "mixtral": {}, "qwen2moe": {}}
 CASES = [(a, t) for a in ARCH_KW for t in ("F32", "Q8_0", "Q4_0")] + [
     ("qwen3moe", t) for t in ("F16", "BF16", "Q5_0", "MXFP4", "Q4_1", "Q5_1")]
