@@ -527,6 +527,7 @@ def trace_cmd(
     limit: int = typer.Option(0, "--limit", help="Only the first N prompts (0 = all)."),
     threads: int = typer.Option(0, "--threads", help="llama.cpp threads (0 = all cores)."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ):
     """Run prompts and record every token's routing (prefill and decode) into an .mbtrace."""
@@ -534,6 +535,8 @@ def trace_cmd(
 
     from mbolt.trace.tracer import read_prompts, trace_prompts
 
+    if out.exists() and not force:
+        raise MboltError(f"{out}: output exists (use --force to overwrite)")
     items = read_prompts(prompts, limit or None)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console,

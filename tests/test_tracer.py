@@ -129,3 +129,33 @@ def test_llama_backend_trace_agrees_with_reference(tmp_path):
     rec = (b.experts >= 0).all(-1)  # llama.cpp recorded this (token, layer)
     assert rec.mean() > 0.7
     np.testing.assert_array_equal(np.sort(a.experts, -1)[rec], np.sort(b.experts, -1)[rec])
+
+
+def test_interrupted_trace_leaves_no_output_and_keeps_a_readable_part(tmp_path, model):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello there\nsecond prompt\nthird one\n")
+    out = tmp_path / "run.mbtrace"
+
+    def stop_after_first(done, total, toks, secs):
+        if done == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(MboltError, match=r"interrupted; the \d+ tokens traced so far are in .*run\.mbtrace\.part"):
+        trace_prompts(model, prompts, out, max_new_tokens=2, on_progress=stop_after_first)
+    assert not out.exists()
+    part = read_trace(tmp_path / "run.mbtrace.part")
+    assert set(part.seq.tolist()) == {0} and part.n_tokens > 0
+
+
+def test_trace_cli_refuses_to_overwrite_without_force(tmp_path, model):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    out = tmp_path / "run.mbtrace"
+    out.write_bytes(b"precious")
+    res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--max-new-tokens", "1"])
+    assert res.exit_code == 2 and "use --force" in res.output
+    assert out.read_bytes() == b"precious"
+    res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--max-new-tokens", "1",
+                                   "--force"])
+    assert res.exit_code == 0, res.output
+    assert read_trace(out).n_tokens > 0

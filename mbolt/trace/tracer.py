@@ -168,8 +168,13 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
+    # The trace appears at `out` only when every prompt is done. An interrupted run keeps what it
+    # recorded in OUT.part (the format is crash-safe, so it stays readable) and never leaves a
+    # partial file at `out`.
+    out = Path(out)
+    part = out.with_name(out.name + ".part")
     try:
-        with TraceWriter(out, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
+        with TraceWriter(part, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
                          weights=backend.weights, flush_every=64) as w:
             w.add_note(f"mbolt trace --engine {engine} --max-new-tokens {max_new_tokens} ({Path(model).name})")
             for seq, p in enumerate(items):
@@ -196,8 +201,15 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
                     n_decode += 1
                 if on_progress is not None:
                     on_progress(seq + 1, len(items), n_prefill + n_decode, time.perf_counter() - t0)
+    except BaseException as e:
+        if part.exists() and part.stat().st_size > 0 and isinstance(e, KeyboardInterrupt):
+            raise MboltError(f"{out}: interrupted; the {n_prefill + n_decode} tokens traced so far are in "
+                             f"{part} (readable by every mbolt command)") from None
+        part.unlink(missing_ok=True)
+        raise
     finally:
         backend.close()
+    os.replace(part, out)
     dt = time.perf_counter() - t0
     return {
         "out": str(out), "engine": engine, "prompts": len(items), "prefill_tokens": n_prefill,
