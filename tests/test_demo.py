@@ -51,7 +51,9 @@ def test_demo_tiny_end_to_end(tmp_path):
     # the printed table shows the numbers in demo.json, which are ab.json's medians
     by_arm = {s["arm"]: s for s in ab["summary"]}
     for arm in summary["ab"]["arms"]:
-        assert arm["reads_per_token"] == by_arm[arm["arm"]]["reads_per_token"]
+        rounds = [r for r in ab["rounds"] if r["arm"] == arm["arm"] and not r["rejected"]]
+        assert arm["reads_per_token"] == sum(r["reads"] for r in rounds) / sum(r["tokens"] for r in rounds)
+        assert arm["speedup_vs_stock"] == by_arm[arm["arm"]]["speedup_vs_baseline_median"]
         row = next(line for line in res.output.splitlines() if line.strip().startswith(arm["arm"] + " "))
         assert f"{arm['reads_per_token']:.1f}" in row
         assert f"{arm['speedup_vs_stock']:.2f}" in row
