@@ -632,8 +632,8 @@ def synth_trace_cmd(
 @user_errors
 def demo_cmd(
     workdir: Path = typer.Option(Path("mbolt-demo"), "--workdir", help="Where the model, traces, plans and results go."),
-    size: str = typer.Option("tiny", "--size", help="tiny (8x32 experts, under a minute on 2 cores), small "
-                             "(16x64, a few minutes) or medium (16x128, 256 KiB slices, ~1.5 GB of files)."),
+    size: str = typer.Option("tiny", "--size", help="tiny (8x32 experts, 64 KiB slices: ~30 s on 2 cores), small "
+                             "(16x64, 64 KiB: ~2 min) or medium (16x128, 256 KiB slices, 7.6 GB of files: ~8 min)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic model."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ):
