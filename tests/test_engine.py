@@ -94,7 +94,7 @@ class CountingSource:
 def test_experts_come_only_through_the_source(tmp_path):
     src = _synth(tmp_path, n_experts=16, n_used=3)
     plain = load_model(src)
-    src_obj = CountingSource(MmapExpertSource(plain.map, plain.routes))
+    src_obj = CountingSource(MmapExpertSource(plain.map))
     m = load_model(src, expert_source=src_obj)
     cache = m.new_cache()
     m.forward(TOKENS[:5], cache)

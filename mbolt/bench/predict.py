@@ -21,20 +21,14 @@ import numpy as np
 from mbolt.bench.probe import cost, load_probe
 from mbolt.errors import MboltError
 from mbolt.gguf.moe_map import MoeMap, moe_map
-from mbolt.layout.evaluate import Geometry, evaluate
+from mbolt.layout.evaluate import evaluate, geometry_from_model
 from mbolt.trace.model import Trace
-
-
-def _geometry(mm: MoeMap, layout: str) -> Geometry:
-    ws = mm.moe_layers[0].weights
-    return Geometry("packed" if layout == "packed" else "reorder", tuple(int(w.slice_bytes) for w in ws),
-                    tuple(w.role for w in ws))
 
 
 def counts(trace: Trace, perm: np.ndarray, mm: MoeMap, layout: str, gap: int = 0, cache_slots: int = 0,
            pad: int = 0) -> dict:
     """Reads, bytes and useful bytes per token of `trace` over a file of this geometry."""
-    geo = _geometry(mm, layout)
+    geo = geometry_from_model(mm, "packed" if layout == "packed" else "reorder")
     ev = evaluate(trace, perm, geo, gap=max(gap, pad), cache_slots=cache_slots)
     if layout == "packed" and pad:
         # evaluate() assumes slots of exactly expert_bytes; the file pads them by `pad`, so

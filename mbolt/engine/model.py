@@ -26,7 +26,8 @@ from gguf import GGMLQuantizationType as T
 
 from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, silu, softmax
 from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
-from mbolt.engine.source import MmapExpertSource, Routes, read_routes
+from mbolt.engine.source import MmapExpertSource
+from mbolt.rewrite.routemap import RouteMap, read_route_map
 from mbolt.errors import MboltError
 from mbolt.gguf.header import GGUFHeader, read_header
 from mbolt.gguf.moe_map import MoeMap, moe_map
@@ -140,12 +141,12 @@ class Model:
     norm_topk = False  # renormalise the top-k weights to sum to 1
     shared_expert = False  # qwen2moe: sigmoid-gated shared expert
 
-    def __init__(self, path: Path, header: GGUFHeader, mmap_: MoeMap, hp: HParams, routes: Routes,
+    def __init__(self, path: Path, header: GGUFHeader, mmap_: MoeMap, hp: HParams, routes: RouteMap,
                  route: str, expert_source):
         self.path, self.header, self.map, self.hp, self.routes = path, header, mmap_, hp, routes
         self.route = route
         self.w = Weights(header)
-        self.source = expert_source if expert_source is not None else MmapExpertSource(mmap_, routes)
+        self.source = expert_source if expert_source is not None else MmapExpertSource(mmap_)
         self.rope = RopeCache(hp.n_rot, hp.rope_base)
         self.last_routing: list[Routing | None] = [None] * hp.n_layers
         self.stats = ExpertStats()
@@ -369,5 +370,5 @@ def load_model(path: str | os.PathLike, *, route: str = "file", expert_source=No
         raise MboltError(f"{path}: missing tensor token_embd.weight")
     n_vocab = int(emb.ne[1]) if len(emb.ne) > 1 else len(tok or [])
     hp = HParams.from_header(header, arch, n_vocab)
-    routes = read_routes(header, mm.n_layers, mm.n_experts)
+    routes = read_route_map(header)
     return cls(path, header, mm, hp, routes, route, expert_source)

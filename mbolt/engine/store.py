@@ -42,26 +42,10 @@ import numpy as np
 from mbolt.errors import MboltError
 from mbolt.gguf.moe_map import MoeMap, moe_map
 from mbolt.layout.ranges import merge_ranges
+from mbolt.rewrite.routemap import expert_ranges
 
 ALIGN = 4096
 PAGE = mmap.PAGESIZE
-
-
-def layer_ranges(mm: MoeMap, layer: int) -> np.ndarray:
-    """int64 [E, n_roles, 2] absolute (start, size) per original expert id, roles in file order."""
-    try:
-        from mbolt.rewrite.routemap import expert_ranges
-    except ImportError:  # pragma: no cover - before the rewriter lands: stock files only
-        if mm.header.get("mbolt.layout") is not None:
-            raise MboltError(f"{mm.path}: rewritten file but mbolt.rewrite.routemap is missing") from None
-        ws = mm.layers[layer].weights
-        E = mm.n_experts
-        out = np.zeros((E, len(ws), 2), np.int64)
-        for r, t in enumerate(ws):
-            out[:, r, 0] = t.data_offset + np.arange(E, dtype=np.int64) * t.slice_bytes
-            out[:, r, 1] = t.slice_bytes
-        return out
-    return np.asarray(expert_ranges(mm, layer), dtype=np.int64)
 
 
 def proc_read_bytes() -> int | None:
@@ -117,7 +101,7 @@ class ExpertStore:
                 raise MboltError(f"--resident-frac must be within 0..1, got {resident_frac}")
             cache_slots = int(round(resident_frac * E))
         self.cache_slots = max(0, min(int(cache_slots), E))
-        self._ranges = {l.index: layer_ranges(self.mm, l.index) for l in self.mm.moe_layers}
+        self._ranges = {l.index: expert_ranges(self.mm, l.index) for l in self.mm.moe_layers}
         self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
         self._slots: dict[int, OrderedDict] = {l: OrderedDict() for l in self._ranges}
         # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.

@@ -20,6 +20,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -58,9 +59,9 @@ class RouteMap:
     def n_experts(self) -> int:
         return int(self.perm.shape[1])
 
-    @property
+    @cached_property
     def pos(self) -> np.ndarray:
-        """int32 [n_layers, E]: pos[l, e] = position of original expert e."""
+        """int32 [n_layers, E]: pos[l, e] = position of original expert e (computed once)."""
         return inverse_perm(self.perm)
 
     @property
