@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.atomic import json_default, write_text_atomic
+from mbolt.bench.ab import AA_TOLERANCE, aa_row
 from mbolt.errors import MboltError
 
 
@@ -208,11 +209,9 @@ def _as_prompt(p: dict):
 
 
 def _aa_deviation(summary: list[dict]) -> float | None:
-    """How far the A/A control (same file, same options) landed from the baseline: the noise floor."""
-    aa = next((s for s in summary if s["arm"].endswith("(A/A)")), None)
-    if aa is None or aa.get("speedup_vs_baseline_median") is None:
-        return None
-    return aa["speedup_vs_baseline_median"] - 1.0
+    """How far the A/A control landed from the baseline: the noise floor of this run."""
+    aa = aa_row(summary)
+    return None if aa is None else aa["speedup_vs_baseline_median"] - 1.0
 
 
 def _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s) -> dict:
@@ -243,7 +242,8 @@ def _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s
                   "decode_tokens": trace_info["decode_tokens"],
                   "train_decode_tokens": int((train.phase == 1).sum()), "heldout_decode_tokens": held.n_tokens},
         "verify": verdicts,
-        "ab": {"cold": ab.cold, "flags": ab.flags, "aa_deviation": _aa_deviation(ab.summary), "notes": ab.notes, "baseline": ab.baseline,
+        "ab": {"cold": ab.cold, "flags": ab.flags, "aa_deviation": _aa_deviation(ab.summary),
+               "aa_tolerance": AA_TOLERANCE, "notes": ab.notes, "baseline": ab.baseline,
                "result": str(Path(wd) / "ab.json"), "arms": arms},
         "seconds": round(total_s, 1),
     }

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.atomic import write_text_atomic  # noqa: E402
-from mbolt.bench.ab import Arm, run_ab, write_result  # noqa: E402
+from mbolt.bench.ab import AA_TOLERANCE, Arm, aa_row, run_ab, write_result  # noqa: E402
 from mbolt.bench.predict import predict_vs_measured  # noqa: E402
 from mbolt.bench.probe import load_probe, probe  # noqa: E402
 
@@ -340,8 +340,8 @@ def _arm(res: dict, arm: str) -> dict | None:
     return next((s for s in res["summary"] if s["arm"] == arm), None)
 
 
-def _aa_ok(res: dict | None, tol: float = 0.03) -> bool | None:
-    a = next((s for s in (res or {}).get("summary", []) if s["arm"].endswith("(A/A)")), None)
+def _aa_ok(res: dict | None, tol: float = AA_TOLERANCE) -> bool | None:
+    a = aa_row((res or {}).get("summary", []))
     return None if a is None else abs(a["speedup_vs_baseline_median"] - 1.0) <= tol
 
 
@@ -378,10 +378,10 @@ def summarise_goals(out: dict) -> dict:
     aa = {}
     pred = {}
     for k, r in out.items():
-        a = next((s for s in r["summary"] if s["arm"].endswith("(A/A)")), None)
+        a = aa_row(r["summary"])
         if a:
             aa[k] = {"median": a["speedup_vs_baseline_median"], "ci95": a["speedup_ci95"],
-                     "within_3pct": abs(a["speedup_vs_baseline_median"] - 1) <= 0.03}
+                     "within_3pct": _aa_ok(r)}
         for row in r.get("prediction") or []:
             if row.get("speedup_error") is not None:
                 pred[f"{k}/{row['arm']}"] = {"pred": row["pred_speedup"], "meas": row["meas_speedup"],

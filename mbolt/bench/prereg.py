@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mbolt.atomic import write_text_atomic
-from mbolt.bench.ab import Arm, file_sha256
+from mbolt.bench.ab import AA_TOLERANCE, Arm, aa_row, file_sha256
 from mbolt.errors import MboltError
 
 
@@ -123,7 +123,7 @@ def check_and_lock(pr: Prereg) -> dict:
     return lock
 
 
-def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = 0.03) -> dict:
+def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = AA_TOLERANCE) -> dict:
     """PASS/FAIL of the treatment's median per-round speedup against the threshold; INCONCLUSIVE
     when the run's A/A control missed 1 by more than `aa_tolerance` (DESIGN.md: controls or it
     didn't happen), the threshold comparison still reported as `by_threshold`."""
@@ -133,7 +133,7 @@ def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = 0.03) -> dict
     got = row["speedup_vs_baseline_median"]
     lo, hi = row["speedup_ci95"]
     ok = got >= pr.pass_threshold
-    aa = next((s for s in summary if s["arm"].endswith("(A/A)") and s.get("speedup_vs_baseline_median")), None)
+    aa = aa_row(summary)
     aa_ok = aa is None or abs(aa["speedup_vs_baseline_median"] - 1.0) <= aa_tolerance
     return {
         "verdict": ("PASS" if ok else "FAIL") if aa_ok else "INCONCLUSIVE",

@@ -92,9 +92,10 @@ def demo_table(s: dict) -> Group:
     notes += [f"[yellow]flag:[/] {f}" for f in ab["flags"]] + list(ab["notes"])
     aa = ab.get("aa_deviation")
     if aa is not None:
-        verdict = "within" if abs(aa) <= 0.03 else "[yellow]outside[/]"
-        notes.append(f"A/A control: {100 * aa:+.1f}% ({verdict} +-3%); differences smaller than that are noise"
-                     + ("" if abs(aa) <= 0.03 else " on this machine right now"))
+        tol = ab.get("aa_tolerance", 0.03)
+        verdict = "within" if abs(aa) <= tol else "[yellow]outside[/]"
+        notes.append(f"A/A control: {100 * aa:+.1f}% ({verdict} +-{100 * tol:.0f}%); differences smaller than "
+                     "that are noise" + ("" if abs(aa) <= tol else " on this machine right now"))
     notes.append(f"files in {s['workdir']}; A/B result {ab['result']}; summary {s['workdir']}/demo.json; "
                  f"{s['seconds']:.0f} s")
     return Group(head, t, v, Text.from_markup("\n".join(notes)))
