@@ -81,14 +81,6 @@ def expert_spans(mm) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-def drop_range(fd: int, start: int, length: int) -> None:
-    """Drop the cached pages covering [start, start+length), widened to whole pages."""
-    a = start - start % PAGE
-    b = start + length
-    b += (-b) % PAGE
-    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
-
-
 @dataclass
 class Eviction:
     path: str
