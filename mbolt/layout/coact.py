@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mbolt.errors import MboltError
+from mbolt.trace.format import validate_experts
 from mbolt.trace.model import Trace
 
 
@@ -57,13 +58,7 @@ def one_hot(sets: np.ndarray, n_experts: int) -> np.ndarray:
 def check_ids(trace: Trace) -> None:
     if trace.n_tokens == 0:
         raise MboltError("trace has no tokens")
-    ex = trace.experts
-    if ex.size and (int(ex.max()) >= trace.n_experts or int(ex.min()) < -1):
-        bad = np.argwhere((ex >= trace.n_experts) | (ex < -1))[0]
-        raise MboltError(
-            f"trace: expert id {int(ex[tuple(bad)])} at token {bad[0]} layer {bad[1]} is outside "
-            f"0..{trace.n_experts - 1}"
-        )
+    validate_experts("trace", trace.experts, trace.n_experts, unique=False)
 
 
 def coactivation(trace: Trace) -> Coact:

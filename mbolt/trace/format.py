@@ -120,7 +120,7 @@ def _check_shape(where: str, n_layers: int, n_experts: int, k: int) -> None:
         raise MboltError(f"{where}: {n_experts} experts do not fit int16 expert ids")
 
 
-def _validate_experts(where: str, experts: np.ndarray, n_experts: int, first_record: int = 0,
+def validate_experts(where: str, experts: np.ndarray, n_experts: int, first_record: int = 0,
                       offsets: np.ndarray | None = None, unique: bool = True) -> None:
     """Range (and with `unique`, no repeats per token and layer) of expert ids [N, L, k]; the
     error names the first bad token."""
@@ -202,7 +202,7 @@ class TraceWriter:
         n = experts.shape[0]
         if n == 0:
             return
-        _validate_experts(str(self.path), experts, self.n_experts, self.n_records)
+        validate_experts(str(self.path), experts, self.n_experts, self.n_records)
         if self.weights and weights is None:
             raise MboltError(f"{self.path}: this trace records routing weights; pass weights")
         if not self.weights and weights is not None:
@@ -282,7 +282,7 @@ def write_trace(path: str | os.PathLike, trace: Trace, *, force: bool = True) ->
     if experts.shape != (n, trace.n_layers, trace.k):
         raise MboltError(f"{path}: trace experts have shape {list(experts.shape)}, header says "
                          f"[n, {trace.n_layers}, {trace.k}]")
-    _validate_experts(str(path), experts, trace.n_experts)
+    validate_experts(str(path), experts, trace.n_experts)
     recs = np.zeros(n, dtype)
     recs["tag"] = TAG_TOKEN
     recs["length"] = dtype.itemsize - _REC_HEAD.size - _CRC.size
@@ -437,7 +437,7 @@ def read_trace(path: str | os.PathLike) -> Trace:
             t = int(np.flatnonzero(bad)[0])
             raise MboltError(f"{where}: token {t} at byte {int(offsets[t])}: unknown phase "
                              f"{int(phase[t])}")
-        _validate_experts(where, experts, n_experts, 0, offsets, unique=False)
+        validate_experts(where, experts, n_experts, 0, offsets, unique=False)
     if dropped is not None:
         r, o, why = dropped
         msg = (f"{path.name}: dropped a torn last record (record {r} at byte {o}: {why}); "
