@@ -17,46 +17,37 @@ from pathlib import Path
 
 import numpy as np
 
+from mbolt.layout.coact import Coact, coactivation
 from mbolt.trace.model import DECODE, PREFILL, Trace
 
 MIN_PAIR_COUNT = 5
 LIFT_PERCENTILES = (50, 90, 99)
 
 
-def layer_stats(experts: np.ndarray, n_experts: int, k: int, next_mask: np.ndarray) -> dict:
-    """Stats of one layer. experts [n, k] (-1 = not recorded); next_mask [n] marks tokens whose
-    successor (row t+1) is the next decode token of the same sequence."""
-    routed = (experts >= 0).any(axis=1)
-    ex = experts[routed]
-    n = int(len(ex))
+def layer_stats(co: Coact, layer: int, experts: np.ndarray, k: int, next_mask: np.ndarray) -> dict:
+    """Stats of one layer from its co-activation counts (`co`, the planner's statistics) and its
+    expert ids [n, k] (-1 = not recorded); next_mask [n] marks tokens whose successor (row t+1)
+    is the next decode token of the same sequence."""
+    n = int(co.n_tokens[layer])
     out = {"tokens": n, "entropy_bits": None, "entropy_norm": None, "pairs": 0,
            **{f"lift_p{q}": None for q in LIFT_PERCENTILES}, "overlap": None,
            "overlap_pairs": 0}
     if n == 0:
         return out
-    valid = ex >= 0
-    heat = np.bincount(ex[valid].astype(np.int64), minlength=n_experts).astype(np.float64)
+    E = co.n_experts
+    heat = co.heat[layer]
     p = heat / heat.sum()
     nz = p[p > 0]
     h = float(-(nz * np.log2(nz)).sum())
     out["entropy_bits"] = h
-    out["entropy_norm"] = float(h / np.log2(n_experts)) if n_experts > 1 else 1.0
+    out["entropy_norm"] = float(h / np.log2(E)) if E > 1 else 1.0
 
-    # pair counts: every unordered pair of one token's selected experts
-    E = n_experts
-    cnt = heat
-    ri, rj = np.triu_indices(k, 1)
-    a = ex[:, ri].astype(np.int64).ravel()
-    b = ex[:, rj].astype(np.int64).ravel()
-    ok = (a >= 0) & (b >= 0)
-    lo, hi = np.minimum(a[ok], b[ok]), np.maximum(a[ok], b[ok])
-    C = np.bincount(lo * E + hi, minlength=E * E).reshape(E, E)
+    # pairs of experts selected together by at least MIN_PAIR_COUNT tokens, and their lift
     iu, ju = np.triu_indices(E, 1)
-    cij = C[iu, ju].astype(np.float64)
-    sel = cij >= MIN_PAIR_COUNT
+    sel = co.counts[layer][iu, ju] >= MIN_PAIR_COUNT
     out["pairs"] = int(sel.sum())
     if sel.any():
-        lift = cij[sel] * n / (cnt[iu[sel]] * cnt[ju[sel]])
+        lift = co.lift(layer)[iu[sel], ju[sel]]
         for q in LIFT_PERCENTILES:
             out[f"lift_p{q}"] = float(np.percentile(lift, q))
 
@@ -96,8 +87,9 @@ def trace_stats(trace: Trace | str | os.PathLike, fmt: str = "auto") -> dict:
         nxt[:-1] = ((tr.phase[:-1] == DECODE) & (tr.phase[1:] == DECODE)
                     & (tr.seq[:-1] == tr.seq[1:]) & (tr.pos[1:] == tr.pos[:-1] + 1))
     layers = []
+    co = coactivation(tr) if n else None
     for layer in tr.moe_layers().tolist():
-        st = layer_stats(tr.experts[:, layer, :], tr.n_experts, tr.k, nxt)
+        st = layer_stats(co, layer, tr.experts[:, layer, :], tr.k, nxt)
         layers.append({"layer": int(layer), **st})
 
     def mean_of(key):
