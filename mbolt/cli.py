@@ -8,14 +8,15 @@ from __future__ import annotations
 import functools
 import json
 import sys
+import warnings
 from pathlib import Path
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
-from mbolt.atomic import json_default
-from mbolt.errors import MboltError
+from mbolt.core.atomic import json_default
+from mbolt.core.errors import MboltError
 
 app = typer.Typer(
     add_completion=False,
@@ -27,11 +28,17 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """Warnings (mbolt's and the readers') are one yellow line on stderr, not a source excerpt."""
+    err_console.print(Text.assemble(("warning: ", "bold yellow"), str(message)), highlight=False, soft_wrap=True)
+
+
 def user_errors(fn):
-    """Turn MboltError into one red line and exit code 2."""
+    """Turn MboltError into one red line and exit code 2; warnings into one yellow line."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        warnings.showwarning = _show_warning
         try:
             return fn(*args, **kwargs)
         except MboltError as e:
@@ -70,7 +77,7 @@ def inspect_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the MoE map as JSON."),
 ):
     """Show the MoE map of a GGUF: layers, experts, and every expert-indexed tensor."""
-    from mbolt.gguf.moe_map import moe_map
+    from mbolt.core.moe_map import moe_map
     from mbolt.report.tables import moe_map_table
 
     m = moe_map(model)
@@ -94,7 +101,8 @@ def cache_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
 ):
     """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady) over a trace."""
-    from mbolt.bench.replay import cache_sweep, load_trace, nuthatch_lines_trace
+    from mbolt.bench.replay import cache_sweep, nuthatch_lines_trace
+    from mbolt.core.trace_import import load_trace
     from mbolt.report.bench_tables import cache_table
 
     try:
@@ -247,7 +255,7 @@ def ab_cmd(
     trace = None
     prompt_ids = None
     if replay_trace is not None:
-        from mbolt.bench.replay import load_trace
+        from mbolt.core.trace_import import load_trace
 
         trace = load_trace(replay_trace)
         if max_tokens and trace.n_tokens > max_tokens:
@@ -403,11 +411,11 @@ def import_trace_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
     """Convert a routing trace from another tool into .mbtrace (flags and drops corrupt rows)."""
-    from mbolt.trace.format import write_trace
-    from mbolt.trace.importers import detect_format, import_trace
+    from mbolt.core.mbtrace import write_trace
+    from mbolt.core.trace_import import detect_format, load_trace
 
     kind = detect_format(src) if fmt == "auto" else fmt
-    tr = import_trace(src, kind, n_layers=n_layers, n_experts=n_experts, prefill_tokens=prefill_tokens)
+    tr = load_trace(src, kind, n_layers=n_layers, n_experts=n_experts, prefill_tokens=prefill_tokens)
     write_trace(out, tr, force=force)
     info = {"source": str(src), "format": kind, "out": str(out), "n_layers": tr.n_layers,
             "n_experts": tr.n_experts, "k": tr.k, "tokens": tr.n_tokens,
@@ -436,7 +444,7 @@ def probe_cmd(
 
     from rich.progress import Progress
 
-    from mbolt.atomic import write_text_atomic
+    from mbolt.core.atomic import write_text_atomic
     from mbolt.bench.probe import probe
     from mbolt.report.bench_tables import probe_table
 
@@ -472,7 +480,7 @@ def predict_cmd(
     from rich.table import Table
 
     from mbolt.bench.predict import predict
-    from mbolt.bench.replay import load_trace
+    from mbolt.core.trace_import import load_trace
 
     d = predict(str(model), str(plan) if plan else None, load_trace(trace), str(probe_json), qd=qd, direct=direct,
                 gap=gap, cache_slots=cache_slots, s=s)
@@ -610,7 +618,7 @@ def synth_trace_cmd(
 
     from mbolt.layout.calibrate import load_profile, synth_trace_like
     from mbolt.report.layout_tables import match_table
-    from mbolt.trace.format import write_trace
+    from mbolt.core.mbtrace import write_trace
 
     if out.exists() and not force:
         raise MboltError(f"{out}: output exists (use --force to overwrite)")

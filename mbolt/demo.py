@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.atomic import json_default, write_text_atomic
+from mbolt.core.atomic import json_default, write_text_atomic
 from mbolt.bench.ab import AA_TOLERANCE, aa_row
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 
 @dataclass(frozen=True)
@@ -99,11 +99,12 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
     from mbolt.bench.probe import probe
     from mbolt.gguf.synth import SynthConfig, write_synth
     from mbolt.layout.evaluate import geometry_from_model
-    from mbolt.layout.plan import make_plan, save_plan
+    from mbolt.core.plan import save_plan
+    from mbolt.layout.plan import make_plan
     from mbolt.rewrite.reorder import reorder_file
     from mbolt.rewrite.verify import verify
-    from mbolt.trace.format import read_trace, write_trace
-    from mbolt.trace.model import DECODE
+    from mbolt.core.mbtrace import read_trace, write_trace
+    from mbolt.core.trace import DECODE
     from mbolt.trace.tracer import trace_prompts
 
     if size not in SIZES:
@@ -149,7 +150,7 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
 
     # 3. plans on the training prompts only
     step("plan", "tsp and mbolt-chain on the training prompts")
-    from mbolt.gguf.moe_map import moe_map
+    from mbolt.core.moe_map import moe_map
 
     mm = moe_map(model)
     plans = {}

@@ -30,7 +30,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbolt.atomic import write_text_atomic  # noqa: E402
+from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.bench.ab import AA_TOLERANCE, Arm, aa_row, run_ab, write_result  # noqa: E402
 from mbolt.bench.predict import predict_vs_measured  # noqa: E402
 from mbolt.bench.probe import load_probe, probe  # noqa: E402
@@ -71,9 +71,11 @@ def paths(name: str) -> dict:
 
 def prepare(name: str, spec: dict) -> dict:
     from mbolt.gguf.synth import SynthConfig, write_synth
-    from mbolt.layout.plan import make_plan, save_plan, split_trace
+    from mbolt.core.plan import save_plan
+    from mbolt.core.trace import split_trace
+    from mbolt.layout.plan import make_plan
     from mbolt.rewrite.reorder import reorder
-    from mbolt.trace.format import read_trace, write_trace
+    from mbolt.core.mbtrace import read_trace, write_trace
     from mbolt.trace.tracer import trace_prompts
 
     p = paths(name)
@@ -124,9 +126,9 @@ def cfg_name(name: str, qd: int, direct: bool) -> str:
 def predictions(name: str, qd: int, direct: bool) -> list[dict]:
     """Predicted I/O time per token of every arm (evaluator counts + probe cost), no measuring."""
     from mbolt.bench.predict import counts, io_time, reader_cost
-    from mbolt.gguf.moe_map import moe_map
-    from mbolt.rewrite.routemap import read_route_map
-    from mbolt.trace.format import read_trace
+    from mbolt.core.moe_map import moe_map
+    from mbolt.core.routemap import read_route_map
+    from mbolt.core.mbtrace import read_trace
 
     held = read_trace(paths(name)["held"])
     pr = load_probe(PROBE)
@@ -152,7 +154,7 @@ def predictions(name: str, qd: int, direct: bool) -> list[dict]:
 
 def run_config(name: str, spec: dict, qd: int, direct: bool) -> dict:
     from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
-    from mbolt.trace.format import read_trace
+    from mbolt.core.mbtrace import read_trace
 
     p = paths(name)
     cname = cfg_name(name, qd, direct)
@@ -255,7 +257,7 @@ def run_explore(names: list[str], tokens_per_round: int = 8) -> dict:
     short rounds (tokens_per_round held-out tokens each, cycling) so that the neighbours' bursts
     of I/O land on every arm, and the os arm in its own comparison (its 8 MiB read-around
     disturbed the arm after it in the mixed runs)."""
-    from mbolt.trace.format import read_trace
+    from mbolt.core.mbtrace import read_trace
 
     out = {}
     for n in names:

@@ -18,9 +18,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbolt.atomic import write_text_atomic  # noqa: E402
+from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.bench.replay import cache_sweep, nuthatch_lines_trace  # noqa: E402
-from mbolt.trace.importers import import_trace  # noqa: E402
+from mbolt.core.trace_import import load_trace  # noqa: E402
 
 DATA = ROOT.parent / "shared" / "data" / "nuthatch" / "granite3moe.trace.txt"
 BUDGETS = [4, 8, 12, 16, 24]
@@ -34,7 +34,7 @@ REFERENCE = {
 def main() -> None:
     t0 = time.perf_counter()
     lines = nuthatch_lines_trace(DATA)
-    imported = import_trace(DATA)
+    imported = load_trace(DATA)
     views = {
         "nuthatch_lines_in_sample": cache_sweep(lines, BUDGETS, in_sample=True, phase="all"),
         "decode_in_sample": cache_sweep(imported, BUDGETS, in_sample=True, phase="decode"),

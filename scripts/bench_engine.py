@@ -40,7 +40,7 @@ import pstats  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from mbolt.atomic import write_text_atomic  # noqa: E402
+from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.engine import load_model  # noqa: E402
 from mbolt.gguf.synth import SynthConfig, write_synth  # noqa: E402
 from mbolt.trace.llama_backend import LlamaRunner  # noqa: E402

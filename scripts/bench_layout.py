@@ -36,9 +36,11 @@ sys.path.insert(0, str(ROOT))
 from mbolt.layout.calibrate import load_profile, synth_trace_like  # noqa: E402
 from mbolt.layout.evaluate import evaluate, geometry_preset  # noqa: E402
 from mbolt.layout.methods import METHODS  # noqa: E402
-from mbolt.layout.plan import compare_methods, load_any_trace, plan_orders, split_trace  # noqa: E402
+from mbolt.core.trace import split_trace  # noqa: E402
+from mbolt.core.trace_import import load_trace  # noqa: E402
+from mbolt.layout.plan import compare_methods, plan_orders  # noqa: E402
 from mbolt.layout.coact import coactivation  # noqa: E402
-from mbolt.trace.model import Trace  # noqa: E402
+from mbolt.core.trace import Trace  # noqa: E402
 
 SHARED = ROOT.parent / "shared" / "data"
 PUBLISHED = {  # DESIGN.md / readahead_efficiency.json (16 KiB readahead rows), reads/token
@@ -86,7 +88,7 @@ def first_layers(tr: Trace, n: int) -> Trace:
 
 
 def granite(quick: bool) -> dict:
-    tr = load_any_trace(SHARED / "nuthatch" / "granite3moe.trace.txt")
+    tr = load_trace(SHARED / "nuthatch" / "granite3moe.trace.txt")
     train, held, split = split_trace(tr, train_frac=0.5)
     planned: dict = {}
     out = {"split": split, "design_md_runs_per_token_layer": {"stock": 6.37, "mbolt-chain": 4.18, "tsp (2-opt/Or-opt)": 3.60}}
@@ -180,7 +182,7 @@ def synth_section(quick: bool) -> dict:
                                 max_new_tokens=32, limit=n_prompts, engine="reference")
             log(f"synth {structure}: traced {res['prefill_tokens']}+{res['decode_tokens']} tokens in "
                 f"{time.perf_counter() - t0:.0f} s")
-            tr = load_any_trace(Path(d) / f"{structure}.mbtrace")
+            tr = load_trace(Path(d) / f"{structure}.mbtrace")
             train, held, split = split_trace(tr, train_frac=0.5, phase="all")
             entry = {"config": {k: getattr(cfg, k) for k in ("arch", "n_layers", "n_experts", "n_used", "structure",
                                                              "strength", "heat_skew", "seed")},
@@ -269,7 +271,7 @@ def main():
     res = json.loads(out.read_text()) if out.exists() else {}
     res.setdefault("meta", {})
     res["meta"].update({"quick": a.quick, "methods": list(METHODS), "updated": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                        "note": "reads/token: reads after merging with mbolt.layout.ranges (gap 0, no cache unless "
+                        "note": "reads/token: reads after merging with mbolt.core.ranges (gap 0, no cache unless "
                                 "stated); reorder counts the gate/up/down tensors separately, packed one region"})
     only = set(a.only.split(","))
     keep: dict = {}
@@ -291,7 +293,7 @@ def main():
         res["null"] = null_section(a.quick)
     res["goals"] = goals(res)
     out.parent.mkdir(exist_ok=True)
-    from mbolt.atomic import write_text_atomic
+    from mbolt.core.atomic import write_text_atomic
 
     write_text_atomic(out, json.dumps(res, indent=1, default=lambda o: o.tolist() if hasattr(o, "tolist") else float(o)) + "\n")
     log(f"wrote {out} in {time.perf_counter() - t_all:.0f} s")

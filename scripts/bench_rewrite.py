@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from mbolt.bench.pagecache import evict  # noqa: E402
 from mbolt.gguf.synth import SynthConfig, synth_size, write_synth  # noqa: E402
-from mbolt.layout.plan import Plan, save_plan  # noqa: E402
+from mbolt.core.plan import Plan, save_plan  # noqa: E402
 
 PRESET = "qwen3-30b-a3b"
 MBOLT = [sys.executable, "-m", "mbolt"]
@@ -247,7 +247,7 @@ def main() -> None:
     }
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from mbolt.atomic import write_text_atomic
+    from mbolt.core.atomic import write_text_atomic
 
     write_text_atomic(out, json.dumps(result, indent=1) + "\n")
     print(json.dumps(goals, indent=1))

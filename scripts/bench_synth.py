@@ -112,7 +112,7 @@ def arm_synth(tmp: Path, preset: str, layers: int, size: int) -> dict:
     path = tmp / f"{preset}.gguf"
     r = run_child([sys.executable, "-c", SYNTH_CHILD, preset, str(layers), str(path)])
     assert r["child"]["bytes"] == size == path.stat().st_size
-    from mbolt.gguf.moe_map import moe_map
+    from mbolt.core.moe_map import moe_map
 
     m = moe_map(path)  # the big file is a valid MoE GGUF
     r["check"] = {"arch": m.arch, "n_layers": m.n_layers, "n_experts": m.n_experts}
@@ -193,7 +193,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from mbolt.atomic import write_text_atomic
+    from mbolt.core.atomic import write_text_atomic
 
     write_text_atomic(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}", file=sys.stderr)

@@ -13,8 +13,8 @@ import struct
 import numpy as np
 from gguf import GGUFValueType as V
 
-from mbolt.gguf.header import read_header
-from mbolt.gguf.moe_map import moe_map
+from mbolt.core.header import read_header
+from mbolt.core.moe_map import moe_map
 
 _PACK = {V.UINT8: "<B", V.INT8: "<b", V.UINT16: "<H", V.INT16: "<h", V.UINT32: "<I", V.INT32: "<i",
          V.FLOAT32: "<f", V.BOOL: "<?", V.UINT64: "<Q", V.INT64: "<q", V.FLOAT64: "<d"}

@@ -9,11 +9,11 @@ from typer.testing import CliRunner
 from mbolt.bench.ab import Arm, bootstrap_ci, parse_arm, run_ab
 from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
 from mbolt.cli import app
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError, MboltWarning
 from mbolt.gguf.synth import SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
-from mbolt.trace.format import write_trace
-from mbolt.trace.model import DECODE, Trace
+from mbolt.core.mbtrace import write_trace
+from mbolt.core.trace import DECODE, Trace
 
 L, E, K = 2, 8, 2
 
@@ -61,11 +61,12 @@ def test_replay_rounds_alternate_and_aa(files):
 def test_refuses_other_model_and_other_trace(files):
     with pytest.raises(MboltError, match="not the same model"):
         run_ab([Arm("a", str(files["stock"])), Arm("b", str(files["other"]))], trace=rand_trace(), rounds=1)
-    with pytest.raises(MboltError, match="another model"):
+    # same geometry, another fingerprint: one warning (another quantisation of the same model)
+    with pytest.warns(MboltWarning, match="trace: trace was recorded on a model with fingerprint ffffffffffff"):
         run_ab([Arm("a", str(files["stock"]))], trace=rand_trace(fingerprint="f" * 64), rounds=1)
     bad = rand_trace()
     bad.n_experts = 16
-    with pytest.raises(MboltError, match="another model"):
+    with pytest.raises(MboltError, match="trace: trace is for .* x 16 experts"):
         run_ab([Arm("a", str(files["stock"]))], trace=bad, rounds=1)
 
 

@@ -5,8 +5,8 @@ import stat
 
 import pytest
 
-from mbolt.atomic import atomic_output
-from mbolt.errors import MboltError
+from mbolt.core.atomic import atomic_output
+from mbolt.core.errors import MboltError
 
 
 def test_interrupted_block_leaves_nothing(tmp_path):

@@ -9,8 +9,8 @@ from mbolt.bench.replay import (
     BeladyPolicy, LearnedPinPolicy, LruPolicy, OsPolicy, cache_sweep, nuthatch_lines_trace,
     pin_count, replay, split_trace, usage_histogram,
 )
-from mbolt.errors import MboltError
-from mbolt.trace.model import DECODE, Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.trace import DECODE, Trace
 
 
 def make_trace(per_token, n_layers=1, n_experts=4):
@@ -78,7 +78,7 @@ def test_skips_unrecorded_layers():
 
 def test_held_out_split_uses_leading_tokens():
     t = make_trace([[[0]], [[0]], [[1]], [[1]]])
-    train, test = split_trace(t, 0.5)
+    train, test, _ = split_trace(t, train_frac=0.5, phase="all")
     assert train.experts[:, 0, 0].tolist() == [0, 0] and test.experts[:, 0, 0].tolist() == [1, 1]
     sw = cache_sweep(t, [1], pin_share=1.0, phase="all")
     # pin {0} from the training half, held-out accesses are 1, 1: no LRU slot -> 0 hits
@@ -90,8 +90,10 @@ def test_held_out_split_uses_leading_tokens():
 def test_bad_budget_and_split():
     with pytest.raises(MboltError):
         cache_sweep(seq_trace(), [0], phase="all")
-    with pytest.raises(MboltError):
-        split_trace(make_trace([[[0]]]), 0.5)
+    with pytest.raises(MboltError, match="no tokens"):
+        cache_sweep(make_trace([[[0]]]).select(np.zeros(1, bool)), [1], phase="all")
+    with pytest.raises(MboltError, match="too few"):
+        cache_sweep(make_trace([[[0]], [[1]]]), [1], phase="all")
 
 
 tok_st = st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=3, unique=True), min_size=1, max_size=40)
@@ -132,9 +134,9 @@ def test_granite_reproduces_nuthatch(shared_data):
 
 
 def test_granite_held_out_through_the_importer(shared_data):
-    from mbolt.trace.importers import import_trace
+    from mbolt.core.trace_import import load_trace
 
-    t = import_trace(shared_data / "nuthatch/granite3moe.trace.txt")
+    t = load_trace(shared_data / "nuthatch/granite3moe.trace.txt")
     rows = cache_sweep(t, [4, 16], phase="decode").rows
     assert [round(100 * rows[0][p], 1) for p in ("learned-pin", "lru", "os")] == [20.0, 4.8, 0.0]
     assert [round(100 * rows[1][p], 1) for p in ("learned-pin", "lru")] == [69.6, 64.2]

@@ -9,7 +9,7 @@ from gguf import GGUFReader
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.trace.format import read_trace
+from mbolt.core.mbtrace import read_trace
 
 
 def naive_stock_reads_per_token(model_path, held) -> float:

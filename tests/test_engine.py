@@ -13,8 +13,8 @@ from mbolt.engine import load_model
 from mbolt.engine.quant import dequantize, round_activations
 from mbolt.engine.source import MmapExpertSource
 from mbolt.engine.tokenizer import Tokenizer, split_gpt2, split_llama3
-from mbolt.errors import MboltError
-from mbolt.gguf.header import read_header
+from mbolt.core.errors import MboltError
+from mbolt.core.header import read_header
 from mbolt.gguf.synth import SynthConfig, write_synth
 
 TOKENS = [104, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101, 33, 256, 257, 65, 66]

@@ -32,7 +32,7 @@ from _engine_util import permuted_copy, random_perm, with_expert_type
 from conftest import needs_llama
 from mbolt.engine import load_model
 from mbolt.engine.tokenizer import Tokenizer
-from mbolt.gguf.header import read_header
+from mbolt.core.header import read_header
 from mbolt.gguf.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama

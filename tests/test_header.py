@@ -5,8 +5,8 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import quantize
 
-from mbolt.errors import MboltError
-from mbolt.gguf.header import read_header
+from mbolt.core.errors import MboltError
+from mbolt.core.header import read_header
 
 
 def write_sample(path):

@@ -7,10 +7,10 @@ import struct
 import numpy as np
 import pytest
 
-from mbolt.errors import MboltError
-from mbolt.trace.format import read_trace, write_trace
-from mbolt.trace.importers import detect_format, import_trace
-from mbolt.trace.model import DECODE, PREFILL
+from mbolt.core.errors import MboltError
+from mbolt.core.mbtrace import read_trace, write_trace
+from mbolt.core.trace_import import detect_format, load_trace
+from mbolt.core.trace import DECODE, PREFILL
 
 
 def _raw_lines(path):
@@ -28,7 +28,7 @@ def _raw_lines(path):
 @pytest.fixture(scope="module")
 def granite(shared_data):
     path = shared_data / "nuthatch" / "granite3moe.trace.txt"
-    return path, import_trace(path), _raw_lines(path)
+    return path, load_trace(path), _raw_lines(path)
 
 
 def test_granite_shape_and_decode_tokens(granite):
@@ -73,7 +73,7 @@ def test_granite_round_trips_through_mbtrace(granite, tmp_path):
     write_trace(tmp_path / "g.mbtrace", tr)
     back = read_trace(tmp_path / "g.mbtrace")
     np.testing.assert_array_equal(back.experts, tr.experts)
-    assert back.notes == tr.notes and import_trace(tmp_path / "g.mbtrace").n_tokens == 66
+    assert back.notes == tr.notes and load_trace(tmp_path / "g.mbtrace").n_tokens == 66
 
 
 # ---- the strided bug, generically ----------------------------------------------------------
@@ -95,7 +95,7 @@ def test_strided_bug_detected_on_synthetic_export(tmp_path):
     lines += [f"{layer} " + " ".join(map(str, decode[layer])) for layer in range(L)]
     p = tmp_path / "bug.txt"
     p.write_text("\n".join(lines) + "\n")
-    tr = import_trace(p)
+    tr = load_trace(p)
     assert tr.phase.tolist() == [PREFILL, PREFILL, DECODE] and tr.pos.tolist() == [0, 1, 8]
     for layer in range(L):
         assert tr.experts[0, layer].tolist() == ranks[layer][0, :k].tolist()
@@ -114,7 +114,7 @@ def test_clean_prefill_is_not_flagged(tmp_path):
         lines += [f"{layer} " + " ".join(map(str, row)) for row in t]
     p = tmp_path / "clean.txt"
     p.write_text("\n".join(lines))
-    tr = import_trace(p)
+    tr = load_trace(p)
     assert tr.n_tokens == T and (tr.phase == PREFILL).all() and tr.notes == []
     assert tr.experts[5, 2].tolist() == top[2][5].tolist()
 
@@ -142,7 +142,7 @@ def test_mbolt_prefill_and_decode(tmp_path):
     p = tmp_path / "run.bin"
     p.write_bytes(_mbolt_bytes(E, prompt + dec + dec + second + dec))
     assert detect_format(p) == "mbolt"
-    tr = import_trace(p)
+    tr = load_trace(p)
     assert (tr.n_layers, tr.n_experts, tr.k, tr.n_tokens) == (3, 8, 2, 3 + 1 + 1 + 2 + 1)
     assert tr.phase.tolist() == [0, 0, 0, 1, 1, 0, 0, 1]
     assert tr.seq.tolist() == [0, 0, 0, 0, 0, 1, 1, 1]
@@ -159,26 +159,26 @@ def test_mbolt_errors(tmp_path):
     good = [(0, 2, [[0, 1]]), (1, 2, [[2, 3]])]
     p.write_bytes(_mbolt_bytes(8, good, magic=0x12345678))
     with pytest.raises(MboltError, match="unknown trace format"):
-        import_trace(p)
+        load_trace(p)
     with pytest.raises(MboltError, match=r"m\.bin: bad MBOLT_TRACE magic 0x12345678"):
-        import_trace(p, fmt="mbolt")
+        load_trace(p, fmt="mbolt")
     data = _mbolt_bytes(8, good)
     p.write_bytes(data[:-4])  # last record loses an id
     with pytest.raises(MboltError, match=r"m\.bin: record 1 at byte 32: truncated"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(data[:-2])
     with pytest.raises(MboltError, match=r"m\.bin: 2 stray bytes"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(_mbolt_bytes(8, [(0, 2, [[0, 1]]), (1, 2, [[2, 8]])]))
     with pytest.raises(MboltError, match=r"m\.bin: record 1 at byte 32: expert id 8 out of range"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(_mbolt_bytes(4, [(0, 2, [[0, 1]]), (1, 5, [[0, 1, 2, 3, 0]])]))
     with pytest.raises(MboltError, match=r"m\.bin: record 1 at byte 32: k=5 is larger than the "
                                          r"number of experts \(4\)"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(_mbolt_bytes(8, good, version=2))
     with pytest.raises(MboltError, match="unsupported MBOLT_TRACE version 2"):
-        import_trace(p)
+        load_trace(p)
 
 
 # ---- NUTHTRC1 --------------------------------------------------------------------------------
@@ -199,11 +199,11 @@ def test_nuthatch_bin_token_major(tmp_path):
     p = tmp_path / "n.trace"
     p.write_bytes(_nuth_bytes(2, 6, recs))
     assert detect_format(p) == "nuthatch-bin"
-    tr = import_trace(p, prefill_tokens=2)
+    tr = load_trace(p, prefill_tokens=2)
     assert (tr.n_layers, tr.n_experts, tr.k, tr.n_tokens) == (2, 6, 2, 5)
     assert tr.pos.tolist() == [0, 1, 2, 3, 4] and tr.phase.tolist() == [0, 0, 1, 1, 1]
     assert tr.experts[4].tolist() == [[4, 5], [5, 0]]
-    assert any("does not mark the prompt" in n for n in import_trace(p).notes)
+    assert any("does not mark the prompt" in n for n in load_trace(p).notes)
 
 
 def test_nuthatch_bin_record_counter_tokens(tmp_path):
@@ -211,7 +211,7 @@ def test_nuthatch_bin_record_counter_tokens(tmp_path):
     recs = [(i, i % 3, [i % 5, (i + 2) % 5]) for i in range(6)]
     p = tmp_path / "c.trace"
     p.write_bytes(_nuth_bytes(3, 5, recs))
-    tr = import_trace(p)
+    tr = load_trace(p)
     assert tr.n_tokens == 2 and (tr.phase == DECODE).all()
     assert tr.experts[1].tolist() == [[3, 0], [4, 1], [0, 2]]
 
@@ -221,22 +221,22 @@ def test_nuthatch_bin_errors(tmp_path):
     recs = [(0, 0, [1, 2]), (0, 1, [3, 4])]
     p.write_bytes(_nuth_bytes(2, 6, recs, magic=b"NUTHTRC9"))
     with pytest.raises(MboltError, match=r"n\.trace: bad NUTHTRC1 magic"):
-        import_trace(p, fmt="nuthatch-bin")
+        load_trace(p, fmt="nuthatch-bin")
     data = _nuth_bytes(2, 6, recs)
     p.write_bytes(data[:-6])
     with pytest.raises(MboltError, match=r"n\.trace: record 1 at byte 48: truncated"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(_nuth_bytes(2, 6, recs, n_records=3))
     with pytest.raises(MboltError, match=r"record 2 at byte 68: truncated \(header says 3"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(_nuth_bytes(2, 6, [(0, 0, [1, 2]), (0, 1, [3, 6])]))
     with pytest.raises(MboltError, match=r"n\.trace: record 1 at byte 48: expert id 6 out of "
                                          r"range"):
-        import_trace(p)
+        load_trace(p)
     p.write_bytes(_nuth_bytes(2, 2, [(0, 0, [0, 1, 0])]))
     with pytest.raises(MboltError, match=r"record 0 at byte 28: n_sel=3 is larger than the "
                                          r"number of experts \(2\)"):
-        import_trace(p)
+        load_trace(p)
 
 
 # ---- nuthatch text errors ----------------------------------------------------------------------
@@ -246,16 +246,16 @@ def test_nuthatch_text_errors(tmp_path):
     p = tmp_path / "t.txt"
     p.write_text("0 1 2\n1 3 x\n")
     with pytest.raises(MboltError, match=r"t\.txt: line 2: not integers"):
-        import_trace(p, fmt="nuthatch-text")
+        load_trace(p, fmt="nuthatch-text")
     p.write_text("0 1 2\n1 3 9\n")
     with pytest.raises(MboltError, match=r"t\.txt: line 2: expert id 9 out of range"):
-        import_trace(p, n_experts=8)
+        load_trace(p, n_experts=8)
     p.write_text("0 1 2\n1 3 3\n")
     with pytest.raises(MboltError, match=r"t\.txt: line 2: an expert id is repeated"):
-        import_trace(p)
+        load_trace(p)
     p.write_text("hello\n")
     with pytest.raises(MboltError, match="unknown trace format"):
-        import_trace(p)
+        load_trace(p)
 
 
 def test_k_equal_experts_is_never_flagged(tmp_path):
@@ -265,5 +265,5 @@ def test_k_equal_experts_is_never_flagged(tmp_path):
     p = tmp_path / "full.txt"
     p.write_text("\n".join(f"{layer} " + " ".join(map(str, r)) for layer in range(2)
                            for r in rows[layer]))
-    tr = import_trace(p)
+    tr = load_trace(p)
     assert tr.n_tokens == 3 and tr.notes == [] and tr.experts[2, 1].tolist() == rows[1][2].tolist()

@@ -8,13 +8,15 @@ import json
 import numpy as np
 import pytest
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 from mbolt.layout.bounds import lp_bound, subtour_bound, top2_bound
 from mbolt.layout.coact import coactivation, groups
 from mbolt.layout.evaluate import Geometry, evaluate, lru_hits
 from mbolt.layout.methods import METHODS, order, path_weight
-from mbolt.layout.plan import load_plan, make_plan, save_plan, split_trace
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.plan import load_plan, save_plan
+from mbolt.core.trace import split_trace
+from mbolt.layout.plan import make_plan
+from mbolt.core.trace import DECODE, PREFILL, Trace
 
 
 def random_trace(rng, N=40, L=3, E=12, k=4, missing=0.0, phase=None):

@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mbolt.layout.ranges import merge_ranges, merge_ranges_batched
+from mbolt.core.ranges import merge_ranges, merge_ranges_batched
 
 
 def naive_reads(ranges, gap):

@@ -9,9 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.layout.plan import make_plan, save_plan
-from mbolt.trace.format import write_trace
-from mbolt.trace.model import DECODE, Trace
+from mbolt.core.plan import save_plan
+from mbolt.layout.plan import make_plan
+from mbolt.core.mbtrace import write_trace
+from mbolt.core.trace import DECODE, Trace
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 

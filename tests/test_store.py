@@ -9,8 +9,8 @@ import pytest
 
 from mbolt.bench.pagecache import evict, resident_pages, resident_share
 from mbolt.engine.store import ExpertStore
-from mbolt.errors import MboltError
-from mbolt.gguf.header import read_header
+from mbolt.core.errors import MboltError
+from mbolt.core.header import read_header
 
 
 def write_tiny(path, n_layers=2, n_experts=8, hidden=64, ff=24, k=2, seed=0):
@@ -174,7 +174,7 @@ def test_rewritten_files_serve_original_experts(tiny, rewritten, layout, opts):
 
 
 def test_packed_reads_one_range_per_run(rewritten):
-    from mbolt.rewrite.routemap import read_route_map
+    from mbolt.core.routemap import read_route_map
 
     rm = read_route_map(rewritten["packed"])
     p0 = rm.perm[0]

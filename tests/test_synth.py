@@ -14,8 +14,8 @@ from gguf.quants import dequantize
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.errors import MboltError
-from mbolt.gguf.moe_map import moe_map
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import moe_map
 from mbolt.gguf.synth import PRESETS, SYNTH_ARCHS, SynthConfig, synth_tensors, write_synth
 
 from conftest import needs_llama

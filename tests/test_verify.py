@@ -9,7 +9,7 @@ import pytest
 from gguf import GGUFReader
 
 from conftest import needs_llama
-from mbolt.gguf.header import read_header
+from mbolt.core.header import read_header
 from mbolt.gguf.synth import SYNTH_ARCHS, SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify

@@ -28,9 +28,10 @@ import numpy as np
 from mbolt.bench.env import environment
 from mbolt.bench.pagecache import evict, expert_spans, resident_share, wait_quiet
 from mbolt.engine.store import ExpertStore
-from mbolt.errors import MboltError
-from mbolt.gguf.moe_map import MoeMap, moe_map
-from mbolt.trace.model import Trace
+from mbolt.core.compat import check_compatible
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.core.trace import Trace
 
 
 @dataclass
@@ -179,7 +180,6 @@ class AbResult:
 
 def check_same_model(arms: list[Arm]) -> dict[str, tuple[MoeMap, str]]:
     """Every arm must be the same model: source fingerprints through the route map agree."""
-    from mbolt.rewrite.routemap import read_route_map
 
     out = {}
     ref = None
@@ -187,7 +187,7 @@ def check_same_model(arms: list[Arm]) -> dict[str, tuple[MoeMap, str]]:
         if not Path(a.path).exists():
             raise MboltError(f"{a.path}: no such file")
         mm = moe_map(a.path)
-        rm = read_route_map(mm)
+        rm = mm.route_map
         fp = rm.source_fingerprint
         if ref is None:
             ref = (a, fp, mm)
@@ -198,15 +198,6 @@ def check_same_model(arms: list[Arm]) -> dict[str, tuple[MoeMap, str]]:
             raise MboltError(f"{a.path}: shape differs from {ref[0].path}")
         out[a.path] = (mm, rm.layout)
     return out
-
-
-def check_trace(trace: Trace, mm: MoeMap, source_fp: str, where: str) -> None:
-    if (trace.n_layers, trace.n_experts) != (mm.n_layers, mm.n_experts):
-        raise MboltError(f"{where}: trace is for {trace.n_layers} layers x {trace.n_experts} experts, "
-                         f"the model has {mm.n_layers} x {mm.n_experts}: a trace of another model")
-    if trace.fingerprint and trace.fingerprint != source_fp:
-        raise MboltError(f"{where}: trace fingerprint {trace.fingerprint[:12]} is not the model's "
-                         f"({source_fp[:12]}): a trace of another model")
 
 
 # ---- one arm, one round ----
@@ -384,13 +375,10 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         arms = list(arms) + [replace(arms[0], name=f"{arms[0].name} (A/A)", control_of=arms[0].name)]
     info = check_same_model(arms)
     mm0 = info[arms[0].path][0]
-    from mbolt.rewrite.routemap import read_route_map
-
-    rm0 = read_route_map(mm0)
     if trace is not None:
-        check_trace(trace, mm0, rm0.source_fingerprint, trace_path or "trace")
+        check_compatible(trace, mm0, trace_path or "trace")
     layouts = {p: lay for p, (m, lay) in info.items()}
-    perms = {p: read_route_map(m).perm.tobytes() for p, (m, _) in info.items()}
+    perms = {p: m.route_map.perm.tobytes() for p, (m, _) in info.items()}
     results: list[RoundResult] = []
     metric = "io_s" if mode == "replay" else "wall_s"
     total = rounds * len(arms)
@@ -430,7 +418,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     arm_dicts = []
     for a in arms:
         mm, lay = info[a.path]
-        rm = read_route_map(mm)
+        rm = mm.route_map
         arm_dicts.append({**asdict(a), "layout": lay, "plan_method": rm.method, "fingerprint": mm.fingerprint,
                           "file_size": mm.header.file_size, "read_pattern": read_pattern(mm, a, lay)})
     tinfo = {}
@@ -451,7 +439,7 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def write_result(path: str | os.PathLike, result: AbResult) -> Path:
-    from mbolt.atomic import json_default, write_text_atomic
+    from mbolt.core.atomic import json_default, write_text_atomic
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
@@ -466,7 +454,7 @@ DEFAULT_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacc
 def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2) -> list[list[int]]:
     """Token ids of the first `n` prompts (the tracer's prompt files: jsonl or text lines)."""
     from mbolt.engine.tokenizer import Tokenizer
-    from mbolt.gguf.header import read_header
+    from mbolt.core.header import read_header
 
     from mbolt.trace.tracer import read_prompts
 

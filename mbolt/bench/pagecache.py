@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 PAGE = mmap.PAGESIZE
 

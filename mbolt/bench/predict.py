@@ -19,10 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.probe import cost, load_probe
-from mbolt.errors import MboltError
-from mbolt.gguf.moe_map import MoeMap, moe_map
+from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.layout.evaluate import evaluate, geometry_from_model
-from mbolt.trace.model import Trace
+from mbolt.core.trace import Trace
 
 
 def counts(trace: Trace, perm: np.ndarray, mm: MoeMap, layout: str, gap: int = 0, cache_slots: int = 0,
@@ -72,27 +71,27 @@ def law(saved_ops_per_expert: float, slice_bytes: float, t_op: float, bw: float,
 
 
 def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *, layouts=("reorder", "packed"),
-            qd: int = 1, direct: bool = False, gap: int = 0, cache_slots: int = 0, s: float = 1.0) -> dict:
+            qd: int = 1, direct: bool = False, gap: int = 0, cache_slots: int = 0, s: float = 1.0,
+            trace_name: str = "trace") -> dict:
     """Predicted reads/token, bytes/token, g and speedup of the plan's layouts vs the stock file."""
-    mm = moe_map(model)
-    if (trace.n_layers, trace.n_experts) != (mm.n_layers, mm.n_experts):
-        raise MboltError(f"{model}: trace is for {trace.n_layers} x {trace.n_experts}, the model has "
-                         f"{mm.n_layers} x {mm.n_experts}")
-    from mbolt.rewrite.routemap import read_route_map
+    from mbolt.core.compat import check_compatible
 
-    rm = read_route_map(mm)
-    if trace.fingerprint and trace.fingerprint != rm.source_fingerprint:
-        raise MboltError(f"{model}: the trace was recorded on another model (fingerprint differs)")
+    mm = moe_map(model)
+    check_compatible(trace, mm, trace_name)
+    plan = None
+    if plan_path is not None:
+        from mbolt.core.plan import load_plan
+
+        plan = load_plan(plan_path)
+        check_compatible(plan, mm, str(plan_path))
+    rm = mm.route_map
     pr = load_probe(probe_path)
     t_op, bw = cost(pr, direct, qd)
     n_calls = len(mm.moe_layers)
     base_perm = rm.perm  # the file as it is (stock: identity)
     base = counts(trace, base_perm, mm, rm.layout if rm.layout != "stock" else "reorder", gap, cache_slots)
     rows = [{"layout": f"{rm.layout} (this file)", **_timed(base, pr, direct, qd, n_calls)}]
-    if plan_path is not None:
-        from mbolt.layout.plan import load_plan
-
-        plan = load_plan(plan_path, mm.n_layers, mm.n_experts)
+    if plan is not None:
         perm = np.asarray(plan.perm)
         ident = np.tile(np.arange(mm.n_experts), (mm.n_layers, 1))
         pad = _packed_pad(mm)
@@ -128,12 +127,10 @@ def _timed(c: dict, pr: dict, direct: bool, qd: int, n_calls: int) -> dict:
 
 def _packed_pad(mm: MoeMap) -> int:
     """Padding per expert slot the rewriter will use for a packed file (4 KiB / 512 B slots)."""
-    try:
-        from mbolt.rewrite.reorder import _slot_stride
-    except ImportError:  # pragma: no cover
-        return 0
+    from mbolt.core.packed import slot_stride
+
     eb = mm.moe_layers[0].expert_bytes
-    return int(_slot_stride(eb)[0] - eb)
+    return int(slot_stride(eb)[0] - eb)
 
 
 def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> list[dict]:
@@ -141,7 +138,6 @@ def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> l
     if trace is None:
         return []
     pr = load_probe(probe_path)
-    from mbolt.rewrite.routemap import read_route_map
 
     rows = []
     base_pred = None
@@ -150,11 +146,8 @@ def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> l
             rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"})
             continue
         mm = moe_map(a["path"])
-        rm = read_route_map(mm)
-        pad = 0
-        if rm.layout == "packed":
-            w = mm.moe_layers[0].weights[0]
-            pad = int((w.stride or 0) - mm.moe_layers[0].expert_bytes)
+        rm = mm.route_map
+        pad = mm.moe_layers[0].slot_padding
         slots = a["cache_slots"] if a.get("resident_frac") is None else int(round(a["resident_frac"] * mm.n_experts))
         c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], slots, pad)
         n = len(mm.moe_layers)

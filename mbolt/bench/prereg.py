@@ -32,9 +32,9 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from mbolt.atomic import write_text_atomic
+from mbolt.core.atomic import write_text_atomic
 from mbolt.bench.ab import AA_TOLERANCE, Arm, aa_row, file_sha256
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 
 @dataclass

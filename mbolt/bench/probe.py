@@ -20,7 +20,7 @@ import numpy as np
 
 from mbolt.bench.env import environment
 from mbolt.bench.pagecache import evict
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20)
 QDS = (1, 4)

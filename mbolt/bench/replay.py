@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.trace import DECODE, Trace, select_phase, split_trace
 
 POLICIES = ("learned-pin", "lru", "os", "belady")
 
@@ -244,28 +244,6 @@ class CacheSweep:
         }
 
 
-def select_phase(trace: Trace, phase: str) -> Trace:
-    if phase == "all":
-        return trace
-    want = {"decode": DECODE, "prefill": PREFILL}.get(phase)
-    if want is None:
-        raise MboltError(f"phase must be all, decode or prefill, not {phase!r}")
-    sub = trace.select(np.asarray(trace.phase) == want)
-    if sub.n_tokens == 0:
-        raise MboltError(f"the trace has no {phase} tokens")
-    return sub
-
-
-def split_trace(trace: Trace, train_share: float = 0.5) -> tuple[Trace, Trace]:
-    """First `train_share` of the tokens (in trace order) train, the rest is held out."""
-    n = trace.n_tokens
-    cut = int(n * train_share)
-    if cut <= 0 or cut >= n:
-        raise MboltError(f"cannot split {n} tokens at {train_share:.2f}: one side would be empty")
-    idx = np.arange(n)
-    return trace.select(idx < cut), trace.select(idx >= cut)
-
-
 def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
                 pin_share: float = 0.75, train_share: float = 0.5, phase: str = "decode") -> CacheSweep:
     """Hit rate of every policy at every per-layer budget.
@@ -277,7 +255,9 @@ def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
     if in_sample:
         train = test = trace
     else:
-        train, test = split_trace(trace, train_share)
+        train, test, _ = split_trace(trace, train_frac=train_share, phase="all")
+        if test is None:
+            raise MboltError(f"--train-share {train_share:g} holds out no tokens (use --in-sample)")
     usage = usage_histogram(train)
     n_moe = max(1, len(trace.moe_layers()))
     L = trace.n_layers
@@ -304,7 +284,7 @@ def nuthatch_lines_trace(path: str | Path) -> Trace:
     Replaying this reproduces `trace_replay --text` exactly, including the 93 prompt lines that
     the export bug corrupted (DESIGN.md); use the shared importer for real analyses.
     """
-    from mbolt.trace.importers import nuthatch_text_rows
+    from mbolt.core.trace_import import nuthatch_text_rows
 
     path = Path(path)
     try:
@@ -324,19 +304,3 @@ def nuthatch_lines_trace(path: str | Path) -> Trace:
     return Trace(L, E, k, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32),
                  np.arange(n, dtype=np.int32),
                  notes=[f"{path.name}: nuthatch line records (one pseudo-token per line)"])
-
-
-def load_trace(path: str | Path) -> Trace:
-    """A `.mbtrace` through trace/format.py; any other file through the shared importers."""
-    path = Path(path)
-    if not path.exists():
-        raise MboltError(f"{path}: no such file")
-    if path.suffix == ".mbtrace":
-        from mbolt.trace.format import read_trace
-
-        return read_trace(path)
-    try:
-        from mbolt.trace.importers import import_trace
-    except ImportError:  # pragma: no cover - the importer lands with the trace worker
-        raise MboltError(f"{path}: not an .mbtrace and the trace importers are not available") from None
-    return import_trace(path)

@@ -9,7 +9,7 @@ import numpy as np
 
 from mbolt.engine.model import Model, load_model
 from mbolt.engine.tokenizer import Tokenizer
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 
 def generate(model: Model | str | os.PathLike, prompt: str, n_tokens: int = 32, *,

@@ -27,10 +27,10 @@ from gguf import GGMLQuantizationType as T
 from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, silu, softmax
 from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
 from mbolt.engine.source import MmapExpertSource
-from mbolt.rewrite.routemap import RouteMap, read_route_map
-from mbolt.errors import MboltError
-from mbolt.gguf.header import GGUFHeader, read_header
-from mbolt.gguf.moe_map import MoeMap, moe_map
+from mbolt.core.routemap import RouteMap, read_route_map
+from mbolt.core.errors import MboltError
+from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.moe_map import MoeMap, moe_map
 
 F32 = np.float32
 

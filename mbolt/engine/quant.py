@@ -19,7 +19,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from gguf import quants as gq
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 SUPPORTED = {
     T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1,

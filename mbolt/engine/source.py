@@ -11,8 +11,8 @@ import mmap
 
 import numpy as np
 
-from mbolt.gguf.moe_map import MoeMap
-from mbolt.rewrite.routemap import expert_ranges
+from mbolt.core.moe_map import MoeMap
+from mbolt.core.routemap import expert_ranges
 
 
 class MmapExpertSource:

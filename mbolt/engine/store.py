@@ -3,7 +3,7 @@
 Per call `fetch(layer, expert_ids)`: experts already in the layer's slot cache are hits; the
 missed experts' byte ranges (every routed weight tensor, from the route map, indexed by ORIGINAL
 expert id so stock, reorder and packed files are read through the same trace) are sorted and
-merged by `mbolt.layout.ranges.merge_ranges` (the planner's function, so a layout is read exactly
+merged by `mbolt.core.ranges.merge_ranges` (the planner's function, so a layout is read exactly
 as it was scored) and read with `os.preadv` into one reusable buffer arena.
 
 Reader options (an A/B "arm" is a file plus these):
@@ -39,10 +39,10 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.gguf.moe_map import MoeMap, moe_map
-from mbolt.layout.ranges import merge_ranges
-from mbolt.rewrite.routemap import expert_ranges
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.core.ranges import merge_ranges
+from mbolt.core.routemap import expert_ranges
 
 ALIGN = 4096
 PAGE = mmap.PAGESIZE
@@ -105,8 +105,7 @@ class ExpertStore:
         self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
         self._slots: dict[int, OrderedDict] = {l: OrderedDict() for l in self._ranges}
         # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.
-        self.pad_gap = max((int(w.stride or 0) - l.expert_bytes for l in self.mm.moe_layers
-                            for w in l.weights[:1] if w.stride), default=0)
+        self.pad_gap = max((layer.slot_padding for layer in self.mm.moe_layers), default=0)
         self.merge_gap = max(self.gap, self.pad_gap)
         self.counters = StoreCounters()
         self._arena: mmap.mmap | None = None

@@ -13,25 +13,13 @@ from __future__ import annotations
 import unicodedata
 from functools import lru_cache
 
-from mbolt.errors import MboltError
-from mbolt.gguf.header import GGUFHeader
+from mbolt.core.errors import MboltError
+from mbolt.core.header import GGUFHeader
+from mbolt.core.vocab import bytes_to_unicode
 
 CONTROL = 3
 _LLAMA3_PRE = {"llama3", "llama-bpe", "llama-v3", "qwen2", "qwen35", "dbrx", "smaug-bpe", "olmo",
                "deepseek-r1-qwen", "falcon3", "tekken", "gpt-4o", "superbpe", "kimi-k2", "hunyuan"}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs)}
 
 
 @lru_cache(maxsize=4096)

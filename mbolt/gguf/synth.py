@@ -81,10 +81,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import quantize
 
-from mbolt.atomic import atomic_output
-from mbolt.engine.tokenizer import bytes_to_unicode
-from mbolt.gguf.header import encode_header_start, encode_kv, encode_tensor_info
-from mbolt.errors import MboltError
+from mbolt.core.atomic import atomic_output
+from mbolt.core.vocab import bytes_to_unicode
+from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
+from mbolt.core.errors import MboltError
 
 SYNTH_ARCHS = {
     "qwen3moe": "Qwen3-MoE: GQA attention with per-head q/k RMSNorm, softmax top-k router",
@@ -632,7 +632,7 @@ class SynthInfo:
     fast_random: bool
     n_tensors: int
     header_sha256: str
-    fingerprint: str  # as mbolt.gguf.header.read_header computes it
+    fingerprint: str  # as mbolt.core.header.read_header computes it
     extra: dict = field(default_factory=dict)
 
 

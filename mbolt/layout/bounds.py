@@ -18,7 +18,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 
 def top2_bound(C: np.ndarray) -> float:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.trace.model import DECODE, Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.trace import DECODE, Trace
 
 
 @dataclass

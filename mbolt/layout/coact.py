@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.trace.format import validate_experts
-from mbolt.trace.model import Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.mbtrace import validate_experts
+from mbolt.core.trace import Trace
 
 
 @dataclass

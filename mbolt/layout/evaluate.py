@@ -1,7 +1,7 @@
 """THE evaluator: reads and bytes per token of an expert order, scored the way it will be read.
 
 For every token and MoE layer, the selected experts (minus LRU cache hits) become byte ranges in
-the layer's regions and go through `mbolt.layout.ranges.merge_ranges_batched`, the same
+the layer's regions and go through `mbolt.core.ranges.merge_ranges_batched`, the same
 function the predictor and the streaming store use, so a plan is scored exactly as read.
 
 Layouts:
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.layout.ranges import merge_ranges_batched
-from mbolt.trace.model import Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.ranges import merge_ranges_batched
+from mbolt.core.trace import Trace
 
 LAYOUTS = ("reorder", "packed")
 

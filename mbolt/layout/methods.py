@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 METHODS = ("stock", "heat", "heat-tsp", "mbolt-chain", "tsp")
 

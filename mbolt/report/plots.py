@@ -21,11 +21,11 @@ matplotlib.use("Agg")  # no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mbolt.errors import MboltError  # noqa: E402
+from mbolt.core.errors import MboltError  # noqa: E402
 
 
 def _save(fig, out: str | Path) -> Path:
-    from mbolt.atomic import atomic_output
+    from mbolt.core.atomic import atomic_output
 
     out = Path(out)
     fig.tight_layout()
@@ -134,9 +134,10 @@ def plot_cache(d: dict, out, title: str = "") -> Path:
 def plot_heatmap(trace_path, plan_path, out, layer: int | None = None) -> Path:
     """One layer's co-activation counts in stock order and in the plan's order."""
     from mbolt.layout.coact import coactivation
-    from mbolt.layout.plan import load_any_trace, load_plan
+    from mbolt.core.plan import load_plan
+    from mbolt.core.trace_import import load_trace
 
-    trace = load_any_trace(trace_path)
+    trace = load_trace(trace_path)
     plan = load_plan(plan_path, n_layers=trace.n_layers, n_experts=trace.n_experts)
     co = coactivation(trace)
     layers = co.layers.tolist()

@@ -25,8 +25,6 @@ def reorder_table(r) -> Group:
     for p in r.removed_stale:
         t.add_row("cleaned", f"stale temp file {p}")
     parts = [Text.assemble(("reordered ", "bold green"), f"{r.src} -> {r.dst}"), t]
-    for w in r.warnings:
-        parts.append(Text(f"warning: {w}", style="yellow"))
     return Group(*parts)
 
 

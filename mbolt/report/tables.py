@@ -7,7 +7,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from mbolt.gguf.moe_map import MoeMap
+from mbolt.core.moe_map import MoeMap
 
 
 def data_table(title: str, columns: list[str], *, left: tuple[str, ...] = ("arm",)) -> Table:

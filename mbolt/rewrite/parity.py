@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from mbolt.gguf.header import read_header
-from mbolt.rewrite.routemap import read_route_map
+from mbolt.core.header import read_header
+from mbolt.core.routemap import read_route_map
+from mbolt.core.vocab import byte_tokens
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -29,20 +30,6 @@ PROMPTS = [
 LLAMA_ATOL = 1e-4
 LLAMA_RTOL = 1e-4
 MIN_LLAMA_ROUTING = 0.99  # share of llama.cpp routing decisions that must map through the perm
-
-
-def byte_tokens(header, text: str) -> list[int]:
-    """Token ids of `text` as single bytes of a byte-level (gpt2) vocabulary.
-
-    Parity does not need a real tokenizer, only the same ids on both files; bytes missing from
-    the vocabulary fall back to byte value modulo the vocabulary size."""
-    from mbolt.gguf.synth import bytes_to_unicode
-
-    tokens = header.get("tokenizer.ggml.tokens") or []
-    index = {t: i for i, t in enumerate(tokens)}
-    n_vocab = len(tokens) or 256
-    b2u = bytes_to_unicode()
-    return [index.get(b2u[b], b % n_vocab) for b in text.encode("utf-8")]
 
 
 def _bits(x: np.ndarray) -> np.ndarray:

@@ -15,7 +15,7 @@ layouts
            (gate/up/down/gate_up exps, router weight and bias, exp_probs_b, per-expert biases)
            is permuted with the layer's perm; everything else is copied unchanged.
   packed   each MoE layer's routed weights become one I8 tensor `blk.N.ffn_exps_packed` where
-           position p holds its expert's gate|up|down slices back to back (gguf/packed.py);
+           position p holds its expert's gate|up|down slices back to back (core/packed.py);
            for explicit-read engines (the reference engine reads it; llama.cpp does not).
 """
 
@@ -35,19 +35,18 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from mbolt.atomic import atomic_output, clean_stale_parts, write_text_atomic
-from mbolt.errors import MboltError
-from mbolt.gguf.header import encode_header_start, encode_kv, encode_tensor_info, read_header
-from mbolt.gguf.moe_map import PAGE, WEIGHT_ROLES, MoeMap, moe_map
-from mbolt.gguf.packed import PackedLayer, PackedRole, packed_kvs, packed_name
-from mbolt.rewrite.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, read_route_map, sidecar_dict, sidecar_path
+from mbolt.core.atomic import atomic_output, clean_stale_parts, write_text_atomic
+from mbolt.core.errors import MboltError
+from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info, read_header
+from mbolt.core.moe_map import PAGE, WEIGHT_ROLES, MoeMap, moe_map
+from mbolt.core.packed import PACK_PAD_MAX, PackedLayer, PackedRole, packed_kvs, packed_name, slot_stride
+from mbolt.core.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, sidecar_dict, sidecar_path
 
 CHUNK = 64 << 20  # bytes per copy_file_range call (progress granularity)
 SPLIT = 16 << 20  # copy ranges are cut to this size
 BUF = 8 << 20  # buffer of the fallback copy
 READAHEAD = 64 << 20  # source bytes advised (WILLNEED) ahead of the copy
 WRITEBACK = 32 << 20  # start writeback of the output every this many bytes
-PACK_PAD_MAX = 1 / 8  # pad a packed slot to 4 KiB (or 512 B) only if it costs at most this share
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -157,7 +156,6 @@ class ReorderResult:
     sidecar: str = ""
     fingerprint: str = ""
     source_fingerprint: str = ""
-    warnings: list[str] = field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -167,18 +165,10 @@ class ReorderResult:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"throughput_bytes_s": self.throughput}
 
 
-def _slot_stride(raw: int) -> tuple[int, str]:
-    for granule, what in ((PAGE, "4 KiB"), (512, "512 B")):
-        stride = -(-raw // granule) * granule
-        if stride - raw <= raw * PACK_PAD_MAX:
-            return stride, what
-    return raw, ""
-
-
 def plan_output(m: MoeMap, perm: np.ndarray, layout: str) -> tuple[list[OutTensor], list[PackedLayer], list[str]]:
     """The output tensors (each a list of source byte ranges), the packed metadata and
     alignment notes. `perm` [n_layers, E] names original expert ids per output position."""
-    in_pos = read_route_map(m).pos
+    in_pos = m.route_map.pos
     tensors = logical_tensors(m)
     notes: list[str] = []
     out: list[OutTensor] = []
@@ -204,7 +194,7 @@ def plan_output(m: MoeMap, perm: np.ndarray, layout: str) -> tuple[list[OutTenso
             done_layers.add(t.layer)
             ws = sorted(weights_by_layer[t.layer], key=lambda w: w.data_offset)
             raw = sum(w.slice_bytes for w in ws)
-            stride, granule = _slot_stride(raw)
+            stride, granule = slot_stride(raw)
             pl = PackedLayer(t.layer, stride)
             off = 0
             for w in ws:
@@ -453,7 +443,7 @@ def reorder(
         u = unknown[0]
         raise MboltError(f"{src}: tensor {u.name} is expert-indexed but mbolt does not know how to permute it "
                          f"({u.why}); refusing to rewrite" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
-    in_rm = read_route_map(m)
+    in_rm = m.route_map
     E, L = m.n_experts, m.n_layers
     ident = np.tile(np.arange(E, dtype=np.int32), (L, 1))
     perm = ident.copy() if perm is None else check_perm(perm, L, E, "plan")
@@ -477,7 +467,7 @@ def reorder(
         elif kv.span[1] > kv.span[0]:
             kv_bytes.append(head_src[kv.span[0]:kv.span[1]])
         else:
-            raise MboltError(f"{src}: header reader gave no byte span for {k} (mbolt.gguf.header too old?)")
+            raise MboltError(f"{src}: header reader gave no byte span for {k} (mbolt.core.header too old?)")
     if "general.alignment" not in header.kv:
         kv_bytes.append(encode_kv("general.alignment", GGUFValueType.UINT32, A))
     kv_bytes += route_map_kvs(layout, perm, heat, method, in_rm.source_fingerprint, packed)
@@ -557,28 +547,24 @@ def reorder_file(
         raise MboltError("give exactly one of --plan, --trace or --identity" + (f" (got {' and '.join(given)})" if given else ""))
     check_paths(Path(src), Path(dst), force)
     m = moe_map(src)
-    warnings = []
     if identity:
         perm, heat, method = None, None, "identity"
     else:
-        from mbolt.layout.plan import load_plan, make_plan, validate_plan
+        from mbolt.core.compat import check_compatible
+        from mbolt.core.plan import load_plan
 
         if plan is not None:
-            p = load_plan(plan, n_layers=m.n_layers, n_experts=m.n_experts)
+            p = load_plan(plan)
+            check_compatible(p, m, str(plan))
         else:
-            from mbolt.trace.format import read_trace
+            from mbolt.core.trace_import import load_trace
+            from mbolt.layout.plan import make_plan
 
-            p = make_plan(read_trace(trace))
-            validate_plan(p, str(trace), n_layers=m.n_layers, n_experts=m.n_experts)
+            tr = load_trace(trace)
+            check_compatible(tr, m, str(trace))
+            p = make_plan(tr)
         perm, method = p.perm, p.method
         rows = np.arange(p.n_layers)[:, None]
         heat = np.asarray(p.heat, np.float32)[rows, p.perm]  # plan heat is per original id; the map's per position
-        fp = (p.meta or {}).get("fingerprint") or ""
-        src_fp = read_route_map(m).source_fingerprint
-        if fp and fp != src_fp:
-            warnings.append(f"the plan was traced on a model with fingerprint {fp[:12]}, this file's source is "
-                            f"{src_fp[:12]} (fine for another quantisation of the same model)")
-    result = reorder(src, dst, perm, heat=heat, method=method, layout=layout, force=force, progress=progress)
-    result.warnings = warnings
-    return result
+    return reorder(src, dst, perm, heat=heat, method=method, layout=layout, force=force, progress=progress)
 

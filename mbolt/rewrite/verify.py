@@ -25,11 +25,11 @@ from typing import Callable
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.gguf.header import GGUFHeader, read_header
-from mbolt.gguf.moe_map import moe_map
+from mbolt.core.errors import MboltError
+from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.moe_map import moe_map
 from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
-from mbolt.rewrite.routemap import RouteMap, is_route_map_key, read_route_map, read_sidecar, sidecar_path
+from mbolt.core.routemap import RouteMap, is_route_map_key, read_sidecar, sidecar_path
 
 BUF = 4 << 20  # bytes compared per step
 RELEASE = 16 << 20  # mmap reader: drop compared pages from the mapping every this many bytes
@@ -404,7 +404,7 @@ def verify(
     report = VerifyReport(str(src), str(out))
     sh = read_header(src)
     sm = moe_map(sh)
-    src_rm = read_route_map(sm)
+    src_rm = sm.route_map
     try:
         oh = read_header(out)
         om = moe_map(oh)
@@ -414,7 +414,7 @@ def verify(
         return report
     report.add("header", True, f"{len(sh.tensors)} -> {len(oh.tensors)} tensors")
     try:
-        out_rm = read_route_map(om)
+        out_rm = om.route_map
     except MboltError as e:
         report.add("route map", False, str(e))
         report.seconds = time.perf_counter() - t0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.layout.coact import Coact, coactivation
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.trace import DECODE, PREFILL, Trace
 
 MIN_PAIR_COUNT = 5
 LIFT_PERCENTILES = (50, 90, 99)
@@ -68,11 +68,11 @@ def trace_stats(trace: Trace | str | os.PathLike, fmt: str = "auto") -> dict:
     """Stats of a `Trace`, or of a file in any format the importers read."""
     source = None
     if not isinstance(trace, Trace):
-        from mbolt.trace.importers import detect_format, import_trace
+        from mbolt.core.trace_import import detect_format, load_trace
 
         source = Path(trace)
         fmt = detect_format(source) if fmt == "auto" else fmt
-        trace = import_trace(source, fmt)
+        trace = load_trace(source, fmt)
     tr = trace
     n = tr.n_tokens
     seq_ids, seq_counts = np.unique(tr.seq, return_counts=True)

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.gguf.moe_map import moe_map
-from mbolt.trace.format import TraceWriter
-from mbolt.trace.model import DECODE, PREFILL
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import moe_map
+from mbolt.core.mbtrace import TraceWriter
+from mbolt.core.trace import DECODE, PREFILL
 
 ENGINES = ("reference", "llama.cpp")
 
@@ -116,11 +116,10 @@ class _Llama:
     weights = False
 
     def __init__(self, path, route, threads, n_ctx=4096):
-        from mbolt.rewrite.routemap import read_route_map
         from mbolt.trace.llama_backend import LlamaRunner
 
         self.mm = moe_map(path)
-        self.perm = read_route_map(self.mm.header).perm  # positions -> original ids
+        self.perm = self.mm.route_map.perm  # positions -> original ids
         self.r = LlamaRunner(path, n_ctx=n_ctx, n_threads=threads, f32_kv=False)
         self.eos = None
         try:

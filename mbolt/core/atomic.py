@@ -7,7 +7,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 
 @contextlib.contextmanager

@@ -26,14 +26,28 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 PACKED_SUFFIX = "ffn_exps_packed"
+PAGE = 4096
+PACK_PAD_MAX = 1 / 8  # pad a packed slot to 4 KiB (or 512 B) only if it costs at most this share
 KEYS = ("layers", "slot_bytes", "n_roles", "names", "types", "n_dims", "ne", "offset", "slice_bytes")
 
 
 def packed_name(layer: int) -> str:
     return f"blk.{layer}.{PACKED_SUFFIX}"
+
+
+def slot_stride(expert_bytes: int) -> tuple[int, str]:
+    """(slot bytes, alignment granule) of a packed slot holding `expert_bytes`: the one rule.
+
+    A slot is padded to 4 KiB, else 512 B (O_DIRECT's sector), when the padding costs at most
+    PACK_PAD_MAX of the expert; otherwise it is left unpadded (granule "")."""
+    for granule, what in ((PAGE, "4 KiB"), (512, "512 B")):
+        stride = -(-expert_bytes // granule) * granule
+        if stride - expert_bytes <= expert_bytes * PACK_PAD_MAX:
+            return stride, what
+    return expert_bytes, ""
 
 
 @dataclass

@@ -11,12 +11,12 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
-from mbolt.errors import MboltError
-from mbolt.gguf.header import GGUFHeader, TensorInfo, read_header
-from mbolt.gguf.packed import read_packed
+from mbolt.core.errors import MboltError
+from mbolt.core.header import GGUFHeader, TensorInfo, read_header
+from mbolt.core.packed import PAGE, read_packed
 
-PAGE = 4096
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # suffix after "blk.N." -> role. Weights of the routed experts, then small expert-indexed tensors.
 ROLES = {
@@ -31,7 +31,7 @@ ROLES = {
     "ffn_up_exps.bias": "up_bias",
     "ffn_down_exps.bias": "down_bias",
     "ffn_gate_up_exps.bias": "gate_up_bias",
-    "ffn_exps_packed": "packed",  # packed layout: one I8 blob per layer (see gguf/packed.py)
+    "ffn_exps_packed": "packed",  # packed layout: one I8 blob per layer (see core/packed.py)
 }
 WEIGHT_ROLES = ("gate", "up", "down", "gate_up")  # the big slices an engine streams
 
@@ -74,6 +74,13 @@ class MoeLayer:
     def expert_bytes(self) -> int:
         return sum(t.slice_bytes for t in self.weights)
 
+    @property
+    def slot_padding(self) -> int:
+        """Bytes of padding after each expert's slot in a packed layer (0 otherwise): a reader
+        reads through them."""
+        w = self.weights
+        return max(0, w[0].stride - self.expert_bytes) if w and w[0].container else 0
+
 
 @dataclass
 class MoeMap:
@@ -88,6 +95,13 @@ class MoeMap:
     @property
     def fingerprint(self) -> str:
         return self.header.fingerprint
+
+    @cached_property
+    def route_map(self):
+        """The file's route map (identity for a stock file), read once from the header."""
+        from mbolt.core.routemap import read_route_map  # routemap builds on this module
+
+        return read_route_map(self.header)
 
     @property
     def source_fingerprint(self) -> str:

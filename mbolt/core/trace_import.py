@@ -3,7 +3,7 @@
 Formats (`fmt`; "auto" detects them from the first bytes):
 
 ``mbtrace``
-    mbolt's own file (`mbolt.trace.format`).
+    mbolt's own file (`mbolt.core.mbtrace`).
 ``mbolt``
     The original mbolt's llama.cpp ``MBOLT_TRACE`` dump: little-endian int32 words, header
     ``magic 0x544C424D ("MBLT"), version 1, n_expert``, then records
@@ -51,10 +51,10 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.trace.format import MAGIC as MBTRACE_MAGIC
-from mbolt.trace.format import read_trace
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.errors import MboltError
+from mbolt.core.mbtrace import MAGIC as MBTRACE_MAGIC
+from mbolt.core.mbtrace import read_trace
+from mbolt.core.trace import DECODE, PREFILL, Trace
 
 MBOLT_MAGIC = 0x544C424D  # b"MBLT" as a little-endian int32
 MBOLT_VERSION = 1
@@ -89,7 +89,7 @@ def detect_format(path: str | os.PathLike) -> str:
                      f"nuthatch text; first bytes {head[:8]!r})")
 
 
-def import_trace(path: str | os.PathLike, fmt: str = "auto", *, n_layers: int | None = None,
+def load_trace(path: str | os.PathLike, fmt: str = "auto", *, n_layers: int | None = None,
                  n_experts: int | None = None, prefill_tokens: int = 0) -> Trace:
     """Read any supported trace file into a `Trace`.
 

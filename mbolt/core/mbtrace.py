@@ -45,8 +45,8 @@ unknown version, ``k > n_experts``, an expert id out of range or an unknown phas
 `MboltError` naming the file and the record (or token) index and byte offset. The writers also
 refuse an expert repeated within one (token, layer); the reader, which must stay fast, trusts
 the checksummed records on that point. `write_trace` writes a whole `Trace` atomically
-(temporary file + rename). `check_trace_model` is the one check wherever a trace meets a model
-(layers, experts, fingerprint).
+(temporary file + rename). Whether a trace fits a model is `mbolt.core.compat`'s
+one rule.
 
 API: ``TraceWriter(path, n_layers, n_experts, k, fingerprint="", weights=False)`` with
 ``.append(phase, seq, pos, experts[n_layers, k], weights=None)``, ``.extend(...)`` for many
@@ -64,9 +64,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.atomic import atomic_output
-from mbolt.errors import MboltError
-from mbolt.trace.model import DECODE, PREFILL, Trace
+from mbolt.core.atomic import atomic_output
+from mbolt.core.errors import MboltError
+from mbolt.core.trace import DECODE, PREFILL, Trace
 
 MAGIC = b"MBTRACE\0"
 VERSION = 1
@@ -451,28 +451,3 @@ def read_trace(path: str | os.PathLike) -> Trace:
         weights=np.ascontiguousarray(recs["weights"], dtype=np.float32) if weights else None,
         domains=domains, fingerprint=fingerprint, notes=notes,
     )
-
-
-def check_trace_model(trace: Trace, moemap, trace_name: str = "trace") -> None:
-    """Raise MboltError unless `trace` was recorded on the model `moemap` describes.
-
-    Layers and experts must match; k may not exceed the model's experts; the fingerprint must
-    equal the model's own or its source's (a rewritten file carries its source's fingerprint),
-    unless the trace has none (imported traces).
-    """
-    model = getattr(moemap, "path", "model")
-    if trace.n_layers != moemap.n_layers:
-        raise MboltError(f"{trace_name}: trace has {trace.n_layers} layers but {model} has "
-                         f"{moemap.n_layers}")
-    if trace.n_experts != moemap.n_experts:
-        raise MboltError(f"{trace_name}: trace has {trace.n_experts} experts per layer but "
-                         f"{model} has {moemap.n_experts}")
-    if trace.k > moemap.n_experts:
-        raise MboltError(f"{trace_name}: k={trace.k} exceeds {model}'s {moemap.n_experts} experts")
-    if trace.fingerprint:
-        known = {moemap.fingerprint, moemap.source_fingerprint}
-        if trace.fingerprint not in known:
-            raise MboltError(f"{trace_name}: recorded on a model with fingerprint "
-                             f"{trace.fingerprint[:16]}..., but {model} has "
-                             f"{moemap.fingerprint[:16]}... (source "
-                             f"{moemap.source_fingerprint[:16]}...)")

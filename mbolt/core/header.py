@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from mbolt.errors import MboltError
+from mbolt.core.errors import MboltError
 
 GGUF_MAGIC = b"GGUF"
 _SCALAR = {

@@ -11,7 +11,7 @@ Keys (DESIGN.md; compatible with the original mbolt where they overlap):
   mbolt.n_experts (u32), mbolt.perm (i32 [n_layers*E], perm[l*E + p] = original id at
   position p; identity for dense layers), mbolt.heat (f32 [n_layers*E], per position),
   mbolt.source.fingerprint (str), mbolt.plan.method (str), and for packed files the
-  mbolt.packed.* keys of gguf/packed.py.
+  mbolt.packed.* keys of core/packed.py.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.errors import MboltError
-from mbolt.gguf.header import GGUFHeader, read_header
-from mbolt.gguf.moe_map import MoeLayer, MoeMap
+from mbolt.core.errors import MboltError
+from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.moe_map import MoeLayer, MoeMap
 
 ROUTE_MAP_VERSION = 1
 ROUTE_MAP_KEYS = ("mbolt.version", "mbolt.layout", "mbolt.n_layers", "mbolt.n_experts", "mbolt.perm",
@@ -114,7 +114,9 @@ def _model_shape(header: GGUFHeader) -> tuple[int, int]:
 
 def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
     """The route map of a GGUF (identity with layout "stock" for a file mbolt did not write)."""
-    header = src.header if isinstance(src, MoeMap) else src if isinstance(src, GGUFHeader) else read_header(src)
+    if isinstance(src, MoeMap):
+        return src.route_map
+    header = src if isinstance(src, GGUFHeader) else read_header(src)
     path = header.path
     n_layers, n_experts = _model_shape(header)
     layout = header.get("mbolt.layout")
@@ -143,14 +145,6 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
     return RouteMap(layout, perm, heat, str(header.get("mbolt.plan.method", "")), src_fp, version)
 
 
-def _route_map_of(moemap: MoeMap) -> RouteMap:
-    rm = getattr(moemap, "_mbolt_route_map", None)
-    if rm is None:
-        rm = read_route_map(moemap.header)
-        moemap._mbolt_route_map = rm
-    return rm
-
-
 def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
     """int64 [E, n_roles, 2]: (absolute start, size) of every expert's slice of every routed
     weight tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order.
@@ -158,7 +152,7 @@ def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
     Works for stock, reorder and packed files (a dense layer gives [E, 0, 2]).
     """
     layer = moemap.layers[layer] if isinstance(layer, (int, np.integer)) else layer
-    pos = _route_map_of(moemap).pos[layer.index].astype(np.int64)
+    pos = moemap.route_map.pos[layer.index].astype(np.int64)
     weights = layer.weights
     out = np.empty((moemap.n_experts, len(weights), 2), np.int64)
     for r, w in enumerate(weights):
@@ -177,7 +171,7 @@ def sidecar_path(gguf_path: str | os.PathLike) -> Path:
 
 def sidecar_dict(moemap: MoeMap) -> dict:
     """Everything an engine needs to locate experts without parsing GGUF metadata."""
-    rm = _route_map_of(moemap)
+    rm = moemap.route_map
     h = moemap.header
     layers = []
     for layer in moemap.moe_layers:

@@ -1,0 +1,124 @@
+"""plan.json: per layer the expert order a rewritten file will use, plus what it was built from.
+
+`save_plan` / `load_plan` mirror each other; `load_plan` validates every layer (a permutation
+of 0..E-1) and, given a model's shape, the layer and expert counts. Perms always name ORIGINAL
+expert ids, so a plan applies to a stock file and to any file mbolt rewrote from it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mbolt.core.atomic import json_default, write_text_atomic
+from mbolt.core.errors import MboltError
+
+MIN_TRAIN_TOKENS = 2
+FORMAT = "mbolt.plan"
+VERSION = 1
+
+
+@dataclass
+class Plan:
+    method: str
+    n_layers: int
+    n_experts: int
+    perm: np.ndarray  # int32 [n_layers, E]: perm[l, p] = original expert id at position p
+    heat: np.ndarray  # float64 [n_layers, E]: training heat per ORIGINAL expert id
+    meta: dict = field(default_factory=dict)  # split, phase, k, fingerprint, groups, timing...
+
+    @property
+    def pos(self) -> np.ndarray:
+        """pos[l, e] = position of original expert e."""
+        out = np.empty_like(self.perm)
+        out[np.arange(self.n_layers)[:, None], self.perm] = np.arange(self.n_experts)[None, :]
+        return out
+
+    def to_dict(self) -> dict:
+        groups = self.meta.get("groups") or [None] * self.n_layers
+        meta = {k: v for k, v in self.meta.items() if k != "groups"}
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "method": self.method,
+            "n_layers": self.n_layers,
+            "n_experts": self.n_experts,
+            "fingerprint": self.meta.get("fingerprint", ""),
+            "meta": meta,
+            "layers": [
+                {"layer": l, "perm": self.perm[l].tolist(), "heat": self.heat[l].tolist(),
+                 **({"groups": groups[l]} if groups[l] is not None else {})}
+                for l in range(self.n_layers)
+            ],
+        }
+
+
+def validate_plan(plan: Plan, where: str = "plan", n_layers: int | None = None, n_experts: int | None = None) -> None:
+    if n_layers is not None and plan.n_layers != n_layers:
+        raise MboltError(f"{where}: plan has {plan.n_layers} layers, model has {n_layers}")
+    if n_experts is not None and plan.n_experts != n_experts:
+        raise MboltError(f"{where}: plan has {plan.n_experts} experts per layer, model has {n_experts}")
+    if plan.perm.shape != (plan.n_layers, plan.n_experts):
+        raise MboltError(f"{where}: perm table is {plan.perm.shape}, expected "
+                         f"({plan.n_layers}, {plan.n_experts})")
+    ref = np.arange(plan.n_experts)
+    for l in range(plan.n_layers):
+        if not np.array_equal(np.sort(plan.perm[l]), ref):
+            bad = sorted(set(ref) ^ set(plan.perm[l].tolist()))[:5]
+            raise MboltError(f"{where}: layer {l}: perm is not a permutation of 0..{plan.n_experts - 1} "
+                             f"(missing or repeated: {bad})")
+
+
+def save_plan(path: str | os.PathLike, plan: Plan) -> Path:
+    validate_plan(plan)
+    write_text_atomic(path, json.dumps(plan.to_dict(), default=json_default) + "\n")
+    return Path(path)
+
+
+def load_plan(path: str | os.PathLike, n_layers: int | None = None, n_experts: int | None = None) -> Plan:
+    where = str(path)
+    try:
+        d = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise MboltError(f"{where}: plan file not found") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise MboltError(f"{where}: not a readable plan file ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise MboltError(f"{where}: not an mbolt plan (format field missing)")
+    if d.get("version") != VERSION:
+        raise MboltError(f"{where}: unsupported plan version {d.get('version')}")
+    try:
+        L, E = int(d["n_layers"]), int(d["n_experts"])
+        layers = d["layers"]
+        if len(layers) != L:
+            raise MboltError(f"{where}: header says {L} layers, file has {len(layers)}")
+        perm = np.zeros((L, E), np.int32)
+        heat = np.zeros((L, E))
+        groups = []
+        for l, rec in enumerate(layers):
+            if int(rec.get("layer", l)) != l:
+                raise MboltError(f"{where}: layer record {l} is labelled layer {rec.get('layer')}")
+            p = np.asarray(rec["perm"])
+            if p.shape != (E,) or (p.size and not np.issubdtype(p.dtype, np.integer)):
+                raise MboltError(f"{where}: layer {l}: perm has {p.size} entries, expected {E} integers")
+            perm[l] = p
+            h = np.asarray(rec.get("heat", np.zeros(E)), dtype=np.float64)
+            if h.shape != (E,):
+                raise MboltError(f"{where}: layer {l}: heat has {h.size} entries, expected {E}")
+            heat[l] = h
+            groups.append(rec.get("groups"))
+    except (KeyError, TypeError, ValueError) as e:
+        raise MboltError(f"{where}: malformed plan ({e!r})") from None
+    meta = dict(d.get("meta") or {})
+    meta["fingerprint"] = d.get("fingerprint", meta.get("fingerprint", ""))
+    if any(g is not None for g in groups):
+        meta["groups"] = groups
+    plan = Plan(str(d.get("method", "")), L, E, perm, heat, meta)
+    validate_plan(plan, where, n_layers, n_experts)
+    return plan
+
+

@@ -1,0 +1,103 @@
+"""The in-memory trace: which experts every token routed to, at every layer.
+
+This dataclass is the contract between the tracer/importers (which produce it) and the
+planner, predictor and cache replay (which consume it). The on-disk `.mbtrace` format lives in
+`mbolt/core/mbtrace.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mbolt.core.errors import MboltError
+
+PREFILL = 0
+DECODE = 1
+PHASES = {"decode": DECODE, "prefill": PREFILL}
+MIN_TRAIN_TOKENS = 2
+
+
+@dataclass
+class Trace:
+    n_layers: int  # layers in the model (MoE or not); dense layers are all -1
+    n_experts: int
+    k: int  # experts used per token
+    experts: np.ndarray  # int16 [N, n_layers, k], rank order; -1 where not recorded / dense
+    phase: np.ndarray  # uint8 [N]: PREFILL or DECODE
+    seq: np.ndarray  # int32 [N]: sequence (prompt) id
+    pos: np.ndarray  # int32 [N]: token position within its sequence
+    weights: np.ndarray | None = None  # float32 [N, n_layers, k] routing weights, optional
+    domains: dict[int, str] = field(default_factory=dict)  # seq id -> domain tag
+    fingerprint: str = ""  # source model fingerprint (hex), "" when unknown (imports)
+    notes: list[str] = field(default_factory=list)  # what importers dropped or flagged
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    def select(self, mask: np.ndarray) -> "Trace":
+        """The sub-trace of the tokens where `mask` is true (same header)."""
+        return Trace(
+            self.n_layers, self.n_experts, self.k, self.experts[mask], self.phase[mask],
+            self.seq[mask], self.pos[mask],
+            None if self.weights is None else self.weights[mask],
+            dict(self.domains), self.fingerprint, list(self.notes),
+        )
+
+    def moe_layers(self) -> np.ndarray:
+        """Indices of layers where at least one token has a recorded routing."""
+        return np.flatnonzero((self.experts >= 0).any(axis=(0, 2)))
+
+
+def select_phase(trace: Trace, phase: str) -> Trace:
+    """The tokens of one phase ("decode", "prefill") or all of them ("all")."""
+    if phase == "all":
+        return trace
+    if phase not in PHASES:
+        raise MboltError(f"unknown phase {phase!r} (decode, prefill, all)")
+    if trace.n_tokens == 0:
+        raise MboltError("trace has no tokens")
+    sub = trace.select(np.asarray(trace.phase) == PHASES[phase])
+    if sub.n_tokens == 0:
+        hint = " (use --phase all to plan on prefill tokens)" if phase == "decode" else ""
+        raise MboltError(f"trace has no {phase} tokens{hint}")
+    return sub
+
+
+def split_trace(trace: Trace, *, train_frac: float = 0.5, holdout_domain: str | None = None,
+                phase: str = "decode") -> tuple[Trace, Trace | None, dict]:
+    """(training, held-out or None, description): the one train/held-out split of every command.
+
+    Tokens in trace order, phase filter first; the first floor(N * train_frac) tokens train, or
+    the sequences of `holdout_domain` are held out."""
+    if trace.n_tokens == 0:
+        raise MboltError("trace has no tokens")
+    trace = select_phase(trace, phase)
+    N = trace.n_tokens
+    if holdout_domain is not None:
+        # a domain matches exactly or as a family prefix: "dolly" holds out "dolly/open_qa" too
+        held_seqs = [s for s, tag in trace.domains.items()
+                     if tag == holdout_domain or tag.startswith(holdout_domain.rstrip("/") + "/")]
+        held = np.isin(trace.seq, held_seqs)
+        if not held.any():
+            known = sorted(set(trace.domains.values()))
+            which = "decode tokens" if phase == "decode" else "tokens"
+            raise MboltError(f"no {which} in domain {holdout_domain!r} (trace domains: {known or 'none'})")
+        if held.all():
+            raise MboltError(f"every token is in domain {holdout_domain!r}: nothing left to train on")
+        info = {"by": "domain", "holdout_domain": holdout_domain}
+    else:
+        if not 0.0 < train_frac <= 1.0:
+            raise MboltError(f"--train-frac must be in (0, 1], got {train_frac}")
+        n_train = int(np.floor(N * train_frac + 1e-9))
+        held = np.arange(N) >= n_train
+        if train_frac < 1.0 and (n_train < MIN_TRAIN_TOKENS or not held.any()):
+            raise MboltError(f"trace has {N} {phase} tokens: too few for a {train_frac:g} train/held-out split")
+        info = {"by": "fraction", "train_frac": float(train_frac)}
+    train = trace.select(~held)
+    if train.n_tokens < MIN_TRAIN_TOKENS:
+        raise MboltError(f"only {train.n_tokens} training token(s): too few to plan")
+    info.update(phase=phase, n_train=train.n_tokens, n_heldout=int(held.sum()))
+    return train, (trace.select(held) if held.any() else None), info
