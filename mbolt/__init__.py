@@ -1,3 +1,3 @@
 """mbolt: profile-guided expert layout for MoE GGUF files."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

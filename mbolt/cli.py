@@ -90,10 +90,10 @@ def inspect_cmd(
 @user_errors
 def cache_cmd(
     trace: Path = typer.Argument(..., help="A routing trace (.mbtrace, or a file the importers read)."),
-    budgets: str = typer.Option("4,8,16", "--budgets", help="Expert slots per layer, comma separated."),
+    budgets: str = typer.Option("4,8,16", "--cache-slots", help="Expert slots per layer to replay, comma separated."),
     in_sample: bool = typer.Option(False, "--in-sample", help="Pin set from the measured tokens (optimistic)."),
     pin_share: float = typer.Option(0.75, "--pin-share", help="Share of each layer's slots that are pinned."),
-    train_share: float = typer.Option(0.5, "--train-share", help="Held-out mode: leading share of tokens that trains."),
+    train_share: float = typer.Option(0.5, "--train-frac", help="Held-out mode: leading share of tokens that trains."),
     phase: str = typer.Option("decode", "--phase", help="Tokens replayed: decode, prefill or all."),
     nuthatch_lines: bool = typer.Option(False, "--nuthatch-lines",
                                         help="Read a nuthatch text export line by line, as nuthatch's trace_replay did."),
@@ -108,7 +108,7 @@ def cache_cmd(
     try:
         bs = [int(b) for b in budgets.split(",") if b.strip()]
     except ValueError:
-        raise MboltError(f"--budgets: expected comma-separated integers, got {budgets!r}") from None
+        raise MboltError(f"--cache-slots: expected comma-separated integers, got {budgets!r}") from None
     t = nuthatch_lines_trace(trace) if nuthatch_lines else load_trace(trace)
     sweep = cache_sweep(t, bs, in_sample=in_sample, pin_share=pin_share, train_share=train_share,
                         phase="all" if nuthatch_lines else phase)
@@ -203,9 +203,9 @@ def ab_cmd(
     decode: bool = typer.Option(False, "--decode", help="Generate with the reference engine (compute + I/O)."),
     prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
     n_prompts: int = typer.Option(2, "--n-prompts", help="Decode: prompts used."),
-    new_tokens: int = typer.Option(8, "--new-tokens", help="Decode: tokens generated per prompt."),
+    new_tokens: int = typer.Option(8, "--new-tokens", "-n", help="Decode: tokens generated per prompt."),
     rounds: int = typer.Option(5, "--rounds", help="Rounds (arm order alternates every round)."),
-    qd: int = typer.Option(1, "--io-threads", "--qd", help="Default queue depth for arms."),
+    qd: int = typer.Option(1, "--qd", help="Default queue depth (reads in flight) for arms."),
     direct: bool = typer.Option(False, "--direct", help="Default: O_DIRECT reads for arms."),
     gap: int = typer.Option(0, "--gap", help="Default merge gap (bytes)."),
     cache_slots: int = typer.Option(0, "--cache-slots", help="Default per-layer slot cache."),
@@ -353,7 +353,7 @@ def verify_cmd(
     prompts: Path = typer.Option(None, "--prompts", help="Prompts for routing parity: .jsonl (prompt/text field) "
                                  "or one per line (default: a built-in set)."),
     n_prompts: int = typer.Option(8, "--n-prompts", help="Use at most this many prompts."),
-    tokens: int = typer.Option(8, "--tokens", help="Greedy tokens generated per prompt."),
+    tokens: int = typer.Option(8, "--new-tokens", "-n", help="Greedy tokens generated per prompt."),
     no_parity: bool = typer.Option(False, "--no-parity", help="Skip the reference-engine routing parity "
                                    "(bit-identity only)."),
     llama: bool = typer.Option(False, "--llama", help="Also load both in llama.cpp (reorder layout): same "
@@ -365,10 +365,10 @@ def verify_cmd(
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     from mbolt.report.rewrite_tables import verify_table
-    from mbolt.rewrite.parity import PROMPTS, load_prompts
+    from mbolt.core.prompts import prompt_texts
     from mbolt.rewrite.verify import verify
 
-    texts = load_prompts(prompts, n_prompts) if prompts else PROMPTS[:n_prompts]
+    texts = prompt_texts(prompts, n_prompts)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task(f"comparing {out.name}", total=None)
@@ -433,8 +433,8 @@ def import_trace_cmd(
 
 @user_errors
 def probe_cmd(
-    file: Path = typer.Option(None, "--file", help="A file (or directory) on the drive to measure; a temp file "
-                              "is created beside it when it is small or missing."),
+    file: Path = typer.Argument(None, help="A model (or any file or directory) on the drive to measure; a temp "
+                                "file is created beside it when it is small or missing (default: the current directory)."),
     size_mb: int = typer.Option(256, "--size-mb", help="Size of the temp probe file."),
     out: Path = typer.Option(Path("results/probe.json"), "-o", "--out", help="Where the figures go (predict reads them)."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
@@ -469,7 +469,7 @@ def predict_cmd(
     plan: Path = typer.Option(None, "--plan", help="plan.json: predict its reorder and packed layouts."),
     trace: Path = typer.Option(..., "--trace", help="Held-out trace."),
     probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures (mbolt probe)."),
-    qd: int = typer.Option(1, "--io-threads", "--qd", help="Queue depth of the reader."),
+    qd: int = typer.Option(1, "--qd", help="Queue depth (reads in flight) of the reader."),
     direct: bool = typer.Option(False, "--direct", help="O_DIRECT reader."),
     gap: int = typer.Option(0, "--gap", help="Merge gap (bytes)."),
     cache_slots: int = typer.Option(0, "--cache-slots", help="Per-layer LRU slot cache."),
@@ -502,7 +502,7 @@ def predict_cmd(
 def generate_cmd(
     model: Path = typer.Argument(..., help="A MoE GGUF the reference engine runs (qwen3moe, olmoe, mixtral, qwen2moe)."),
     prompt: str = typer.Argument(..., help="Prompt text."),
-    n: int = typer.Option(32, "-n", "--n-tokens", help="Tokens to generate (greedy)."),
+    n: int = typer.Option(32, "--new-tokens", "-n", help="Tokens to generate (greedy)."),
     route: str = typer.Option("file", help="Reordered files: 'file' (router rows permuted in the file) or 'map'."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
@@ -528,11 +528,12 @@ def generate_cmd(
 @user_errors
 def trace_cmd(
     model: Path = typer.Argument(..., help="A MoE GGUF file."),
-    prompts: Path = typer.Option(..., "--prompts", "-p", help="Prompts: .jsonl ({\"prompt\", \"source\"} per line) or text (one per line)."),
+    prompts: Path = typer.Option(None, "--prompts", "-p", help="Prompts: .jsonl ({\"prompt\", \"source\"} per line) or text "
+                                 "(one per line). Default: the 200 Dolly + CodeAlpaca prompts shipped with mbolt."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace file."),
-    max_new_tokens: int = typer.Option(16, "--max-new-tokens", help="Greedy decode tokens per prompt."),
+    max_new_tokens: int = typer.Option(16, "--new-tokens", "-n", help="Greedy decode tokens per prompt."),
     engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp' (eval callback, any llama.cpp arch)."),
-    limit: int = typer.Option(0, "--limit", help="Only the first N prompts (0 = all)."),
+    limit: int = typer.Option(0, "--n-prompts", help="Use at most this many prompts (0 = all)."),
     threads: int = typer.Option(0, "--threads", help="llama.cpp threads (0 = all cores)."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
@@ -541,10 +542,15 @@ def trace_cmd(
     """Run prompts and record every token's routing (prefill and decode) into an .mbtrace."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from mbolt.trace.tracer import read_prompts, trace_prompts
+    from mbolt.core.prompts import read_prompts
+    from mbolt.trace.tracer import trace_prompts
 
     if out.exists() and not force:
         raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    if prompts is None:
+        from mbolt.data import PROMPTS, path
+
+        prompts = path(PROMPTS)
     items = read_prompts(prompts, limit or None)
     with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console,
@@ -576,10 +582,10 @@ def plan_cmd(
     geometry: str = typer.Option(None, "--geometry", help="Slice-size preset when no --model (see mbolt.layout.evaluate.PRESETS)."),
     layout: str = typer.Option("reorder", "--layout", help="reorder (three tensors) or packed (gate|up|down per expert)."),
     gap: int = typer.Option(0, "--gap", help="Merge gap in bytes (the reader reads through holes this small)."),
-    cache: int = typer.Option(0, "--cache", help="Per-layer LRU cache slots when scoring."),
+    cache: int = typer.Option(0, "--cache-slots", help="Per-layer LRU cache slots when scoring."),
     compare: bool = typer.Option(False, "--compare", help="Score every method and the bound."),
     bound: str = typer.Option("auto", "--bound", help="auto, subtour, lp, top2 or none (with --compare)."),
-    force: bool = typer.Option(True, "--force/--no-force", help="Overwrite the output."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing output (plan and held-out trace)."),
     heldout: Path = typer.Option(None, "--heldout", help="Also write the held-out tokens here (.mbtrace, for `mbolt ab --replay`)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):

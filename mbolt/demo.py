@@ -204,7 +204,7 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
 
 
 def _as_prompt(p: dict):
-    from mbolt.trace.tracer import Prompt
+    from mbolt.core.prompts import Prompt
 
     return Prompt(text=p["prompt"], domain=p["source"], line=0)
 

@@ -42,7 +42,7 @@ PROBE = RESULTS / "probe.json"
 # results, pre-registrations and probe carry the tag, so earlier runs are never overwritten.
 SEED = 0
 TAG = ""
-PROMPTS = ROOT.parent / "shared" / "data" / "mbolt" / "prompts.jsonl"
+PROMPTS = ROOT / "mbolt" / "data" / "prompts.jsonl"
 
 MODELS = {
     "s64k": dict(synth=dict(n_layers=16, n_experts=64, n_used=8, hidden=128, expert_ff=128, n_heads=4,

@@ -22,7 +22,7 @@ from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.bench.replay import cache_sweep, nuthatch_lines_trace  # noqa: E402
 from mbolt.core.trace_import import load_trace  # noqa: E402
 
-DATA = ROOT.parent / "shared" / "data" / "nuthatch" / "granite3moe.trace.txt"
+DATA = ROOT / "mbolt" / "data" / "granite3moe.trace.txt"
 BUDGETS = [4, 8, 12, 16, 24]
 REFERENCE = {
     "in_sample_budget4": {"learned-pin": 0.224, "lru": 0.047, "os": 0.0},

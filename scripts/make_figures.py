@@ -23,7 +23,7 @@ from mbolt.report.plots import plot, plot_cache, plot_heatmap  # noqa: E402
 
 RESULTS = ROOT / "results"
 BENCH = Path(os.environ.get("MBOLT_BENCH", "/tmp/mbolt-bench"))
-GRANITE = ROOT.parent / "shared" / "data" / "nuthatch" / "granite3moe.trace.txt"
+GRANITE = ROOT / "mbolt" / "data" / "granite3moe.trace.txt"
 
 
 def main() -> None:

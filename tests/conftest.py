@@ -12,10 +12,6 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-if not SHARED_DATA.exists():  # CI clones main elsewhere with shared/ beside it
-    SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
 HAVE_LLAMA = importlib.util.find_spec("llama_cpp") is not None
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -30,7 +26,8 @@ needs_llama = _llama_marker()
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.exists():
-        pytest.fail(f"shared data folder not found at {SHARED_DATA}")
-    return SHARED_DATA
+def data_dir() -> Path:
+    """The real routing data and prompts shipped in the repository (mbolt/data/README.md)."""
+    from mbolt.data import HERE
+
+    return HERE

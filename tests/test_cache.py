@@ -111,48 +111,48 @@ def test_belady_bounds_every_policy(layers, budget, share):
     assert replay(t, OsPolicy(2 * budget)).hits <= replay(t, BeladyPolicy(2, 2 * budget, scope="global")).hits
 
 
-def _clean_decode(shared_data):
+def _clean_decode(data_dir):
     """The 64 clean decode tokens of the granite export (lines 93..), built here independently."""
-    rows = [list(map(int, s.split())) for s in (shared_data / "nuthatch/granite3moe.trace.txt").read_text().splitlines()]
+    rows = [list(map(int, s.split())) for s in (data_dir / "granite3moe.trace.txt").read_text().splitlines()]
     rows = rows[93:]
     assert len(rows) == 64 * 24
     return make_trace([[rows[i * 24 + l][1:] for l in range(24)] for i in range(64)], n_layers=24, n_experts=32)
 
 
-def test_granite_reproduces_nuthatch(shared_data):
-    t = nuthatch_lines_trace(shared_data / "nuthatch/granite3moe.trace.txt")
+def test_granite_reproduces_nuthatch(data_dir):
+    t = nuthatch_lines_trace(data_dir / "granite3moe.trace.txt")
     assert t.n_tokens == 1629
     r4 = cache_sweep(t, [4], in_sample=True, phase="all").rows[0]
     assert round(100 * r4["learned-pin"], 1) == 22.4
     assert round(100 * r4["lru"], 1) == 4.7
     assert round(100 * r4["os"], 1) == 0.0
-    held = cache_sweep(_clean_decode(shared_data), [4, 16]).rows
+    held = cache_sweep(_clean_decode(data_dir), [4, 16]).rows
     assert [round(100 * held[0][p], 1) for p in ("learned-pin", "lru")] == [20.0, 4.8]
     assert [round(100 * held[1][p], 1) for p in ("learned-pin", "lru")] == [69.6, 64.2]
     for r in held:
         assert r["belady"] >= r["learned-pin"]
 
 
-def test_granite_held_out_through_the_importer(shared_data):
+def test_granite_held_out_through_the_importer(data_dir):
     from mbolt.core.trace_import import load_trace
 
-    t = load_trace(shared_data / "nuthatch/granite3moe.trace.txt")
+    t = load_trace(data_dir / "granite3moe.trace.txt")
     rows = cache_sweep(t, [4, 16], phase="decode").rows
     assert [round(100 * rows[0][p], 1) for p in ("learned-pin", "lru", "os")] == [20.0, 4.8, 0.0]
     assert [round(100 * rows[1][p], 1) for p in ("learned-pin", "lru")] == [69.6, 64.2]
 
 
-def test_cache_cli_json(shared_data):
+def test_cache_cli_json(data_dir):
     import json
 
     from typer.testing import CliRunner
 
     from mbolt.cli import app
 
-    r = CliRunner().invoke(app, ["cache", str(shared_data / "nuthatch/granite3moe.trace.txt"), "--nuthatch-lines",
-                                 "--in-sample", "--budgets", "4", "--json"])
+    r = CliRunner().invoke(app, ["cache", str(data_dir / "granite3moe.trace.txt"), "--nuthatch-lines",
+                                 "--in-sample", "--cache-slots", "4", "--json"])
     assert r.exit_code == 0, r.output
     row = json.loads(r.output)["rows"][0]
     assert round(100 * row["learned-pin"], 1) == 22.4 and round(100 * row["lru"], 1) == 4.7
-    r = CliRunner().invoke(app, ["cache", str(shared_data / "nuthatch/granite3moe.trace.txt"), "--budgets", "x"])
+    r = CliRunner().invoke(app, ["cache", str(data_dir / "granite3moe.trace.txt"), "--cache-slots", "x"])
     assert r.exit_code == 2

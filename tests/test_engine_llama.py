@@ -1,8 +1,17 @@
 """Reference engine vs llama.cpp (llama-cpp-python) on synthetic models of every architecture.
 
 Tolerances on logits, as (max |diff|, mean |diff|) over all positions (logits are O(5) here):
-  F32, BF16 experts: (2e-5, 2e-6). Plain float32 arithmetic on both sides; what is left is the
-    summation order (SIMD lanes vs BLAS): measured max <= 1.5e-6.
+  F32 experts: (2e-5, 2e-6). Plain float32 arithmetic on both sides; what is left is the
+    summation order (SIMD lanes vs BLAS). A float32 dot product of n terms is off by at most
+    n * 2^-24 * sum|x_i w_i| whatever the order: n = 64..128 here and sum|x_i w_i| = O(1) gives
+    <= 8e-6 per matmul, a few matmuls deep: 2e-5. Measured max <= 1.5e-6.
+  BF16 experts: (2e-3, 2e-6). ggml converts the activations to BF16 before its BF16 dot
+    products, and the engine does the same; the rest is F32's summation order. An activation
+    that sits on a BF16 rounding boundary flips by one BF16 step (2^-8 of its value) when the
+    two sides' float32 results differ in the last bit, exactly as a Q8_0 activation flips by
+    one int8 step (1/127 of its block's maximum, the coarser of the two): so BF16 takes the
+    quantized types' max bound. Measured: max 1.5e-6 on one AMD EPYC, 2.5e-5 on another (one
+    flip, AVX-512 numpy kernels), mean 4.3e-7 on both: the mean bound keeps discriminating.
   F16 experts: (1e-4, 2e-6): measured max 1.4e-5 in prefill (ggml's batched F16 path).
   Q8_0, Q4_0, Q5_0, MXFP4, Q4_1, Q5_1 experts: (2e-3, 2e-5). ggml's CPU matmul quantizes the
     activations (Q8_0 for the first four, Q8_1 for Q4_1/Q5_1, whose fp16 block sum multiplies
@@ -38,7 +47,7 @@ from mbolt.gguf.synth import SynthConfig, write_synth
 pytestmark = needs_llama
 
 PROMPT = [104, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101, 33, 256, 257, 65, 66, 10, 200]
-TOL = {"F32": (2e-5, 2e-6), "BF16": (2e-5, 2e-6), "F16": (1e-4, 2e-6), "Q8_0": (2e-3, 2e-5),
+TOL = {"F32": (2e-5, 2e-6), "BF16": (2e-3, 2e-6), "F16": (1e-4, 2e-6), "Q8_0": (2e-3, 2e-5),
        "Q4_0": (2e-3, 2e-5), "Q5_0": (2e-3, 2e-5), "MXFP4": (2e-3, 2e-5), "Q4_1": (2e-3, 2e-5),
        "Q5_1": (2e-3, 2e-5)}
 ARCH_KW = {"qwen3moe": {}, "olmoe": {"n_kv_heads": 4}, "mixtral": {}, "qwen2moe": {}}

@@ -26,8 +26,8 @@ def _raw_lines(path):
 
 
 @pytest.fixture(scope="module")
-def granite(shared_data):
-    path = shared_data / "nuthatch" / "granite3moe.trace.txt"
+def granite(data_dir):
+    path = data_dir / "granite3moe.trace.txt"
     return path, load_trace(path), _raw_lines(path)
 
 

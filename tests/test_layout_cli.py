@@ -21,10 +21,10 @@ def run(*args):
     return runner.invoke(app, [str(a) for a in args])
 
 
-def test_plan_granite_reproduces_design_numbers(shared_data, tmp_path):
+def test_plan_granite_reproduces_design_numbers(data_dir, tmp_path):
     """DESIGN.md: on the granite trace's held-out half, stock 6.37 and the mbolt chain 4.18 runs
     per token-layer; a 2-opt/Or-opt path 3.60."""
-    src = shared_data / "nuthatch" / "granite3moe.trace.txt"
+    src = data_dir / "granite3moe.trace.txt"
     r = run("plan", src, "-o", tmp_path / "plan.json", "--compare", "--json", "--geometry", "granite3-moe-1b-q8_0")
     assert r.exit_code == 0, r.output
     res = json.loads(r.stdout)
@@ -156,7 +156,7 @@ def test_structure_none_gives_no_gain_beyond_heat():
     assert ho["tsp"] >= 0.99 * ho["heat-tsp"]
 
 
-def test_plan_writes_the_heldout_trace_for_ab(tmp_path, shared_data):
+def test_plan_writes_the_heldout_trace_for_ab(tmp_path, data_dir):
     """`mbolt plan --heldout` writes exactly the tokens the plan was not trained on."""
     from typer.testing import CliRunner
 
@@ -165,7 +165,7 @@ def test_plan_writes_the_heldout_trace_for_ab(tmp_path, shared_data):
     from mbolt.core.trace_import import load_trace
     from mbolt.core.trace import DECODE
 
-    src = shared_data / "nuthatch" / "granite3moe.trace.txt"
+    src = data_dir / "granite3moe.trace.txt"
     out, held_path = tmp_path / "plan.json", tmp_path / "held.mbtrace"
     res = CliRunner().invoke(app, ["plan", str(src), "-o", str(out), "--heldout", str(held_path)])
     assert res.exit_code == 0, res.output

@@ -66,10 +66,10 @@ def test_heatmap_layer_out_of_range(tmp_path, layer):
     assert res.exit_code == 2 and f"layer {layer}" in res.output
 
 
-def test_cache_plot_from_the_granite_trace(tmp_path, shared_data):
+def test_cache_plot_from_the_granite_trace(tmp_path, data_dir):
     out = tmp_path / "cache.png"
-    src = shared_data / "nuthatch" / "granite3moe.trace.txt"
-    res = CliRunner().invoke(app, ["cache", str(src), "--budgets", "2,4,8", "--plot", str(out), "--json"])
+    src = data_dir / "granite3moe.trace.txt"
+    res = CliRunner().invoke(app, ["cache", str(src), "--cache-slots", "2,4,8", "--plot", str(out), "--json"])
     assert res.exit_code == 0, res.output
     assert _is_png(out)
     sweep = json.loads(res.output)

@@ -59,8 +59,8 @@ def test_tokens_sequences_domains():
     assert s["sequences"] == 2 and s["domains"] == {"code": 2}
 
 
-def test_cli_on_granite(shared_data, tmp_path):
-    src = shared_data / "nuthatch" / "granite3moe.trace.txt"
+def test_cli_on_granite(data_dir, tmp_path):
+    src = data_dir / "granite3moe.trace.txt"
     r = CliRunner().invoke(app, ["trace-stats", str(src), "--json"])
     assert r.exit_code == 0, r.output
     s = json.loads(r.stdout)

@@ -18,7 +18,8 @@ from mbolt.core.header import read_header
 from mbolt.gguf.synth import SynthConfig, write_synth
 from mbolt.core.mbtrace import read_trace
 from mbolt.core.trace import DECODE, PREFILL
-from mbolt.trace.tracer import read_prompts, trace_prompts
+from mbolt.core.prompts import read_prompts
+from mbolt.trace.tracer import trace_prompts
 
 
 @pytest.fixture()
@@ -86,9 +87,9 @@ def test_missing_prompt_file_and_txt_prompts(tmp_path):
     assert [(p.text, p.line) for p in read_prompts(t)] == [("first", 1), ("second", 3)]
 
 
-def test_cli_trace_on_shared_prompts_and_generate_json(tmp_path, model, shared_data):
-    r = CliRunner().invoke(app, ["trace", str(model), "--prompts", str(shared_data / "mbolt" / "prompts.jsonl"),
-                                 "-o", str(tmp_path / "s.mbtrace"), "--limit", "3", "--max-new-tokens", "2", "--json"])
+def test_cli_trace_on_shared_prompts_and_generate_json(tmp_path, model, data_dir):
+    r = CliRunner().invoke(app, ["trace", str(model), "--prompts", str(data_dir / "prompts.jsonl"),
+                                 "-o", str(tmp_path / "s.mbtrace"), "--n-prompts", "3", "--new-tokens", "2", "--json"])
     assert r.exit_code == 0, r.output
     t = read_trace(tmp_path / "s.mbtrace")
     assert len(t.domains) == 3 and all("/" in d or d == "codealpaca" for d in t.domains.values())
@@ -152,10 +153,10 @@ def test_trace_cli_refuses_to_overwrite_without_force(tmp_path, model):
     prompts.write_text("hello\n")
     out = tmp_path / "run.mbtrace"
     out.write_bytes(b"precious")
-    res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--max-new-tokens", "1"])
+    res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--new-tokens", "1"])
     assert res.exit_code == 2 and "use --force" in res.output
     assert out.read_bytes() == b"precious"
-    res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--max-new-tokens", "1",
+    res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--new-tokens", "1",
                                    "--force"])
     assert res.exit_code == 0, res.output
     assert read_trace(out).n_tokens > 0

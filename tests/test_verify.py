@@ -152,7 +152,7 @@ def test_cli_exit_codes(files, tmp_path):
 
     src, out, perm = files
     run = CliRunner().invoke
-    res = run(app, ["verify", str(src), str(out["packed"]), "--json", "--tokens", "1", "--n-prompts", "1"])
+    res = run(app, ["verify", str(src), str(out["packed"]), "--json", "--new-tokens", "1", "--n-prompts", "1"])
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)
     assert d["ok"] and d["layout"] == "packed" and d["parity"]["identical"] == d["parity"]["decisions"] > 0

@@ -447,18 +447,14 @@ def write_result(path: str | os.PathLike, result: AbResult) -> Path:
     return p
 
 
-DEFAULT_PROMPTS = ["The quick brown fox jumps over the lazy dog.", "def fibonacci(n):\n    return",
-                   "Write a short note about the sea.", "Explain why the sky is blue."]
-
-
 def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2) -> list[list[int]]:
     """Token ids of the first `n` prompts (the tracer's prompt files: jsonl or text lines)."""
     from mbolt.engine.tokenizer import Tokenizer
     from mbolt.core.header import read_header
 
-    from mbolt.trace.tracer import read_prompts
+    from mbolt.core.prompts import prompt_texts
 
-    texts = DEFAULT_PROMPTS if prompts_path is None else [p.text for p in read_prompts(prompts_path, n)]
+    texts = prompt_texts(prompts_path, n)
     tok = Tokenizer.from_header(read_header(model_path))
     out = [tok.encode(t)[:64] for t in texts[:n]]
     if not out or not all(out):

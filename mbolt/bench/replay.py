@@ -257,7 +257,7 @@ def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
     else:
         train, test, _ = split_trace(trace, train_frac=train_share, phase="all")
         if test is None:
-            raise MboltError(f"--train-share {train_share:g} holds out no tokens (use --in-sample)")
+            raise MboltError(f"--train-frac {train_share:g} holds out no tokens (use --in-sample)")
     usage = usage_histogram(train)
     n_moe = max(1, len(trace.moe_layers()))
     L = trace.n_layers

@@ -88,7 +88,7 @@ class ExpertStore:
         if mode == "os" and direct:
             raise MboltError("the os arm maps the file: it cannot use O_DIRECT")
         if io_threads < 1:
-            raise MboltError(f"--io-threads must be at least 1, got {io_threads}")
+            raise MboltError(f"--qd (io threads) must be at least 1, got {io_threads}")
         if gap < 0:
             raise MboltError(f"merge gap must be >= 0, got {gap}")
         self.path = str(path)

@@ -18,7 +18,7 @@ def plan_summary(res: dict) -> str:
             f"{', cache ' + str(res['cache_slots']) if res['cache_slots'] else ''}; planned in {res['plan_seconds']:.2f} s")
     ev = res.get("heldout") or res["train"]
     which = "held-out" if "heldout" in res else "training"
-    line += (f"\n{which}: {ev['reads_per_token']:,.1f} reads/token, {ev['bytes_per_token'] / 2**20:,.1f} MiB/token, "
+    line += (f"\n{which}: {ev['reads_per_token']:,.1f} reads/token, {ev['bytes_per_token'] / 1e6:,.2f} MB/token, "
              f"{ev['runs_per_token_layer']:.3f} runs per token-layer")
     if "out" in res:
         line += f"\nwrote [bold]{res['out']}[/]"

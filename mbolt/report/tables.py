@@ -21,10 +21,11 @@ def data_table(title: str, columns: list[str], *, left: tuple[str, ...] = ("arm"
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
+    """Every size mbolt prints: decimal units (kB, MB, GB), as its MB/token and MB/s columns."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
+        n /= 1000
     return str(n)
 
 

@@ -15,18 +15,9 @@ import numpy as np
 
 from mbolt.core.header import read_header
 from mbolt.core.routemap import read_route_map
+from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.core.vocab import byte_tokens
 
-PROMPTS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "In 1905 Einstein published four papers that changed physics.",
-    "Mixture-of-experts models route every token to a few experts.",
-    "Bonjour, comment allez-vous aujourd'hui ?",
-    "SELECT name, count(*) FROM users GROUP BY name ORDER BY 2 DESC;",
-    "1 2 3 5 8 13 21 34 55 89",
-    "She sells sea shells by the sea shore.",
-]
 LLAMA_ATOL = 1e-4
 LLAMA_RTOL = 1e-4
 MIN_LLAMA_ROUTING = 0.99  # share of llama.cpp routing decisions that must map through the perm
@@ -40,7 +31,7 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
     """Reference engine on both files; see the module docstring."""
     from mbolt.engine import load_model
 
-    prompts = prompts or PROMPTS
+    prompts = prompts or BUILTIN_PROMPTS
     a, b = load_model(src, route="file"), load_model(out, route="file")
     decisions = same = 0
     logits_steps = logits_equal = 0
@@ -93,7 +84,7 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
     """llama.cpp on both files (reorder layout); see the module docstring."""
     from mbolt.trace.llama_backend import LlamaRunner
 
-    prompts = prompts or PROMPTS
+    prompts = prompts or BUILTIN_PROMPTS
     perm = read_route_map(read_header(out)).perm
     max_diff = 0.0
     tol_used = 0.0
@@ -141,10 +132,3 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
     return {"ok": ok, "detail": detail, "tokens_identical": tokens_same, "tokens": tokens_total,
             "max_logit_diff": max_diff, "tolerance": tol_used, "routing_share": share,
             "routing_decisions": decisions, "first_difference": first_bad}
-
-
-def load_prompts(path, n: int | None = None) -> list[str]:
-    """Prompt texts from the tracer's prompt files (.jsonl with "prompt"/"text", or text lines)."""
-    from mbolt.trace.tracer import read_prompts
-
-    return [p.text for p in read_prompts(path, n)]

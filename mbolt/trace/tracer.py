@@ -14,10 +14,8 @@ Backends:
 
 from __future__ import annotations
 
-import json
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -25,57 +23,10 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import moe_map
 from mbolt.core.mbtrace import TraceWriter
+from mbolt.core.prompts import Prompt, read_prompts
 from mbolt.core.trace import DECODE, PREFILL
 
 ENGINES = ("reference", "llama.cpp")
-
-
-@dataclass
-class Prompt:
-    text: str
-    domain: str
-    line: int
-
-
-def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prompt]:
-    """.jsonl: one JSON object per line with "prompt" (or "text") and optional "source";
-    anything else: one prompt per non-empty line. Errors name the line."""
-    path = Path(path)
-    if not path.is_file():
-        raise MboltError(f"{path}: no such prompt file")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise MboltError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
-    lines = text.splitlines()
-    out: list[Prompt] = []
-    if path.suffix == ".jsonl":
-        for i, line in enumerate(lines, 1):
-            if not line.strip():
-                if i == len(lines):
-                    continue
-                raise MboltError(f"{path}:{i}: empty line (one JSON object per line expected)")
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise MboltError(f"{path}:{i}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(obj, dict):
-                raise MboltError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
-            p = obj.get("prompt", obj.get("text"))
-            if not isinstance(p, str) or not p:
-                raise MboltError(f"{path}:{i}: missing or empty \"prompt\" (or \"text\") field")
-            out.append(Prompt(p, str(obj.get("source", "") or ""), i))
-            if limit and len(out) >= limit:
-                break
-    else:
-        for i, line in enumerate(lines, 1):
-            if line.strip():
-                out.append(Prompt(line, "", i))
-                if limit and len(out) >= limit:
-                    break
-    if not out:
-        raise MboltError(f"{path}: no prompts in the file")
-    return out
 
 
 class _Reference:
@@ -161,7 +112,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     if engine not in ENGINES:
         raise MboltError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if max_new_tokens < 0:
-        raise MboltError(f"--max-new-tokens must be >= 0, got {max_new_tokens}")
+        raise MboltError(f"--new-tokens must be >= 0, got {max_new_tokens}")
     items = read_prompts(prompts, limit) if not isinstance(prompts, list) else prompts[:limit or None]
     mm = moe_map(model)
     backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
@@ -175,7 +126,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     try:
         with TraceWriter(part, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
                          weights=backend.weights, flush_every=64) as w:
-            w.add_note(f"mbolt trace --engine {engine} --max-new-tokens {max_new_tokens} ({Path(model).name})")
+            w.add_note(f"mbolt trace --engine {engine} --new-tokens {max_new_tokens} ({Path(model).name})")
             for seq, p in enumerate(items):
                 ids = backend.encode(p.text)
                 if not ids:
