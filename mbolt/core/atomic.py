@@ -1,4 +1,10 @@
-"""Write outputs so that nothing is ever lost: temp file beside the target, fsync, rename."""
+"""Write outputs so that nothing is ever lost: temp file beside the target, fsync, rename.
+
+`check_output` is the one rule every command applies to its output path before any work:
+never one of the command's inputs, nor the file an input was made from (a rewritten GGUF's
+source, a trace's model); an existing file only with --force, and then only a previous output
+of the same kind (`file_kind`), so `--force` can never replace a downloaded model with a trace.
+"""
 
 from __future__ import annotations
 
@@ -95,3 +101,80 @@ def json_default(o):
     if isinstance(o, Path):
         return str(o)
     raise TypeError(f"not JSON serialisable: {type(o)}")
+
+
+# ---- the output rule ----
+
+KINDS = ("gguf-model", "gguf-mbolt", "mbtrace", "plan", "json", "png", "text", "other")
+
+
+def file_kind(path: str | os.PathLike) -> str:
+    """What an existing file is, from its first bytes: a model GGUF, a GGUF mbolt wrote
+    (route map or synthetic), an .mbtrace, a plan.json, other JSON, a PNG, text or other."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return "other"
+    if head.startswith(b"GGUF"):
+        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head) else "gguf-model"
+    if head.startswith(b"MBTRACE"):
+        return "mbtrace"
+    if head.startswith(b"\x89PNG"):
+        return "png"
+    text = head.lstrip()
+    if text.startswith(b"{") or text.startswith(b"["):
+        return "plan" if b'"format": "mbolt.plan"' in head or b'"format":"mbolt.plan"' in head else "json"
+    try:
+        head.decode("utf-8")
+        return "text"
+    except UnicodeDecodeError:
+        return "other"
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_output(path: str | os.PathLike, *, kind: str | tuple[str, ...], inputs=(), force: bool = False,
+                 protected_fingerprints=(), what: str = "output") -> Path:
+    """Refuse an output path that would lose data; call before any work.
+
+    `inputs`: the command's input paths (the output may be none of them). `protected_fingerprints`:
+    header fingerprints of files the inputs were made from (a rewritten file's source, a trace's
+    model): an existing GGUF with one of them is never replaced. `kind`: what the command
+    writes; with `force` an existing file is replaced only if `file_kind` says it is that kind.
+    """
+    path = Path(path)
+    kinds = (kind,) if isinstance(kind, str) else tuple(kind)
+    for inp in inputs:
+        if inp is not None and _same(path, Path(inp)):
+            raise MboltError(f"{path}: is an input of this command; write the {what} to a new path")
+    if path.is_dir():
+        raise MboltError(f"{path}: is a directory (give a file path for the {what})")
+    if not path.parent.is_dir():
+        raise MboltError(f"{path.parent}: output directory does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise MboltError(f"{path.parent}: output directory is not writable")
+    if path.exists() or path.is_symlink():
+        found = file_kind(path)
+        if found.startswith("gguf") and protected_fingerprints:
+            from mbolt.core.header import read_header
+
+            try:
+                fp = read_header(path).fingerprint
+            except MboltError:
+                fp = ""
+            if fp and fp in protected_fingerprints:
+                raise MboltError(f"{path}: is the model an input was made from; refusing to replace it "
+                                 f"(write the {what} to a new path)")
+        if not force:
+            raise MboltError(f"{path}: output exists (use --force to overwrite)")
+        if found not in kinds:
+            raise MboltError(f"{path}: exists and is not a previous {what} ({found.replace('-', ' ')}); "
+                             "--force replaces only an earlier output of the same kind")
+    return path
