@@ -389,13 +389,14 @@ def trace_stats_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ):
     """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap."""
-    from mbolt.trace.stats import stats_renderables, trace_stats
+    from mbolt.layout.stats import trace_stats
+    from mbolt.report.layout_tables import trace_stats_renderables
 
     s = trace_stats(trace, fmt)
     if as_json:
         print_json(s)
     else:
-        for r in stats_renderables(s):
+        for r in trace_stats_renderables(s):
             console.print(r, highlight=False)
 
 

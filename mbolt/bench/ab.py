@@ -27,6 +27,7 @@ import numpy as np
 
 from mbolt.bench.env import environment
 from mbolt.bench.pagecache import evict, expert_spans, resident_share, wait_quiet
+from mbolt.engine.generate import greedy_decode
 from mbolt.engine.store import ExpertStore
 from mbolt.core.compat import check_compatible
 from mbolt.core.errors import MboltError
@@ -223,13 +224,10 @@ def _decode_arm(model, prompts: list[list[int]], n_new: int) -> tuple[float, flo
     n = 0
     for ids in prompts:
         cache = model.new_cache()
-        logits = model.forward(list(ids), cache)
-        if ttft is None:
-            ttft = time.perf_counter() - t0
-        for _ in range(n_new):
-            tok = int(np.argmax(logits[-1] if np.ndim(logits) > 1 else logits))
-            logits = model.forward([tok], cache)
-            n += 1
+        for st in greedy_decode(lambda x: model.forward(x, cache), list(ids), n_new):
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            n += st.index > 0
     return time.perf_counter() - t0, ttft or 0.0, n
 
 

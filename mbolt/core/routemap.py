@@ -82,6 +82,7 @@ class RouteMap:
 
 
 def inverse_perm(perm: np.ndarray) -> np.ndarray:
+    """pos[l, e] = position of expert e in perm[l] (the one inverse of a perm table)."""
     perm = np.asarray(perm)
     inv = np.empty_like(perm, dtype=np.int32)
     rows = np.arange(perm.shape[0])[:, None]
@@ -90,7 +91,8 @@ def inverse_perm(perm: np.ndarray) -> np.ndarray:
 
 
 def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> np.ndarray:
-    """Validate an [n_layers, E] array of per-layer permutations; returns it as int32."""
+    """Validate an [n_layers, E] array of per-layer permutations (the one perm rule); returns it
+    as int32. Shape errors name the model's counts; a bad layer names the missing or repeated ids."""
     perm = np.asarray(perm)
     if perm.ndim != 2 or perm.shape[1] != n_experts:
         got = perm.shape[1] if perm.ndim == 2 else f"shape {perm.shape}"
@@ -100,7 +102,10 @@ def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> n
     ok = np.sort(perm, axis=1) == np.arange(n_experts)[None, :]
     bad = np.flatnonzero(~ok.all(axis=1))
     if bad.size:
-        raise MboltError(f"{where}: layer {bad[0]} is not a permutation of 0..{n_experts - 1}")
+        l = int(bad[0])
+        ids = sorted(set(range(n_experts)) ^ set(perm[l].tolist()))[:5]
+        raise MboltError(f"{where}: layer {l} is not a permutation of 0..{n_experts - 1} "
+                         f"(missing or repeated: {ids})")
     return perm.astype(np.int32)
 
 

@@ -139,7 +139,6 @@ class Model:
     rope_mode = "neox"  # "neox" (rotate halves) or "norm" (rotate adjacent pairs)
     qk_norm: str | None = None  # "head" (per head, qwen3) or "full" (whole q/k, olmoe)
     norm_topk = False  # renormalise the top-k weights to sum to 1
-    shared_expert = False  # qwen2moe: sigmoid-gated shared expert
 
     def __init__(self, path: Path, header: GGUFHeader, mmap_: MoeMap, hp: HParams, routes: RouteMap,
                  route: str, expert_source):

@@ -17,6 +17,7 @@ from mbolt.core.header import read_header
 from mbolt.core.routemap import read_route_map
 from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.core.vocab import byte_tokens
+from mbolt.engine.generate import greedy_decode
 
 LLAMA_ATOL = 1e-4
 LLAMA_RTOL = 1e-4
@@ -27,8 +28,9 @@ def _bits(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
 
 
-def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8) -> dict:
-    """Reference engine on both files; see the module docstring."""
+def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, on_step=None) -> dict:
+    """Reference engine on both files; see the module docstring. on_step() after every forward
+    (len(prompts) * (n_tokens + 1) of them)."""
     from mbolt.engine import load_model
 
     prompts = prompts or BUILTIN_PROMPTS
@@ -41,9 +43,8 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
         for pi, text in enumerate(prompts):
             ids = byte_tokens(h, text)[:64] or [0]
             ca, cb = a.new_cache(), b.new_cache()
-            step_ids = ids
-            for step in range(n_tokens + 1):
-                la, lb = a.forward(step_ids, ca), b.forward(step_ids, cb)
+            for st in greedy_decode(lambda x: (a.forward(x, ca), b.forward(x, cb)), ids, n_tokens):
+                step, (la, lb) = st.index, st.out
                 for li, (ra, rb) in enumerate(zip(a.last_routing, b.last_routing)):
                     if ra is None and rb is None:
                         continue
@@ -64,9 +65,10 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
                 elif not first_bad:
                     first_bad = (f"prompt {pi} step {step}: logits differ "
                                  f"(max |diff| {float(np.max(np.abs(la - lb))):.3g})")
-                step_ids = [int(np.argmax(la))]
                 a.last_routing = [None] * len(a.last_routing)
                 b.last_routing = [None] * len(b.last_routing)
+                if on_step is not None:
+                    on_step()
     finally:
         a.close()
         b.close()
@@ -80,8 +82,10 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
             "n_tokens": n_tokens, "first_difference": first_bad}
 
 
-def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, n_threads: int | None = None) -> dict:
-    """llama.cpp on both files (reorder layout); see the module docstring."""
+def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, n_threads: int | None = None,
+                 on_step=None) -> dict:
+    """llama.cpp on both files (reorder layout); see the module docstring. on_step() after every
+    forward of both (len(prompts) * (n_tokens + 1) of them)."""
     from mbolt.trace.llama_backend import LlamaRunner
 
     prompts = prompts or BUILTIN_PROMPTS
@@ -98,9 +102,8 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
             ids = ra.tokenize(text)[:64] or [0]
             if rb.tokenize(text)[:64] != ids:
                 first_bad = first_bad or f"prompt {pi}: tokenization differs"
-            step_ids = ids
-            for step in range(n_tokens + 1):
-                la, lb = ra.eval(step_ids), rb.eval(step_ids)
+            for st in greedy_decode(lambda x: (ra.eval(x), rb.eval(x)), ids, n_tokens):
+                step, (la, lb) = st.index, st.out
                 tol = LLAMA_ATOL + LLAMA_RTOL * float(np.max(np.abs(la)))
                 d = float(np.max(np.abs(la - lb)))
                 max_diff, tol_used = max(max_diff, d), max(tol_used, tol)
@@ -117,12 +120,13 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
                     eq = np.sort(mapped, axis=1) == np.sort(xa, axis=1)
                     decisions += eq.size
                     same += int(eq.sum())
-                ta, tb = int(np.argmax(la)), int(np.argmax(lb))
+                ta, tb = st.next_token, int(np.argmax(lb))  # both decode the source's tokens
                 tokens_total += 1
                 tokens_same += ta == tb
                 if ta != tb and not first_bad:
                     first_bad = f"prompt {pi} step {step}: greedy token {ta} vs {tb}"
-                step_ids = [ta]
+                if on_step is not None:
+                    on_step()
     share = same / decisions if decisions else 0.0
     ok = tokens_same == tokens_total and not first_bad and share >= MIN_LLAMA_ROUTING
     detail = (f"greedy tokens {tokens_same}/{tokens_total} identical, max |logit diff| {max_diff:.3g} "

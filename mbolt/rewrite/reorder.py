@@ -524,11 +524,6 @@ def reorder(
     )
 
 
-def identity_perm(path: str | os.PathLike) -> np.ndarray:
-    m = moe_map(path)
-    return np.tile(np.arange(m.n_experts, dtype=np.int32), (m.n_layers, 1))
-
-
 def reorder_file(
     src: str | os.PathLike,
     dst: str | os.PathLike,

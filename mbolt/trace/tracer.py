@@ -25,6 +25,7 @@ from mbolt.core.moe_map import moe_map
 from mbolt.core.mbtrace import TraceWriter
 from mbolt.core.prompts import Prompt, read_prompts
 from mbolt.core.trace import DECODE, PREFILL
+from mbolt.engine.generate import greedy_decode
 
 ENGINES = ("reference", "llama.cpp")
 
@@ -134,21 +135,18 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
                 if p.domain:
                     w.set_domain(seq, p.domain)
                 backend.start()
-                logits, ex, wt = backend.run(ids)
-                n = ex.shape[0]
-                w.extend(PREFILL, seq, np.arange(n), ex, wt)
-                n_prefill += n
-                pos = n
-                for _ in range(max_new_tokens):
-                    nxt = int(np.argmax(logits))
-                    if backend.eos is not None and nxt == backend.eos:
+                pos = 0
+                for st in greedy_decode(backend.run, ids, max_new_tokens, eos=backend.eos):
+                    _, ex, wt = st.out
+                    n = ex.shape[0]
+                    if n == 0:  # llama.cpp's context is full
                         break
-                    logits, ex, wt = backend.run([nxt])
-                    if ex.shape[0] == 0:
-                        break
-                    w.extend(DECODE, seq, np.array([pos]), ex, wt)
-                    pos += 1
-                    n_decode += 1
+                    w.extend(PREFILL if st.index == 0 else DECODE, seq, np.arange(pos, pos + n), ex, wt)
+                    pos += n
+                    if st.index == 0:
+                        n_prefill += n
+                    else:
+                        n_decode += n
                 if on_progress is not None:
                     on_progress(seq + 1, len(items), n_prefill + n_decode, time.perf_counter() - t0)
     except BaseException as e:
