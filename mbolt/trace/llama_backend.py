@@ -69,17 +69,22 @@ class LlamaRunner:
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, n_threads: int | None = None,
-                 f32_kv: bool = True, capture: bool = True, n_batch: int = 512):
+                 f32_kv: bool = True, capture: bool = True, n_batch: int = 512, vocab_only: bool = False):
+        """vocab_only: load the tokenizer alone (no tensors, no context): `tokenize` works, `eval` does not."""
         L = self.L = _lib()
         _quiet(L)
         L.llama_backend_init()
         self.path = Path(path)
         mp = L.llama_model_default_params()
+        mp.vocab_only = vocab_only
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise MboltError(f"{path}: llama.cpp could not load the model")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.ctx = self.batch = None
+        if vocab_only:
+            return
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
