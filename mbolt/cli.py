@@ -362,18 +362,32 @@ def verify_cmd(
 ):
     """Check a rewritten GGUF: every tensor byte-identical through the route map, metadata
     identical apart from mbolt.* and alignment, routing parity; exit 1 on any failure."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mbolt.report.rewrite_tables import verify_table
+    from mbolt.report.tables import human_bytes
     from mbolt.core.prompts import prompt_texts
     from mbolt.rewrite.verify import verify
 
     texts = prompt_texts(prompts, n_prompts)
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), console=err_console, transient=True) as bar:
-        task = bar.add_task(f"comparing {out.name}", total=None)
+    # one bar per long phase: the byte comparison, then the engine runs (forwards of both files)
+    with Progress("[progress.description]{task.description}", BarColumn(), TextColumn("{task.fields[amount]}"),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        data = bar.add_task(f"comparing {out.name}", total=None, amount="")
+        engines = None
+
+        def on_bytes(d, t):
+            bar.update(data, completed=d, total=t, amount=f"{human_bytes(d)} / {human_bytes(t)}")
+
+        def on_forwards(d, t):
+            nonlocal engines
+            if engines is None:
+                bar.stop_task(data)
+                engines = bar.add_task("routing parity", total=t, amount="")
+            bar.update(engines, completed=d, total=t, amount=f"{d}/{t} forwards")
+
         rep = verify(src, out, parity=not no_parity, prompts=texts, n_tokens=tokens, llama=llama,
-                     progress=lambda d, t: bar.update(task, completed=d, total=t))
+                     progress=on_bytes, parity_progress=on_forwards)
     if as_json:
         print_json(rep.to_dict())
     else:

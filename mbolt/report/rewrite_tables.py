@@ -46,7 +46,10 @@ def verify_table(rep) -> Group:
             dash = lambda v: "-" if v < 0 else str(v)  # noqa: E731
             m.add_row(x.tensor, dash(x.layer), dash(x.position), dash(x.expert), str(x.offset))
         parts.append(m)
+    # each time says what it covers: the byte comparison, each engine run, and the whole verify
+    phases = "".join(f", {name} parity {sec:.1f} s" for name, sec in rep.phase_seconds.items())
     verdict = ("[bold green]verified[/]" if rep.ok else "[bold red]NOT identical[/]") + (
-        f": {rep.out} against {rep.src}, {human_bytes(rep.bytes_compared)} compared in {rep.seconds:.2f} s")
+        f": {rep.out} against {rep.src}; {human_bytes(rep.bytes_compared)} compared byte for byte in "
+        f"{rep.seconds:.2f} s{phases}; verify took {rep.total_seconds:.1f} s")
     parts.append(Text.from_markup(verdict))
     return Group(*parts)

@@ -28,6 +28,7 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.header import GGUFHeader, read_header
 from mbolt.core.moe_map import moe_map
+from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
 from mbolt.core.routemap import RouteMap, is_route_map_key, read_sidecar, sidecar_path
 
@@ -72,7 +73,9 @@ class VerifyReport:
     mismatches: list[Mismatch] = field(default_factory=list)
     n_mismatches: int = 0
     bytes_compared: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # headers, metadata and the byte comparison (what the benchmark times)
+    total_seconds: float = 0.0  # all of verify, engine parity included
+    phase_seconds: dict = field(default_factory=dict)  # "routing", "llama.cpp": each parity run
     parity: dict | None = None
     llama: dict | None = None
 
@@ -90,6 +93,7 @@ class VerifyReport:
             "checks": [c.__dict__ for c in self.checks],
             "n_mismatches": self.n_mismatches, "mismatches": [m.__dict__ | {"message": str(m)} for m in self.mismatches],
             "bytes_compared": self.bytes_compared, "seconds": self.seconds,
+            "total_seconds": self.total_seconds, "phase_seconds": self.phase_seconds,
             "throughput_bytes_s": 2 * self.bytes_compared / self.seconds if self.seconds else 0.0,
             "parity": self.parity, "llama": self.llama,
         }
@@ -396,9 +400,13 @@ def verify(
     llama: bool = False,
     progress: Progress | None = None,
     reader: str = "mmap",
+    parity_progress: Progress | None = None,
 ) -> VerifyReport:
     """Verify `out` (written by `mbolt reorder`) against `src`; returns a report (never raises
-    for a difference; raises MboltError only when `src` itself is unreadable)."""
+    for a difference; raises MboltError only when `src` itself is unreadable).
+
+    progress(bytes done, bytes total) during the byte comparison; parity_progress(forwards done,
+    forwards total) during the engine parity runs (every prompt: prefill + n_tokens)."""
     t0 = time.perf_counter()
     src, out = Path(src), Path(out)
     report = VerifyReport(str(src), str(out))
@@ -410,14 +418,14 @@ def verify(
         om = moe_map(oh)
     except MboltError as e:
         report.add("header", False, str(e))
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
     report.add("header", True, f"{len(sh.tensors)} -> {len(oh.tensors)} tensors")
     try:
         out_rm = om.route_map
     except MboltError as e:
         report.add("route map", False, str(e))
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
     report.layout = out_rm.layout
     problems = []
@@ -433,7 +441,7 @@ def verify(
     moved = int(sum((out_rm.perm[l.index] != src_rm.perm[l.index]).sum() for l in om.moe_layers))
     if report.add("route map", not problems, "; ".join(problems) or
                   f"{out_rm.layout}, method {out_rm.method or '?'}, {moved} expert positions differ from the source") is False:
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
 
     report.add("sidecar", *check_sidecar(out, oh, out_rm))
@@ -455,7 +463,7 @@ def verify(
             tp.append(f"{t.name}: expert indexing differs")
     report.add("tensors", not tp, "; ".join(tp[:5]) if tp else f"{len(st)} tensors, names/types/shapes identical")
     if tp:
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
 
     jobs = _jobs(st, od, src_rm, out_rm)
@@ -468,18 +476,26 @@ def verify(
                f"{int((jobs.pos < 0).sum()):,} plain tensors)" + (f"; {pad:,} packed padding bytes zero" if pad else ""))
     report.seconds = time.perf_counter() - t0  # the bit-identity part (what the benchmark times)
 
+    n_forwards = len(prompts or BUILTIN_PROMPTS) * (n_tokens + 1)
+    forwards_total = n_forwards * (int(parity) + int(llama and out_rm.layout == "reorder"))
+    forwards = 0
+
+    def step():
+        nonlocal forwards
+        forwards += 1
+        if parity_progress is not None:
+            parity_progress(forwards, forwards_total)
+
     if parity:
+        from mbolt.engine import load_model
         from mbolt.rewrite.parity import routing_parity
 
-        try:
-            from mbolt.engine import load_model
-        except ImportError as e:
-            report.add("routing", None, f"pending: reference engine not available ({e})")
-        else:
-            report.parity = _engine_check(
-                report, "routing", lambda: load_model(src).close(),
-                lambda: routing_parity(src, out, prompts=prompts, n_tokens=n_tokens),
-                "the reference engine cannot run the source")
+        t = time.perf_counter()
+        report.parity = _engine_check(
+            report, "routing", lambda: load_model(src).close(),
+            lambda: routing_parity(src, out, prompts=prompts, n_tokens=n_tokens, on_step=step),
+            "the reference engine cannot run the source")
+        report.phase_seconds["routing"] = time.perf_counter() - t
     if llama:
         from mbolt.rewrite.parity import llama_parity
 
@@ -488,8 +504,11 @@ def verify(
         else:
             from mbolt.trace.llama_backend import LlamaRunner
 
+            t = time.perf_counter()
             report.llama = _engine_check(
                 report, "llama.cpp", lambda: LlamaRunner(src, n_ctx=16, capture=False).close(),
-                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens),
+                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens, on_step=step),
                 "llama.cpp cannot run the source")
+            report.phase_seconds["llama.cpp"] = time.perf_counter() - t
+    report.total_seconds = time.perf_counter() - t0
     return report
