@@ -668,20 +668,24 @@ def demo_cmd(
 ):
     """Run the whole pipeline on a built-in synthetic model: synth, trace, plan, reorder,
     verify, cold A/B with an A/A control. No downloads."""
+    import time
+
     from mbolt.demo import run_demo
-    from mbolt.report.tables import demo_table
+    from mbolt.report.tables import demo_next_steps, demo_table
 
-    with console.status("starting") as status:
-        def progress(step, detail=""):
-            status.update(f"[bold]{step}[/]: {detail}")
-            if not as_json:
-                console.log(f"[bold]{step}[/] {detail}")
+    t0 = time.perf_counter()
 
-        summary = run_demo(workdir, size, seed=seed, progress=progress)
+    def progress(step, detail=""):
+        # plain progress lines on stderr, with the time since the demo started
+        err_console.print(f"[dim]{time.perf_counter() - t0:6.1f} s[/] [bold]{step}[/] {detail}", highlight=False,
+                          soft_wrap=True)
+
+    summary = run_demo(workdir, size, seed=seed, progress=progress)
     if as_json:
         print_json(summary)
     else:
         console.print(demo_table(summary))
+        console.print(demo_next_steps(summary), highlight=False, soft_wrap=True)
     if not all(v["ok"] for v in summary["verify"].values()):
         raise typer.Exit(1)
 
@@ -689,16 +693,23 @@ def demo_cmd(
 @user_errors
 def report_cmd(
     src: Path = typer.Argument(..., help="A results JSON (ab, demo, layout, cache) or, with --plan, a trace."),
-    out: Path = typer.Option(..., "-o", "--out", help="PNG to write."),
+    out: Path = typer.Option(None, "-o", "--out", help="PNG to write (optional with --json)."),
     plan: Path = typer.Option(None, "--plan", help="Draw SRC's co-activation heatmap before/after this plan."),
     layer: int = typer.Option(None, "--layer", help="Layer for the heatmap (default: the first MoE layer)."),
+    as_json: bool = typer.Option(False, "--json", help="Print what the picture shows (the plotted numbers) as JSON."),
 ):
     """Plot a results file: A/B speedups with CIs, reads/token per method, cache hit-rate curves,
     or (with --plan) a layer's co-activation heatmap before and after the permutation."""
-    from mbolt.report.plots import plot, plot_heatmap
+    from mbolt.report.plots import heatmap_series, plot, plot_heatmap, series
 
-    path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
-    console.print(f"wrote {path}")
+    if out is None and not as_json:
+        raise MboltError("report: give -o PNG to draw the picture, or --json to print its numbers")
+    if out is not None:
+        path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
+        if not as_json:
+            console.print(f"wrote {path}")
+    if as_json:
+        print_json(heatmap_series(src, plan, layer) if plan is not None else series(src))
 
 
 # One table registers every command: the order and panels of `mbolt --help` (pipeline order).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.core.atomic import json_default, write_text_atomic
+from mbolt.core.atomic import json_default, stored_path, write_text_atomic
 from mbolt.bench.ab import AA_TOLERANCE, aa_row
 from mbolt.core.errors import MboltError
 
@@ -198,9 +198,11 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
     write_result(wd / "ab.json", ab)
 
     total_s = time.perf_counter() - t_start
-    summary = _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s)
-    write_text_atomic(wd / "demo.json", json.dumps(summary, indent=2, default=json_default))
-    return json.loads((wd / "demo.json").read_text())
+    summary_path = wd / "demo.json"
+    summary = _summary(sz, size, summary_path, trace_info, train, held, ab, verdicts, files, total_s)
+    write_text_atomic(summary_path, json.dumps(summary, indent=2, default=json_default))
+    # paths in demo.json are relative to it; the caller is told where the folder is
+    return {**json.loads(summary_path.read_text()), "workdir": str(wd)}
 
 
 def _as_prompt(p: dict):
@@ -215,7 +217,7 @@ def _aa_deviation(summary: list[dict]) -> float | None:
     return None if aa is None else aa["speedup_vs_baseline_median"] - 1.0
 
 
-def _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s) -> dict:
+def _summary(sz, size, summary_path, trace_info, train, held, ab, verdicts, files, total_s) -> dict:
     pred = {p["arm"]: p for p in (ab.prediction or [])}
     arms = []
     for s in ab.summary:
@@ -237,14 +239,13 @@ def _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s
         "size": size,
         "geometry": {"n_layers": sz.n_layers, "n_experts": sz.n_experts, "k": sz.k,
                      "slice_bytes": sz.hidden * sz.expert_ff * 4},
-        "workdir": str(wd),
-        "files": {k: str(v) for k, v in files.items()},
+        "files": {k: stored_path(v, summary_path) for k, v in files.items()},
         "trace": {"prompts": trace_info["prompts"], "prefill_tokens": trace_info["prefill_tokens"],
                   "decode_tokens": trace_info["decode_tokens"],
                   "train_decode_tokens": int((train.phase == 1).sum()), "heldout_decode_tokens": held.n_tokens},
         "verify": verdicts,
         "ab": {"cold": ab.cold, "flags": ab.flags, "aa_deviation": _aa_deviation(ab.summary),
                "aa_tolerance": AA_TOLERANCE, "notes": ab.notes, "baseline": ab.baseline,
-               "result": str(Path(wd) / "ab.json"), "arms": arms},
+               "result": stored_path(summary_path.parent / "ab.json", summary_path), "arms": arms},
         "seconds": round(total_s, 1),
     }

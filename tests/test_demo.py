@@ -37,10 +37,14 @@ def naive_stock_reads_per_token(model_path, held) -> float:
     return total / held.n_tokens
 
 
-def test_demo_tiny_end_to_end(tmp_path):
+def test_demo_tiny_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     wd = tmp_path / "demo"
-    res = CliRunner().invoke(app, ["demo", "--workdir", str(wd), "--size", "tiny"], terminal_width=120)
+    # a relative workdir, as the default one: result files must not depend on where it ran
+    res = CliRunner().invoke(app, ["demo", "--workdir", "demo", "--size", "tiny"], terminal_width=120)
     assert res.exit_code == 0, res.output
+    assert "cli.py:" not in res.output  # plain progress lines, not console.log's caller
+    assert "next:" in res.output and "mbolt verify MODEL.gguf" in res.output
     summary = json.loads((wd / "demo.json").read_text())
     ab = json.loads((wd / "ab.json").read_text())
 
@@ -68,3 +72,21 @@ def test_demo_tiny_end_to_end(tmp_path):
     packed = next(a for a in summary["ab"]["arms"] if a["arm"] == "packed tsp")
     assert packed["reads_per_token"] < 0.5 * stock["reads_per_token"]
     assert summary["ab"]["cold"] is True
+
+    # paths in the result files are relative to them, so `report` works from anywhere
+    for name, rel in summary["files"].items():
+        assert not rel.startswith("/") and (wd / rel).is_file(), name
+    assert all((wd / a["path"]).is_file() for a in ab["arms"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rep = CliRunner().invoke(app, ["report", "../demo/demo.json", "-o", "ab.png"])
+    assert rep.exit_code == 0, rep.output
+    assert (elsewhere / "ab.png").stat().st_size > 0
+    rep = CliRunner().invoke(app, ["report", "../demo/demo.json", "--json"])
+    assert rep.exit_code == 0, rep.output
+    plotted = json.loads(rep.output)
+    assert plotted["kind"] == "ab"
+    assert [a["arm"] for a in plotted["arms"]] == [s["arm"] for s in ab["summary"] if s.get("rounds")]
+    for a in plotted["arms"]:
+        assert a["reads_per_token"] == by_arm[a["arm"]]["reads_per_token"]

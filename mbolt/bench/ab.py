@@ -437,11 +437,17 @@ def file_sha256(path: str | os.PathLike) -> str:
 
 
 def write_result(path: str | os.PathLike, result: AbResult) -> Path:
-    from mbolt.core.atomic import json_default, write_text_atomic
+    from mbolt.core.atomic import json_default, stored_path, write_text_atomic
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(p, json.dumps(result.to_dict(), indent=1, default=json_default) + "\n")
+    d = result.to_dict()
+    # file paths relative to the result file: it reads the same from any directory
+    for a in d["arms"]:
+        a["path"] = stored_path(a["path"], p)
+    if d["trace"].get("path"):
+        d["trace"]["path"] = stored_path(d["trace"]["path"], p)
+    write_text_atomic(p, json.dumps(d, indent=1, default=json_default) + "\n")
     return p
 
 

@@ -66,6 +66,18 @@ def clean_stale_parts(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def stored_path(path: str | os.PathLike, result_file: str | os.PathLike) -> str:
+    """How a result file records a path: relative to the result file's folder, so the folder can
+    be read from any directory (and moved whole)."""
+    return os.path.relpath(Path(path).absolute(), Path(result_file).absolute().parent)
+
+
+def resolve_stored_path(stored: str | os.PathLike, result_file: str | os.PathLike) -> Path:
+    """The file a result file's recorded path names (relative to the result file; absolute as is)."""
+    p = Path(stored)
+    return p if p.is_absolute() else Path(result_file).parent / p
+
+
 def glob_escape(name: str) -> str:
     import glob
 

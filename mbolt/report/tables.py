@@ -97,6 +97,23 @@ def demo_table(s: dict) -> Group:
         verdict = "within" if abs(aa) <= tol else "[yellow]outside[/]"
         notes.append(f"A/A control: {100 * aa:+.1f}% ({verdict} +-{100 * tol:.0f}%); differences smaller than "
                      "that are noise" + ("" if abs(aa) <= tol else " on this machine right now"))
-    notes.append(f"files in {s['workdir']}; A/B result {ab['result']}; summary {s['workdir']}/demo.json; "
+    notes.append(f"files in {s['workdir']}; A/B result {s['workdir']}/{ab['result']}; summary {s['workdir']}/demo.json; "
                  f"{s['seconds']:.0f} s")
     return Group(head, t, v, Text.from_markup("\n".join(notes)))
+
+
+def demo_next_steps(s: dict) -> Text:
+    """What to run after the demo: the same pipeline on the user's own MoE GGUF (printed with
+    soft wrap, so every command stays one line to copy)."""
+    lines = [
+        f"mbolt report {s['workdir']}/demo.json -o demo.png   (this run as a picture)",
+        "on your own model, MODEL.gguf:",
+        "  mbolt inspect MODEL.gguf",
+        "  mbolt trace MODEL.gguf --engine llama.cpp -o run.mbtrace",
+        "  mbolt plan run.mbtrace --model MODEL.gguf --layout packed -o plan.json --heldout held.mbtrace",
+        "  mbolt reorder MODEL.gguf MODEL.packed.gguf --plan plan.json --layout packed",
+        "  mbolt verify MODEL.gguf MODEL.packed.gguf",
+        "  mbolt probe MODEL.gguf -o probe.json",
+        "  mbolt ab MODEL.gguf MODEL.packed.gguf --replay held.mbtrace --probe probe.json --plan plan.json",
+    ]
+    return Text.assemble(("next:\n", "bold"), "\n".join(lines))
