@@ -53,6 +53,17 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=json_default) + "\n")
 
 
+def show(as_json: bool, data, render) -> None:
+    """--json: `data` as JSON on stdout; otherwise what `render()` returns (one rich renderable
+    or a list of them), built only when printed."""
+    if as_json:
+        print_json(data)
+        return
+    out = render()
+    for r in out if isinstance(out, list) else [out]:
+        console.print(r, highlight=False)
+
+
 def _version(value: bool):
     if value:
         from mbolt import __version__
@@ -81,10 +92,7 @@ def inspect_cmd(
     from mbolt.report.tables import moe_map_table
 
     m = moe_map(model)
-    if as_json:
-        print_json(m.to_dict())
-    else:
-        console.print(moe_map_table(m))
+    show(as_json, m.to_dict(), lambda: moe_map_table(m))
 
 
 @user_errors
@@ -116,10 +124,7 @@ def cache_cmd(
         from mbolt.report.plots import plot_cache
 
         plot_cache(sweep.to_dict(), plot, title=Path(trace).name)
-    if as_json:
-        print_json(sweep.to_dict())
-    else:
-        console.print(cache_table(sweep))
+    show(as_json, sweep.to_dict(), lambda: cache_table(sweep))
 
 
 @user_errors
@@ -340,10 +345,7 @@ def reorder_cmd(
         task = bar.add_task(f"writing {dst.name}", total=None)
         r = reorder_file(src, dst, plan=plan, trace=trace, identity=identity, layout=layout, force=force,
                          progress=lambda d, t: bar.update(task, completed=d, total=t))
-    if as_json:
-        print_json(r.to_dict())
-    else:
-        console.print(reorder_table(r))
+    show(as_json, r.to_dict(), lambda: reorder_table(r))
 
 
 @user_errors
@@ -388,10 +390,7 @@ def verify_cmd(
 
         rep = verify(src, out, parity=not no_parity, prompts=texts, n_tokens=tokens, llama=llama,
                      progress=on_bytes, parity_progress=on_forwards)
-    if as_json:
-        print_json(rep.to_dict())
-    else:
-        console.print(verify_table(rep))
+    show(as_json, rep.to_dict(), lambda: verify_table(rep))
     if not rep.ok:
         raise typer.Exit(1)
 
@@ -407,11 +406,7 @@ def trace_stats_cmd(
     from mbolt.report.layout_tables import trace_stats_renderables
 
     s = trace_stats(trace, fmt)
-    if as_json:
-        print_json(s)
-    else:
-        for r in trace_stats_renderables(s):
-            console.print(r, highlight=False)
+    show(as_json, s, lambda: trace_stats_renderables(s))
 
 
 @user_errors

@@ -129,6 +129,23 @@ class _Cursor:
             raise MboltError(f"{self.path}: corrupt GGUF header ({what}: value type {raw})") from None
 
 
+class MappedFile:
+    """A read-only map of a whole file and a uint8 view of it (`buf`), for readers that slice
+    tensors straight out of the page cache."""
+
+    def __init__(self, path: str | os.PathLike):
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:  # numpy views still alive; the GC closes it later
+            pass
+
+
 def read_header(path: str | os.PathLike) -> GGUFHeader:
     """Parse and validate a GGUF header; every tensor's data must lie inside the file."""
     path = Path(path)

@@ -16,7 +16,6 @@ reordered file gives bit-identical logits and the same routing (as original ids)
 
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +28,7 @@ from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, rou
 from mbolt.engine.source import MmapExpertSource
 from mbolt.core.routemap import RouteMap, read_route_map
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.header import GGUFHeader, MappedFile, read_header
 from mbolt.core.moe_map import MoeMap, moe_map
 
 F32 = np.float32
@@ -80,9 +79,8 @@ class Weights:
 
     def __init__(self, header: GGUFHeader):
         self.header = header
-        with open(header.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.file = MappedFile(header.path)
+        self.buf = self.file.buf
         self._cache: dict[str, tuple[np.ndarray, T]] = {}
 
     def has(self, name: str) -> bool:

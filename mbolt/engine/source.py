@@ -7,10 +7,10 @@ the file; `engine/store.py` implements the same `fetch` with explicit, merged re
 
 from __future__ import annotations
 
-import mmap
 
 import numpy as np
 
+from mbolt.core.header import MappedFile
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.routemap import expert_ranges
 
@@ -20,9 +20,8 @@ class MmapExpertSource:
 
     def __init__(self, moemap: MoeMap):
         self.map = moemap
-        with open(moemap.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._file = MappedFile(moemap.path)
+        self._buf = self._file.buf
         self._ranges: dict[int, np.ndarray] = {}
 
     def ranges(self, layer: int) -> np.ndarray:
@@ -43,7 +42,4 @@ class MmapExpertSource:
 
     def close(self) -> None:
         self._buf = None
-        try:
-            self._mm.close()
-        except BufferError:  # numpy views still alive; the GC closes it later
-            pass
+        self._file.close()
