@@ -81,6 +81,11 @@ class RouteMap:
         }
 
 
+def identity_perm(n_layers: int, n_experts: int) -> np.ndarray:
+    """int32 [n_layers, E]: every layer in stock order."""
+    return np.tile(np.arange(n_experts, dtype=np.int32), (n_layers, 1))
+
+
 def inverse_perm(perm: np.ndarray) -> np.ndarray:
     """pos[l, e] = position of expert e in perm[l] (the one inverse of a perm table)."""
     perm = np.asarray(perm)
@@ -126,7 +131,7 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
     n_layers, n_experts = _model_shape(header)
     layout = header.get("mbolt.layout")
     if layout is None:
-        ident = np.tile(np.arange(n_experts, dtype=np.int32), (n_layers, 1))
+        ident = identity_perm(n_layers, n_experts)
         return RouteMap("stock", ident, np.zeros((n_layers, n_experts), np.float32), "stock", header.fingerprint, 0)
     if layout not in LAYOUTS[1:]:
         raise MboltError(f"{path}: unknown mbolt.layout {layout!r}")

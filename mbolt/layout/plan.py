@@ -18,6 +18,7 @@ from mbolt.layout.coact import Coact, coactivation, groups as find_groups
 from mbolt.layout.evaluate import Geometry, evaluate, geometry_preset
 from mbolt.layout.methods import METHODS, order
 from mbolt.core.plan import Plan, save_plan
+from mbolt.core.routemap import identity_perm
 from mbolt.core.trace import Trace, split_trace
 from mbolt.core.trace_import import load_trace
 
@@ -28,7 +29,7 @@ def plan_orders(co: Coact, method: str, *, geometry: Geometry | None = None, gap
                 far_credit: float = 1.0, clusters=None, **opts) -> np.ndarray:
     """perm [n_layers, E] for every layer (identity where nothing was recorded)."""
     L, E = co.n_layers, co.n_experts
-    perm = np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    perm = identity_perm(L, E)
     if method == "tsp" and gap > 0 and geometry is not None and "far" not in opts:
         opts["far"] = geometry.far_weights(gap, far_credit)
     for l in co.layers:

@@ -40,7 +40,8 @@ from mbolt.core.errors import MboltError
 from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info, read_header
 from mbolt.core.moe_map import PAGE, WEIGHT_ROLES, MoeMap, moe_map
 from mbolt.core.packed import PACK_PAD_MAX, PackedLayer, PackedRole, packed_kvs, packed_name, slot_stride
-from mbolt.core.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, sidecar_dict, sidecar_path
+from mbolt.core.routemap import (ROUTE_MAP_VERSION, check_perm, identity_perm, is_route_map_key, sidecar_dict,
+                                  sidecar_path)
 
 CHUNK = 64 << 20  # bytes per copy_file_range call (progress granularity)
 SPLIT = 16 << 20  # copy ranges are cut to this size
@@ -445,7 +446,7 @@ def reorder(
                          f"({u.why}); refusing to rewrite" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
     in_rm = m.route_map
     E, L = m.n_experts, m.n_layers
-    ident = np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    ident = identity_perm(L, E)
     perm = ident.copy() if perm is None else check_perm(perm, L, E, "plan")
     for layer in m.layers:
         if layer.dense:
