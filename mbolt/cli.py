@@ -385,7 +385,8 @@ def verify_cmd(
             nonlocal engines
             if engines is None:
                 bar.stop_task(data)
-                engines = bar.add_task("routing + llama.cpp parity" if llama else "routing parity", total=t, amount="")
+                runs = [name for name, on in (("routing", not no_parity), ("llama.cpp", llama)) if on]
+                engines = bar.add_task(" + ".join(runs) + " parity", total=t, amount="")
             bar.update(engines, completed=d, total=t, amount=f"{d}/{t} forwards")
 
         rep = verify(src, out, parity=not no_parity, prompts=texts, n_tokens=tokens, llama=llama,
