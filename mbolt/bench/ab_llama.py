@@ -93,6 +93,8 @@ def llama_summary(arms: list[Arm], rounds: list[RoundResult], summary: list[dict
         row["read_share_s"] = float(np.median([r.io_s / r.wall_s for r in rs])) if a.mode != "os" else None
         row["device_bytes_per_token"] = (float(np.median([r.device_bytes / r.tokens for r in rs]))
                                          if all(r.device_bytes is not None for r in rs) else None)
+        if a.mode == "os":
+            row["mb_per_s"] = None  # page faults happen inside the compute: no read time to divide by
         row["tokens_identical"] = True
         row["engine"] = "llama.cpp"
     return summary

@@ -343,3 +343,10 @@ def routing_trace(runs: list[StreamRun], mm: MoeMap):
     return Trace(n_layers=mm.n_layers, n_experts=mm.n_experts, k=k, experts=ex,
                  phase=np.full(n, DECODE, np.uint8), seq=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32),
                  fingerprint=mm.source_fingerprint)
+
+
+def record_routing(path, prompts: list[list[int]], n_new: int, mm: MoeMap | None = None):
+    """Generate once warm (no reads, no eviction) with the callback recording the decode routing;
+    returns it as a Trace (original ids). Greedy and deterministic: every arm routes the same."""
+    with LlamaStream(path, reads=False, evict=False, record=True, mm=mm) as s:
+        return routing_trace([s.generate(prompts, n_new)], s.mm)
