@@ -153,3 +153,47 @@ def test_packed_and_direct_refused_in_one_line(files):
                aa=False)
     with pytest.raises(MboltError, match="--decode"):
         run_ab([parse_arm(str(files["stock"]), 0)], mode="replay", trace=object(), engine="llama.cpp", aa=False)
+
+
+def test_prediction_counts_what_llama_read(files, tmp_path):
+    """predict_llama counts reads on the routing llama.cpp computed; with no slot cache every step
+    reads exactly the step's experts, so the prediction's reads/token are the measured ones (up to
+    the boundary case of test_ab's equivalent test: a tensor's last slice touching the next
+    tensor's first, merged by the store, not by the per-tensor evaluator)."""
+    from test_ab import fake_probe
+
+    from mbolt.bench.ab import parse_arm, run_ab
+    from mbolt.bench.llama_stream import record_routing
+    from mbolt.bench.predict import predict_llama
+
+    arms = [parse_arm(f"{files['stock']}:name=stock", 0), parse_arm(f"{files['reorder']}:name=reorder-tsp", 1)]
+    res = run_ab(arms, mode="decode", rounds=1, prompts=PROMPTS, n_new=3, engine="llama.cpp", aa=False)
+    tr = record_routing(files["stock"], PROMPTS, 3)
+    assert tr.n_tokens == 2 * 3 and (tr.experts[:, 0] >= 0).all()
+    rows = predict_llama(res, tr, fake_probe(tmp_path))
+    assert [r["arm"] for r in rows] == ["stock", "reorder-tsp"]
+    for r in rows:
+        assert r["pred_reads_per_token"] == pytest.approx(r["meas_reads_per_token"], rel=0.05)
+        assert r["s"] == res.summary[0]["read_share_s"]
+    assert rows[1]["pred_reads_per_token"] < rows[0]["pred_reads_per_token"]
+    assert rows[0]["pred_speedup"] == pytest.approx(1.0)
+
+
+def test_cli_generate_stream_and_ab(files, tmp_path):
+    from typer.testing import CliRunner
+
+    from mbolt.cli import app
+
+    r = CliRunner().invoke(app, ["generate", str(files["stock"]), "hello there", "-n", "3", "--engine", "llama.cpp",
+                                 "--stream", "--cache-slots", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["stream"] and len(d["ids"]) == 3 and d["reads_per_token"] > 0 and d["decode_tokens_per_s"] > 0
+    r = CliRunner().invoke(app, ["generate", str(files["packed"]), "hi", "--engine", "llama.cpp", "--stream"])
+    assert r.exit_code == 2 and "packed layout" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["ab", f"{files['stock']}:os,name=os", f"{files['reorder']}:name=reorder",
+                                 "--decode", "--engine", "llama.cpp", "--rounds", "1", "-n", "2", "--no-aa",
+                                 "--out-dir", str(tmp_path), "--probe", str(tmp_path / "none.json"), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["engine"] == "llama.cpp" and d["cold"] and (tmp_path / "ab.json").exists()
