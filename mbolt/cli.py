@@ -485,6 +485,8 @@ def predict_cmd(
     gap: int = typer.Option(0, "--gap", help="Merge gap (bytes)."),
     cache_slots: int = typer.Option(0, "--cache-slots", help="Per-layer LRU slot cache."),
     s: float = typer.Option(1.0, "--s", help="Share of decode time spent on cold reads (1 = I/O only)."),
+    s_from: Path = typer.Option(None, "--s-from", help="Take s from an `ab --engine llama.cpp` result: the read "
+                                "share measured on its first arm with explicit reads."),
     as_json: bool = typer.Option(False, "--json", help="Print the prediction as JSON."),
 ):
     """Predict reads/token, bytes/token, per-expert gain g and speedup of a plan before rewriting."""
@@ -493,6 +495,10 @@ def predict_cmd(
     from mbolt.bench.predict import predict
     from mbolt.core.trace_import import load_trace
 
+    if s_from is not None:
+        from mbolt.bench.predict import measured_s
+
+        s = measured_s(s_from)
     d = predict(str(model), str(plan) if plan else None, load_trace(trace), str(probe_json), qd=qd, direct=direct,
                 gap=gap, cache_slots=cache_slots, s=s)
     if as_json:

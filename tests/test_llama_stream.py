@@ -88,6 +88,7 @@ def test_eviction_after_a_token_leaves_experts_cold_and_dense_resident(files):
         assert pages.resident(pages.dense_spans) == 1.0 and pages.mapped(pages.dense_spans) == 1.0
         # and the step really read experts: k experts x 3 tensors per MoE layer per token at most
         assert 0 < run.reads <= 3 * len(mm.moe_layers) * mm.n_used * 3
+        assert run.major_faults == 0  # llama.cpp found every page it touched resident: the reads covered them
         assert run.useful_bytes == run.misses * sum(w.slice_bytes for w in mm.moe_layers[0].weights)
 
 
@@ -197,3 +198,15 @@ def test_cli_generate_stream_and_ab(files, tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["engine"] == "llama.cpp" and d["cold"] and (tmp_path / "ab.json").exists()
+
+
+def test_predict_takes_s_from_a_llama_ab_result(tmp_path):
+    from mbolt.bench.predict import measured_s
+
+    p = tmp_path / "ab.json"
+    p.write_text(json.dumps({"engine": "llama.cpp", "summary": [{"arm": "os", "read_share_s": None},
+                                                                 {"arm": "stock", "read_share_s": 0.62}]}))
+    assert measured_s(p) == 0.62
+    p.write_text(json.dumps({"engine": "reference", "summary": [{"arm": "stock"}]}))
+    with pytest.raises(MboltError, match="no arm with a measured read share"):
+        measured_s(p)

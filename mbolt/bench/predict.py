@@ -172,6 +172,24 @@ def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> l
     return rows
 
 
+def measured_s(ab_json) -> float:
+    """s measured by `ab --engine llama.cpp`: the read share of decode time of its first arm
+    with explicit reads (the law's reference)."""
+    import json
+
+    from mbolt.core.errors import MboltError
+
+    try:
+        d = json.loads(Path(ab_json).read_text())
+    except (OSError, ValueError) as e:
+        raise MboltError(f"{ab_json}: not a readable ab result ({e})") from None
+    row = next((r for r in d.get("summary", []) if r.get("read_share_s") is not None), None)
+    if d.get("engine") != "llama.cpp" or row is None:
+        raise MboltError(f"{ab_json}: no arm with a measured read share (an `ab --engine llama.cpp` result "
+                         "with an explicit-read arm is needed)")
+    return float(row["read_share_s"])
+
+
 def predict_llama(result, trace: Trace, probe_path) -> list[dict]:
     """`ab --engine llama.cpp`: the slice-size law per arm, next to the measurement.
 
