@@ -68,8 +68,25 @@ def log(*a):
 
 
 def family_spec(fam: str) -> dict:
-    return dict(synth={**SLICE_64K, "arch": fam, "n_layers": 8}, train_prompts=16, bench_prompts=2, new_tokens=16,
-                rounds=4)
+    """A 64 KiB-slice file of a family: the smallest geometry its llama.cpp loader accepts
+    (gguf.config.tiny, from the families work) widened to 8 layers x 64 experts, k=8."""
+    return dict(synth=dict(tiny=fam, n_layers=8, n_experts=64, n_used=8, hidden=128, expert_ff=128,
+                           expert_type="F32", structure="planted"),
+                train_prompts=16, bench_prompts=2, new_tokens=16, rounds=4)
+
+
+def synth_config(synth: dict):
+    from mbolt.core.errors import MboltError
+    from mbolt.gguf.synth import SynthConfig
+
+    sy = dict(synth)
+    if "tiny" in sy:
+        try:
+            from mbolt.gguf.config import tiny
+        except ImportError:
+            raise MboltError(f"family {sy['tiny']}: this mbolt has no gguf.config.tiny (the families work)") from None
+        return tiny(sy.pop("tiny"), **sy)
+    return SynthConfig.from_preset(sy.pop("preset"), **sy) if "preset" in sy else SynthConfig(**sy)
 
 
 def paths(name: str) -> dict:
@@ -104,7 +121,7 @@ def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
     from mbolt.core.moe_map import moe_map
     from mbolt.core.plan import save_plan
     from mbolt.core.prompts import read_prompts
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.gguf.synth import write_synth
     from mbolt.layout.evaluate import geometry_from_model
     from mbolt.layout.plan import make_plan
     from mbolt.rewrite.reorder import reorder_file
@@ -113,9 +130,7 @@ def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
 
     p = paths(name)
     p["dir"].mkdir(parents=True, exist_ok=True)
-    sy = dict(spec["synth"])
-    cfg = SynthConfig.from_preset(sy.pop("preset"), **sy) if "preset" in sy else SynthConfig(**sy)
-    write_synth(p["stock"], cfg)
+    write_synth(p["stock"], synth_config(spec["synth"]))
     prompts = read_prompts(PROMPTS)
     n_train = spec["train_prompts"]
     # held-out: the bench prompts come after the training prompts in the file (never planned on)
