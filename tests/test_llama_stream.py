@@ -152,6 +152,9 @@ def test_packed_and_direct_refused_in_one_line(files):
     with pytest.raises(MboltError, match="O_DIRECT"):
         run_ab([parse_arm(f"{files['stock']}:direct", 0)], mode="decode", prompts=PROMPTS, engine="llama.cpp",
                aa=False)
+    with pytest.raises(MboltError, match="no slot cache"):
+        run_ab([parse_arm(f"{files['stock']}:os,cache=8", 0)], mode="decode", prompts=PROMPTS, engine="llama.cpp",
+               aa=False)
     with pytest.raises(MboltError, match="--decode"):
         run_ab([parse_arm(str(files["stock"]), 0)], mode="replay", trace=object(), engine="llama.cpp", aa=False)
 

@@ -12,6 +12,8 @@ Modes:
   store (no compute). Metric: I/O time per token (wall time of the read batches).
 - decode: the reference engine generates from prompts with the store as its expert source.
   Metric: wall time per generated token (compute + I/O); TTFT is recorded.
+  With engine="llama.cpp" the arms run in llama.cpp instead (bench.ab_llama: explicit reads from
+  the eval callback, or page faults for os arms; metric: decode time per token).
 """
 
 from __future__ import annotations

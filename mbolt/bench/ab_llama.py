@@ -32,6 +32,10 @@ def check_llama_arms(arms: list[Arm], info: dict, mode: str) -> None:
         if a.direct:
             raise MboltError(f"arm {a.name}: O_DIRECT bypasses the page cache, where llama.cpp's mmap finds the "
                              "experts: use buffered reads with --engine llama.cpp")
+        if a.mode == "os" and a.cache_slots:
+            raise MboltError(f"arm {a.name}: an os arm reads through page faults and has no slot cache (drop cache=)")
+        if a.warm and a.cache_slots:
+            raise MboltError(f"arm {a.name}: a warm arm keeps everything resident: cache= means nothing there")
         if a.resident_frac is not None:
             raise MboltError(f"arm {a.name}: give the llama.cpp slot budget as cache=N, not frac")
 

@@ -98,8 +98,9 @@ class ExpertPages:
     def __init__(self, path: str, mm: MoeMap):
         self.path = str(path)
         self.mm = mm
-        self.spans = inward(expert_spans(mm))
-        self.dense_spans = inward(_dense_spans(mm, expert_spans(mm)))
+        spans = expert_spans(mm)
+        self.spans = inward(spans)
+        self.dense_spans = inward(_dense_spans(mm, spans))
         self.fd = os.open(self.path, os.O_RDONLY)
         self.maps: list[tuple[int, int, int]] = []
         self.lib = _libc()
@@ -317,7 +318,8 @@ class LlamaStream:
         if self.store is not None:
             self.store.close()
             self.store = None
-        self.pages.close() if hasattr(self, "pages") else None
+        if getattr(self, "pages", None) is not None:
+            self.pages.close()
 
     def __enter__(self):
         return self
