@@ -213,3 +213,19 @@ def test_predict_takes_s_from_a_llama_ab_result(tmp_path):
     p.write_text(json.dumps({"engine": "reference", "summary": [{"arm": "stock"}]}))
     with pytest.raises(MboltError, match="no arm with a measured read share"):
         measured_s(p)
+
+
+def test_an_error_in_the_callback_reaches_the_caller(files):
+    """An exception cannot cross llama.cpp's C frames: the runner stops the graph and raises it."""
+    from mbolt.trace.llama_backend import LlamaRunner
+
+    seen = []
+
+    def boom(layer, rows):
+        seen.append((layer, rows.shape))
+        raise MboltError("stop at layer %d" % layer)
+
+    with LlamaRunner(files["stock"], capture=False, on_topk=boom, load_mode="mmap") as r:
+        with pytest.raises(MboltError, match="stop at layer 0"):
+            r.eval(PROMPTS[0])
+    assert seen[0] == (0, (len(PROMPTS[0]), 4))  # one row of k=4 positions per prompt token
