@@ -331,8 +331,10 @@ def goals(name: str, got: dict) -> dict:
 
 def smoke() -> None:
     """Seconds: a tiny model through prepare-like steps and one round of each run (no prereg)."""
-    global BENCH, MODELS, QDS
+    global BENCH, MODELS, QDS, RESULTS
     BENCH = Path(os.environ.get("MBOLT_BENCH", "/tmp/mbolt-bench")) / "llama_stream_smoke"
+    RESULTS = BENCH / "results"  # a smoke run is not a result: nothing goes to results/
+    RESULTS.mkdir(parents=True, exist_ok=True)
     MODELS = {"tiny": dict(synth={**SLICE_64K, "n_layers": 2, "n_experts": 16, "n_used": 4}, train_prompts=4,
                            bench_prompts=1, new_tokens=3, rounds=1)}
     QDS = (1,)
@@ -340,8 +342,6 @@ def smoke() -> None:
     got = run_model("tiny", quiet=False, rounds=1, tag="_smoke")
     got["meta"] = meta
     log(json.dumps(goals("tiny", got), indent=1, default=str)[:2000])
-    for f in RESULTS.glob("llama_stream_tiny_*_smoke.json"):
-        f.unlink()  # a smoke run is not a result
 
 
 def prepare_no_prereg(name: str) -> dict:
