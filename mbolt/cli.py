@@ -203,9 +203,12 @@ def synth_cmd(
 
 @user_errors
 def ab_cmd(
-    arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S]. The first is the baseline."),
+    arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S] (llama.cpp also: "
+                                     "warm, callback). The first is the baseline."),
     replay_trace: Path = typer.Option(None, "--replay", help="Held-out trace: read exactly what each token needs (I/O only)."),
-    decode: bool = typer.Option(False, "--decode", help="Generate with the reference engine (compute + I/O)."),
+    decode: bool = typer.Option(False, "--decode", help="Generate with the engine (compute + I/O)."),
+    engine: str = typer.Option("reference", "--engine", help="Decode engine: 'reference' (numpy engine + store) or "
+                               "'llama.cpp' (explicit expert reads from llama.cpp's eval callback; os arms: page faults)."),
     prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
     n_prompts: int = typer.Option(2, "--n-prompts", help="Decode: prompts used."),
     new_tokens: int = typer.Option(8, "--new-tokens", "-n", help="Decode: tokens generated per prompt."),
@@ -250,6 +253,7 @@ def ab_cmd(
         if tokens_per_round:
             raise MboltError("--prereg defines the protocol: set tokens_per_round in the file, not on the command line")
         tokens_per_round = int(pr.raw.get("tokens_per_round", 0))
+        engine = str(pr.raw.get("engine", engine))
     else:
         if not arms:
             raise MboltError("give at least one arm (or --prereg)")
@@ -281,12 +285,19 @@ def ab_cmd(
                      threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
                      progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
                      prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
-                     tokens_per_round=tokens_per_round)
+                     tokens_per_round=tokens_per_round, engine=engine)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 
         res.prereg["result"] = verdict(pr, res.summary)
-    if plan is not None:
+    if engine == "llama.cpp" and (plan is not None or probe_json.exists()):
+        from mbolt.bench.llama_stream import record_routing
+        from mbolt.bench.predict import predict_llama
+
+        # the law with s measured in this run; counts on the routing llama.cpp computes
+        ref = next((a for a in arm_list if a.mode != "os"), arm_list[0])
+        res.prediction = predict_llama(res, record_routing(ref.path, prompt_ids, new_tokens), probe_json)
+    elif plan is not None:
         from mbolt.bench.predict import predict_vs_measured
 
         res.prediction = predict_vs_measured(res, plan, trace, probe_json)
@@ -485,6 +496,8 @@ def predict_cmd(
     gap: int = typer.Option(0, "--gap", help="Merge gap (bytes)."),
     cache_slots: int = typer.Option(0, "--cache-slots", help="Per-layer LRU slot cache."),
     s: float = typer.Option(1.0, "--s", help="Share of decode time spent on cold reads (1 = I/O only)."),
+    s_from: Path = typer.Option(None, "--s-from", help="Take s from an `ab --engine llama.cpp` result: the read "
+                                "share measured on its first arm with explicit reads."),
     as_json: bool = typer.Option(False, "--json", help="Print the prediction as JSON."),
 ):
     """Predict reads/token, bytes/token, per-expert gain g and speedup of a plan before rewriting."""
@@ -493,6 +506,10 @@ def predict_cmd(
     from mbolt.bench.predict import predict
     from mbolt.core.trace_import import load_trace
 
+    if s_from is not None:
+        from mbolt.bench.predict import measured_s
+
+        s = measured_s(s_from)
     d = predict(str(model), str(plan) if plan else None, load_trace(trace), str(probe_json), qd=qd, direct=direct,
                 gap=gap, cache_slots=cache_slots, s=s)
     if as_json:
@@ -511,13 +528,29 @@ def predict_cmd(
 
 @user_errors
 def generate_cmd(
-    model: Path = typer.Argument(..., help="A MoE GGUF the reference engine runs (qwen3moe, olmoe, mixtral, qwen2moe)."),
+    model: Path = typer.Argument(..., help="A MoE GGUF (reference engine: qwen3moe, olmoe, mixtral, qwen2moe; "
+                                 "llama.cpp: any MoE arch it runs)."),
     prompt: str = typer.Argument(..., help="Prompt text."),
     n: int = typer.Option(32, "--new-tokens", "-n", help="Tokens to generate (greedy)."),
-    route: str = typer.Option("file", help="Reordered files: 'file' (router rows permuted in the file) or 'map'."),
+    route: str = typer.Option("file", help="Reference engine, reordered files: 'file' (router rows permuted in the "
+                              "file) or 'map'."),
+    engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp'."),
+    stream: bool = typer.Option(False, "--stream", help="llama.cpp: read the selected experts with mbolt's explicit "
+                                "reads from the eval callback and drop expert pages after every token (cold, bounded "
+                                "memory, as a model larger than RAM)."),
+    cache_slots: int = typer.Option(0, "--cache-slots", help="--stream: experts per layer kept resident (LRU); "
+                                    "0 drops them all after every token."),
+    qd: int = typer.Option(1, "--qd", help="--stream: queue depth (reads in flight)."),
+    gap: int = typer.Option(0, "--gap", help="--stream: merge gap (bytes)."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
-    """Greedy decode with the numpy reference engine, with tokens/s."""
+    """Greedy decode with tokens/s: the numpy reference engine, or llama.cpp (with --stream: mbolt's expert reads)."""
+    if engine == "llama.cpp":
+        return _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json)
+    if engine != "reference":
+        raise MboltError(f"--engine must be reference or llama.cpp, not {engine!r}")
+    if stream or cache_slots:
+        raise MboltError("--stream and --cache-slots need --engine llama.cpp")
     from mbolt.engine import load_model
     from mbolt.engine.generate import generate
 
@@ -534,6 +567,46 @@ def generate_cmd(
     console.print(res["text"], style="bold", highlight=False, markup=False)
     console.print(f"[dim]prompt {len(res['prompt_ids'])} tokens at {res['prefill_tokens_per_s']:.1f} tok/s, "
                   f"generated {len(res['ids'])} at {res['decode_tokens_per_s']:.1f} tok/s[/]")
+
+
+def _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json):
+    from rich.progress import Progress
+
+    from mbolt.bench.llama_stream import LlamaStream
+
+    if cache_slots and not stream:
+        raise MboltError("--cache-slots needs --stream")
+    with LlamaStream(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap) as s:
+        ids = s.runner.tokenize(prompt, add_special=True)
+        if not ids:
+            raise MboltError("the prompt has no tokens")
+        if stream:
+            s.make_cold()
+        with Progress(console=err_console, transient=True, disable=as_json) as bar:
+            task = bar.add_task("generating", total=n)
+            run = s.generate([ids], n, on_token=lambda i, t: bar.update(task, completed=i + 1))
+        text = s.detokenize(run.generated[0])
+    tok = max(run.decode_tokens, 1)
+    res = {"engine": "llama.cpp", "stream": stream, "cache_slots": cache_slots, "qd": qd, "gap": gap,
+           "prompt_ids": ids, "ids": run.generated[0], "text": text,
+           "ttft_s": run.prefill_s, "decode_tokens_per_s": run.decode_tokens / run.decode_s if run.decode_s else None,
+           "reads_per_token": run.reads / tok, "bytes_per_token": run.bytes / tok,
+           "device_bytes_per_token": None if run.device_bytes is None else run.device_bytes / tok,
+           "read_share_s": run.io_s / run.decode_s if (stream and run.decode_s) else None,
+           "hits": run.hits, "misses": run.misses}
+    if as_json:
+        print_json(res)
+        return
+    console.print(prompt, end="", highlight=False, markup=False)
+    console.print(text, style="bold", highlight=False, markup=False)
+    how = (f"mbolt explicit reads (QD{qd}, gap {gap} B, {cache_slots} cache slots/layer)" if stream
+           else "plain llama.cpp (the file mapped, nothing dropped)")
+    line = (f"[dim]llama.cpp, {how}: prompt {len(ids)} tokens in {1e3 * run.prefill_s:.0f} ms, generated "
+            f"{len(run.generated[0])} at {res['decode_tokens_per_s'] or 0:.1f} tok/s")
+    if stream:
+        line += (f", {res['reads_per_token']:.1f} reads/token, {res['bytes_per_token'] / 1e6:.2f} MB/token, "
+                 f"s = {res['read_share_s'] or 0:.2f}")
+    console.print(line + "[/]")
 
 
 @user_errors

@@ -12,6 +12,8 @@ Modes:
   store (no compute). Metric: I/O time per token (wall time of the read batches).
 - decode: the reference engine generates from prompts with the store as its expert source.
   Metric: wall time per generated token (compute + I/O); TTFT is recorded.
+  With engine="llama.cpp" the arms run in llama.cpp instead (bench.ab_llama: explicit reads from
+  the eval callback, or page faults for os arms; metric: decode time per token).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Arm:
     cache_slots: int = 0
     control_of: str = ""  # the A/A copy names the arm it repeats
     resident_frac: float | None = None  # slot-cache budget as a share of each layer's experts
+    warm: bool = False  # --engine llama.cpp: keep every page resident (no eviction)
+    callback: bool = False  # --engine llama.cpp, os arm: install the eval callback anyway
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -53,18 +57,19 @@ class Arm:
 
 
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
-            "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str}
+            "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
+            "callback": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
-    frac|resident_frac."""
+    frac|resident_frac, and for --engine llama.cpp warm, callback."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
-            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac)")
+            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
@@ -104,6 +109,8 @@ def read_pattern(mm: MoeMap, arm: Arm, layout: str) -> dict:
     else:
         desc += (f"explicit preadv, QD{arm.io_threads}, {'O_DIRECT' if arm.direct else 'buffered (no readahead)'}, "
                  f"merge gap {arm.gap} B")
+    if arm.warm:
+        desc += ", warm (every page resident)" + (", eval callback installed" if arm.callback else "")
     if arm.cache_slots or arm.resident_frac:
         desc += (f", {arm.cache_slots} cache slots/layer" if arm.resident_frac is None
                  else f", slot cache {100 * arm.resident_frac:.0f}% of each layer's experts")
@@ -149,6 +156,7 @@ class RoundResult:
     ops: int = 0
     inflight_before: int | None = None  # device I/O in flight when the arm was about to start
     settle_s: float = 0.0  # time waited for it to drain
+    generated: list | None = None  # --engine llama.cpp: greedy tokens per prompt (must agree across arms)
 
 
 @dataclass
@@ -167,6 +175,7 @@ class AbResult:
     prereg: dict | None = None
     prediction: list[dict] | None = None
     notes: list[str] = field(default_factory=list)
+    engine: str = "reference"
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -329,7 +338,7 @@ def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str
             if counters[a.name] == counters[b.name] and not (same_file_pattern and same_reader) and a.mode != "os":
                 flags.append(f"{a.name} and {b.name} should read differently but report identical counters "
                              f"(same code ran twice?)")
-            if a.path == b.path and a.options() == b.options():
+            if a.path == b.path and a.options() == b.options() and (a.warm, a.callback) == (b.warm, b.callback):
                 flags.append(f"{a.name} and {b.name} are the same arm (same file, same options)")
     return flags
 
@@ -346,12 +355,13 @@ def aa_row(summary: list[dict]) -> dict | None:
 def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay", rounds: int = 5,
            threshold: float = 0.01, aa: bool = True, name: str = "ab", prompts=None, n_new: int = 16,
            seed: int = 0, progress=None, prereg: dict | None = None, trace_path: str = "",
-           tokens_per_round: int = 0, aa_tolerance: float = AA_TOLERANCE) -> AbResult:
+           tokens_per_round: int = 0, aa_tolerance: float = AA_TOLERANCE, engine: str = "reference") -> AbResult:
     """Run every arm `rounds` times in alternating order (see the module docstring).
 
     `tokens_per_round` > 0 (replay): round r replays the next slice of that many held-out tokens
     (cycling), so many short rounds spread the neighbours' bursts of I/O over all arms; every
     arm of a round reads the same tokens. 0: every round replays the whole trace.
+    `engine` "llama.cpp" (decode only): each arm runs in llama.cpp (bench.ab_llama).
     """
     if len(arms) < 1:
         raise MboltError("ab needs at least one arm")
@@ -372,6 +382,16 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     if aa:
         arms = list(arms) + [replace(arms[0], name=f"{arms[0].name} (A/A)", control_of=arms[0].name)]
     info = check_same_model(arms)
+    run_one = run_arm
+    if engine == "llama.cpp":
+        from mbolt.bench.ab_llama import check_llama_arms, run_llama_arm
+
+        check_llama_arms(arms, info, mode)
+        run_one = run_llama_arm
+    elif engine != "reference":
+        raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
+    elif any(a.warm or a.callback for a in arms):
+        raise MboltError("arm options warm and callback are for --engine llama.cpp")
     mm0 = info[arms[0].path][0]
     if trace is not None:
         check_compatible(trace, mm0, trace_path or "trace")
@@ -391,7 +411,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
             tr_r = trace.select(mask)
         for pos, i in enumerate(order):
             a = arms[i]
-            res = run_arm(a, info[a.path][0], tr_r, threshold=threshold, rnd=r, position=pos, mode=mode,
+            res = run_one(a, info[a.path][0], tr_r, threshold=threshold, rnd=r, position=pos, mode=mode,
                           prompts=prompts, n_new=n_new)
             results.append(res)
             done += 1
@@ -407,6 +427,10 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         bad = next(r for r in results if not r.cold_proven)
         notes.append(f"eviction could not be proven ({bad.note}): this run is NOT cold")
     summary = summarise(arms, results, metric, seed)
+    if engine == "llama.cpp":
+        from mbolt.bench.ab_llama import llama_summary
+
+        summary = llama_summary(arms, results, summary)  # refuses arms that generated other tokens
     aa = aa_row(summary)
     if aa is not None:
         dev = aa["speedup_vs_baseline_median"] - 1.0
@@ -426,7 +450,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     if tokens_per_round:
         tinfo["tokens_per_round"] = int(tokens_per_round)
     return AbResult(name, mode, arm_dicts, results, summary, flags, cold, environment(arms[0].path), tinfo,
-                    metric, arms[0].name, prereg, None, notes)
+                    metric, arms[0].name, prereg, None, notes, engine)
 
 
 # ---- pre-registration ----

@@ -67,7 +67,12 @@ def reader_cost(probe_d: dict, direct: bool, qd: int, reads_per_call: float,
 def law(saved_ops_per_expert: float, slice_bytes: float, t_op: float, bw: float, s: float = 1.0) -> tuple[float, float]:
     """DESIGN.md: g ~= 1 + saved_ops * t_op / (slice_bytes / BW); speedup = 1/((1-s) + s/g)."""
     g = 1.0 + saved_ops_per_expert * t_op / (slice_bytes / bw)
-    return g, 1.0 / ((1.0 - s) + s / g)
+    return g, end_to_end(g, s)
+
+
+def end_to_end(g: float, s: float) -> float:
+    """Decode speedup when a share s of decode time is reads that get g times faster."""
+    return 1.0 / ((1.0 - s) + s / g)
 
 
 def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *, layouts=("reorder", "packed"),
@@ -110,7 +115,7 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
         saved = (base["reads_per_token"] - r["reads_per_token"]) / max(miss0, 1e-12)
         r["saved_ops_per_expert"] = saved
         r["g_law"], _ = law(saved, slice_b, t_op, bw, s)
-        r["speedup"] = 1.0 / ((1.0 - s) + s / g)
+        r["speedup"] = end_to_end(g, s)
     return {"model": str(model), "plan": str(plan_path) if plan_path else None, "tokens": trace.n_tokens,
             "reader": {"qd": qd, "direct": direct, "gap": gap, "cache_slots": cache_slots},
             "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "s": s, "expert_bytes": slice_b, "rows": rows,
@@ -164,4 +169,76 @@ def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> l
                      "speedup_error": (meas_sp / (base_pred / T) - 1) if meas_sp else None,
                      "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6})
     _ = Path(plan_path) if plan_path else None
+    return rows
+
+
+def measured_s(ab_json) -> float:
+    """s measured by `ab --engine llama.cpp`: the read share of decode time of its first arm
+    with explicit reads (the law's reference)."""
+    import json
+
+    from mbolt.core.errors import MboltError
+
+    try:
+        d = json.loads(Path(ab_json).read_text())
+    except (OSError, ValueError) as e:
+        raise MboltError(f"{ab_json}: not a readable ab result ({e})") from None
+    row = next((r for r in d.get("summary", []) if r.get("read_share_s") is not None), None)
+    if d.get("engine") != "llama.cpp" or row is None:
+        raise MboltError(f"{ab_json}: no arm with a measured read share (an `ab --engine llama.cpp` result "
+                         "with an explicit-read arm is needed)")
+    return float(row["read_share_s"])
+
+
+def predict_llama(result, trace: Trace, probe_path) -> list[dict]:
+    """`ab --engine llama.cpp`: the slice-size law per arm, next to the measurement.
+
+    The reference R is the first arm with explicit reads (an os arm reads what the kernel's
+    readahead decides: no layout prediction). For every reading arm X the evaluator counts
+    X's reads and bytes on `trace` (the routing llama.cpp computed, original ids) and the probe
+    prices them: g = T_R / T_X. s is R's measured share of decode time spent in the reads, and
+    the law predicts X's decode time per token as R's measured one times (1 - s) + s / g, i.e. a
+    speedup 1 / ((1 - s) + s / g); measured: the median per-round ratio of R's decode time per
+    token over X's.
+    """
+    pr = load_probe(probe_path)
+    summ = {s["arm"]: s for s in result.summary}
+    ref = next((a for a in result.arms if a["mode"] != "os" and summ[a["name"]].get("rounds")
+                and summ[a["name"]].get("read_share_s") is not None), None)
+    if ref is None:
+        return []
+    s_ref = summ[ref["name"]]["read_share_s"]
+    per = {(r.arm, r.round): r.wall_s / r.tokens for r in result.rounds if not r.rejected and r.tokens}
+    rounds = sorted({k for _, k in per})
+    T = {}
+    rows = []
+    for a in result.arms:
+        if a["mode"] == "os" or not summ[a["name"]].get("rounds"):
+            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"})
+            continue
+        mm = moe_map(a["path"])
+        rm = mm.route_map
+        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], a["cache_slots"])
+        n = len(mm.moe_layers)
+        t_op, bw, opr = reader_cost(pr, False, a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
+        T[a["name"]] = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
+        rows.append({"arm": a["name"], "pred_reads_per_token": c["reads_per_token"],
+                     "meas_reads_per_token": summ[a["name"]]["reads_per_token"],
+                     "pred_bytes_per_token": c["bytes_per_token"],
+                     "meas_bytes_per_token": summ[a["name"]]["mb_per_token"] * 1e6,
+                     "pred_io_ms_per_token": T[a["name"]] * 1e3,
+                     "meas_io_ms_per_token": summ[a["name"]]["io_ms_per_token_median"],
+                     "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "s": s_ref, "reference": ref["name"]})
+    ref_ms = summ[ref["name"]]["wall_ms_per_token_median"]
+    for r in rows:
+        if r["arm"] not in T:
+            continue
+        g = T[ref["name"]] / T[r["arm"]] if T[r["arm"]] else float("nan")
+        sp = end_to_end(g, s_ref)
+        ratios = [per[(ref["name"], k)] / per[(r["arm"], k)] for k in rounds
+                  if (ref["name"], k) in per and (r["arm"], k) in per]
+        meas = float(np.median(ratios)) if ratios else None
+        r.update({"g": g, "pred_speedup": sp, "meas_speedup": meas,
+                  "pred_ms_per_token": ref_ms / sp, "meas_ms_per_token": summ[r["arm"]]["wall_ms_per_token_median"],
+                  "speedup_error": (meas / sp - 1) if meas else None})
     return rows

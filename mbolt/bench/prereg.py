@@ -5,6 +5,7 @@
     name = "packed_tsp_64k_qd1"
     question = "Does packing + co-activation order cut cold I/O time at QD1, buffered?"
     mode = "replay"                      # replay | decode
+    engine = "reference"                 # optional, decode: reference | llama.cpp
     trace = "${MBOLT_BENCH}/held.mbtrace"  # environment variables are expanded
     rounds = 7
     tokens_per_round = 0                 # optional: replay slices of this many tokens per round
@@ -86,7 +87,8 @@ def load_prereg(path: str | os.PathLike) -> Prereg:
             raise MboltError(f"{p}: arm {i} needs name and file")
         arms.append(Arm(name=a["name"], path=_expand(a["file"]), gap=int(a.get("gap", 0)),
                         io_threads=int(a.get("qd", 1)), direct=bool(a.get("direct", False)),
-                        mode="os" if a.get("os") else "read", cache_slots=int(a.get("cache", 0))))
+                        mode="os" if a.get("os") else "read", cache_slots=int(a.get("cache", 0)),
+                        warm=bool(a.get("warm", False)), callback=bool(a.get("callback", False))))
     names = [a.name for a in arms]
     for k in ("baseline", "treatment"):
         if raw[k] not in names:

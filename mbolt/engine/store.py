@@ -16,6 +16,8 @@ Reader options (an A/B "arm" is a file plus these):
   `resident_frac`  the same budget as a share of each layer's experts.
 - `mode="os"`    map the file and let page faults read (layout-blind baseline); counters then
                  come from major faults and /proc/self/io.
+- `on_evict`     called with (layer, expert) when an expert leaves the slot cache (an engine that
+                 reads through the page cache drops that expert's pages then).
 - `drop_pages`   buffered and os modes drop the pages they read (posix_fadvise DONTNEED, after
                  MADV_DONTNEED for the mapping) so the page cache never serves a second read: the
                  slot cache is then the only expert memory, standing for a model larger than RAM.
@@ -82,7 +84,7 @@ class StoreCounters:
 class ExpertStore:
     def __init__(self, path, *, gap: int = 0, io_threads: int = 1, direct: bool = False,
                  cache_slots: int = 0, resident_frac: float | None = None, mode: str = "read",
-                 drop_pages: bool = True, mm: MoeMap | None = None):
+                 drop_pages: bool = True, mm: MoeMap | None = None, on_evict=None):
         if mode not in ("read", "os"):
             raise MboltError(f"store mode must be 'read' or 'os', not {mode!r}")
         if mode == "os" and direct:
@@ -95,6 +97,7 @@ class ExpertStore:
         self.mm = mm or moe_map(self.path)
         self.gap, self.io_threads, self.direct, self.mode = int(gap), int(io_threads), bool(direct), mode
         self.drop_pages = drop_pages
+        self.on_evict = on_evict  # on_evict(layer, expert): an expert left the slot cache
         E = self.mm.n_experts
         if resident_frac is not None:
             if not 0 <= resident_frac <= 1:
@@ -207,7 +210,9 @@ class ExpertStore:
                     slots[e] = got[e] if want else None
                 slots.move_to_end(e)
             while len(slots) > self.cache_slots:
-                slots.popitem(last=False)
+                gone, _ = slots.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(layer, gone)
         return out
 
     def _arena_view(self, size: int) -> memoryview:

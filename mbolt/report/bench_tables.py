@@ -34,6 +34,8 @@ def ab_table(result) -> Table:
     decode = d["mode"] == "decode"  # time to first token means something only when the engine generates
     cols = ["arm", f"{metric[:-2]} ms\n/token", "x base", "95% CI", "reads\n/token", "MB\n/token", "MB/s",
             "tok/s"] + (["TTFT\nms"] if decode else []) + (["hit\nrate"] if cached else [])
+    llama = d.get("engine") == "llama.cpp"  # s = share of decode time in the explicit reads
+    cols += ["s", "dev MB\n/token"] if llama else []
     t = data_table(f"{d['name']}: {d['mode']}, {len({r['round'] for r in d['rounds']})} rounds, {cold}, resident "
                    f"after eviction <= {pct(resident)}; x base = {d['baseline']} {metric}/token over the arm's, "
                    "per round", cols)
@@ -45,9 +47,15 @@ def ab_table(result) -> Table:
         lo, hi = x["speedup_ci95"]
         t.add_row(x["arm"], f"{x[f'{metric}_per_token_ms_median']:.2f}", "-" if sp is None else f"{sp:.2f}",
                   f"{lo:.2f}-{hi:.2f}", f"{x['reads_per_token']:.1f}", f"{x['mb_per_token']:.2f}",
-                  f"{x['mb_per_s']:.0f}", f"{x['tokens_per_s']:.1f}",
-                  *([f"{x['ttft_ms_median']:.1f}"] if decode else []), *([pct(x["hit_rate"])] if cached else []))
+                  _opt(x['mb_per_s'], ".0f"), f"{x['tokens_per_s']:.1f}",
+                  *([f"{x['ttft_ms_median']:.1f}"] if decode else []), *([pct(x["hit_rate"])] if cached else []),
+                  *([_opt(x.get("read_share_s"), ".2f"), _opt(x.get("device_bytes_per_token", 0) / 1e6
+                     if x.get("device_bytes_per_token") is not None else None, ".2f")] if llama else []))
     return t
+
+
+def _opt(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
 
 
 def prediction_table(rows: list[dict]) -> Table:
