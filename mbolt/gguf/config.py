@@ -235,6 +235,10 @@ class SynthConfig:
         if self.arch == "qwen3next" and (self.ssm_v_heads % self.ssm_k_heads or self.full_attn_every < 2):
             bad(f"qwen3next needs value heads ({self.ssm_v_heads}) a multiple of key heads ({self.ssm_k_heads}) "
                 f"and full_attn_every >= 2 (got {self.full_attn_every})")
+        if self.arch == "qwen3next" and self.n_layers < self.full_attn_every:
+            # llama.cpp aborts (GGML_ASSERT(buffer)) on a hybrid with no attention layer: empty KV cache
+            bad(f"qwen3next: {self.n_layers} layers have no full-attention layer (every "
+                f"{self.full_attn_every}th is one); use more layers")
         if self.fused_gate_up and self.arch not in FUSED_GATE_UP_ARCHS:
             bad(f"--fused-gate-up: llama.cpp's {self.arch} loader has no ffn_gate_up_exps "
                 f"(families that accept it: {', '.join(FUSED_GATE_UP_ARCHS)})")
@@ -257,3 +261,29 @@ class SynthConfig:
                     if n % block:
                         bad(f"{what} ({n}) must be a multiple of the {t} block ({block}) "
                             f"({proj} experts of layer {i})")
+
+
+def tiny(arch: str = "qwen3moe", **overrides) -> SynthConfig:
+    """A few-MB model of `arch` that llama.cpp loads: the smallest geometry each loader accepts
+    (4 layers x 8 experts, k=2, hidden 64; hidden and expert FFN 256 when an expert type has
+    256-element super-blocks). Overrides are SynthConfig fields."""
+    kw: dict = dict(arch=arch, n_layers=4, n_experts=8, n_used=2, hidden=64, expert_ff=32, n_heads=4,
+                    n_kv_heads=2, head_dim=16)
+    if arch == "olmoe":
+        kw["n_kv_heads"] = 4
+    if arch in ("glm4moe", "deepseek2"):
+        kw.update(dense_layers=1, rope_dim=8)  # GLM rotates half of each head, DeepSeek a part
+    if arch == "qwen3next":
+        kw.update(full_attn_every=2)  # layers 0, 2 linear attention, 1, 3 full attention
+    if arch == "deepseek2":
+        kw.update(n_kv_heads=1, head_dim=24, v_head_dim=16, q_lora_rank=32, kv_lora_rank=32)
+    kw.update(overrides)
+    probe = SynthConfig(**kw)
+    types = {t for i in range(probe.n_layers) for t in probe.expert_types(i).values() if t in EXPERT_TYPES}
+    block = max((GGML_QUANT_SIZES[GGMLQuantizationType[t]][0] for t in types), default=1)
+    for what in ("hidden", "expert_ff"):
+        if what not in overrides and kw[what] % block:
+            kw[what] = block
+    if "hidden" not in overrides and kw["hidden"] != 64 and arch in ("olmoe", "qwen2moe"):
+        kw["head_dim"] = kw["hidden"] // kw["n_heads"]
+    return SynthConfig(**kw)
