@@ -25,7 +25,7 @@ def small(arch: str, seed: int = 11, **kw) -> SynthConfig:
     return tiny(arch, n_layers=3, dense_layers=0, seed=seed, **kw)
 
 
-ENGINE_ARCHS = ["mixtral", "olmoe", "qwen2moe", "qwen3moe"]  # the reference engine's families
+ENGINE_ARCHS = ["glm4moe", "mixtral", "olmoe", "qwen2moe", "qwen3moe"]  # the reference engine's families
 
 
 @pytest.fixture(scope="module")
