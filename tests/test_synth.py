@@ -185,7 +185,7 @@ def test_preset_geometry(name):
         "glm-4.5-air": (46, 128, 8, 4096, 1408, 96, 8, 128),
         "deepseek-v3": (61, 256, 8, 7168, 2048, 128, 1, 192),  # MLA: head dim = qk_nope 128 + qk_rope 64
         "gpt-oss-20b": (24, 32, 4, 2880, 2880, 64, 8, 64),
-        "glm-5.2": (78, 256, 8, 1024, 128, 8, 1, 64),  # routing geometry of GLM-5.2, slices scaled down
+        "glm-5.2": (78, 256, 8, 512, 256, 8, 1, 64),  # routing geometry of GLM-5.2, slices scaled down
     }[name]
     cfg = SynthConfig.from_preset(name)
     assert (cfg.n_layers, cfg.n_experts, cfg.n_used, cfg.hidden, cfg.expert_ff, cfg.n_heads,

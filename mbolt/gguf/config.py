@@ -82,12 +82,12 @@ PRESETS: dict[str, dict] = {
         n_kv_heads=8, head_dim=64, dense_ff=2880, rope_base=150000.0, sliding_window=128,
         expert_type="MXFP4", note="gpt-oss-20b tensor shapes (YaRN rope scaling not written)",
     ),
-    "glm-5.2": dict(  # GLM-5.x routing geometry (mbolt/data coactivation overlay: 75 MoE layers, 256 x k=8)
-        arch="deepseek2", n_layers=78, dense_layers=3, n_experts=256, n_used=8, n_shared=1, hidden=1024,
-        expert_ff=128, dense_ff=2048, n_heads=8, n_kv_heads=1, q_lora_rank=256, kv_lora_rank=128,
+    "glm-5.2": dict(  # GLM-5.2 routing geometry (its co-activation atlas: 75 MoE layers after 3 dense, 256 experts, k=8)
+        arch="deepseek2", n_layers=78, dense_layers=3, n_experts=256, n_used=8, n_shared=1, hidden=512,
+        expert_ff=256, dense_ff=1024, n_heads=8, n_kv_heads=1, q_lora_rank=256, kv_lora_rank=128,
         head_dim=64, rope_dim=32, v_head_dim=64, rope_base=1e6, weights_scale=2.5, expert_type="Q4_0",
         note="GLM-5.2 routing geometry (3 dense + 75 MoE layers, 256 routed + 1 shared expert, k=8, sigmoid + "
-        "exp_probs_b) as deepseek2 MLA; slices scaled down (hidden 1024, expert ff 128: ~4 GB at Q4_0/Q4_K, "
+        "exp_probs_b) as deepseek2 MLA; slices scaled down (hidden 512, expert ff 256: ~4 GB at Q4_0/Q4_K, "
         "not the real 6144 x 2048); the DSA indexer and the MTP layer are not written",
     ),
 }
