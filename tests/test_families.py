@@ -104,6 +104,8 @@ def test_family_pipeline_in_llama_cpp(tmp_path, arch, fused):
     args = ["synth", src, "--arch", arch, "--layers", 4] + (["--fused-gate-up"] if fused else [])
     if arch in ("glm4moe", "deepseek2"):
         args += ["--dense-layers", 1]
+    if arch == "gpt-oss":  # as gpt-oss ships: MXFP4 experts
+        args += ["--type", "MXFP4"]
     run(args)
     run(["trace", src, "-o", trace, "--engine", "llama.cpp", "-n", 4, "--n-prompts", 3])
     run(["plan", trace, "-o", plan, "--model", src, "--method", "heat"])
@@ -167,6 +169,14 @@ def test_reorder_says_where_packed_slots_cannot_align(tmp_path):
     write_synth(src, tiny("qwen3moe", n_layers=2, expert_type="Q4_0"))
     res = reorder(src, out, perm_for(src), layout="packed")
     assert any("NOT 4 KiB aligned" in n and "512 B aligned" in n for n in res.alignment), res.alignment
+
+
+def test_synth_cli_refuses_what_llama_cpp_would_refuse(tmp_path):
+    res = CliRunner().invoke(app, ["synth", str(tmp_path / "m.gguf"), "--arch", "glm4moe", "--fused-gate-up"])
+    assert res.exit_code == 2 and "no ffn_gate_up_exps" in res.output
+    res = CliRunner().invoke(app, ["synth", str(tmp_path / "m.gguf"), "--arch", "qwen3next", "--layers", 3])
+    assert res.exit_code == 2 and "no full-attention layer" in res.output
+    assert not (tmp_path / "m.gguf").exists()
 
 
 def test_k_quant_needs_fast_random():
