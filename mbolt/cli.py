@@ -147,7 +147,7 @@ def synth_cmd(
     layer_types: str = typer.Option(None, "--layer-types", help="Per-layer expert types over --type, "
                                     "e.g. '0-3:Q6_K,10:Q5_K'."),
     fused_gate_up: bool = typer.Option(False, "--fused-gate-up", help="One ffn_gate_up_exps tensor per layer "
-                                       "(deepseek2, qwen3next: the llama.cpp loaders that accept it)."),
+                                       "(llama.cpp loads it for deepseek2 and qwen3next only)."),
     dense_type: str = typer.Option(None, "--dense-type", help="Attention/output matrices: F32 or F16."),
     seed: int = typer.Option(None, "--seed", help="Random seed (same seed, same bytes)."),
     structure: str = typer.Option(None, "--structure", help="planted (default) or none (null control)."),

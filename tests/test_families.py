@@ -171,12 +171,61 @@ def test_reorder_says_where_packed_slots_cannot_align(tmp_path):
     assert any("NOT 4 KiB aligned" in n and "512 B aligned" in n for n in res.alignment), res.alignment
 
 
-def test_synth_cli_refuses_what_llama_cpp_would_refuse(tmp_path):
-    res = CliRunner().invoke(app, ["synth", str(tmp_path / "m.gguf"), "--arch", "glm4moe", "--fused-gate-up"])
-    assert res.exit_code == 2 and "no ffn_gate_up_exps" in res.output
+def test_synth_cli_says_what_llama_cpp_would_refuse(tmp_path):
+    res = CliRunner().invoke(app, ["synth", str(tmp_path / "f.gguf"), "--arch", "glm4moe", "--fused-gate-up"])
+    assert res.exit_code == 0 and "glm4moe loader refuses ffn_gate_up_exps" in res.output
     res = CliRunner().invoke(app, ["synth", str(tmp_path / "m.gguf"), "--arch", "qwen3next", "--layers", 3])
     assert res.exit_code == 2 and "no full-attention layer" in res.output
     assert not (tmp_path / "m.gguf").exists()
+
+
+@pytest.mark.parametrize("arch, etype", [("qwen3moe", "F32"), ("glm4moe", "Q8_0"), ("qwen3moe", "Q4_1")])
+def test_fused_file_is_the_same_model(tmp_path, arch, etype):
+    """A fused file holds the unfused file's gate and up rows (gguf-py), and the reference engine
+    gives bit-identical logits and the same routing on both (its gate_up path)."""
+    import warnings
+
+    from mbolt.engine import load_model
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_synth(a, tiny(arch, expert_type=etype, seed=7))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # llama.cpp refuses fused files of these families
+        write_synth(b, tiny(arch, expert_type=etype, seed=7, fused_gate_up=True))
+    ta = {t.name: np.array(t.data) for t in GGUFReader(a).tensors}
+    tb = {t.name: np.array(t.data) for t in GGUFReader(b).tensors}
+    for i in range(1 if arch == "glm4moe" else 0, 4):
+        g, u = ta[f"blk.{i}.ffn_gate_exps.weight"], ta[f"blk.{i}.ffn_up_exps.weight"]
+        np.testing.assert_array_equal(tb[f"blk.{i}.ffn_gate_up_exps.weight"], np.concatenate([g, u], axis=1))
+    ma, mb = load_model(a), load_model(b)
+    ids = [104, 101, 108, 108, 111, 32, 116, 104, 101, 256]
+    la, lb = ma.forward(ids, all_logits=True), mb.forward(ids, all_logits=True)
+    assert np.array_equal(la.view(np.uint32), lb.view(np.uint32))
+    for ra, rb in zip(ma.last_routing, mb.last_routing):
+        assert (ra is None and rb is None) or np.array_equal(ra.experts, rb.experts)
+    assert any(layer.role("gate_up") for layer in mb.map.layers)
+    ma.close()
+    mb.close()
+
+
+@needs_llama
+def test_fused_and_unfused_agree_in_llama_cpp(tmp_path):
+    """deepseek2 fused vs unfused (same bytes): llama.cpp gives the same greedy tokens and routing."""
+    from mbolt.trace.llama_backend import LlamaRunner
+
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_synth(a, tiny("deepseek2", seed=7))
+    write_synth(b, tiny("deepseek2", seed=7, fused_gate_up=True))
+    with LlamaRunner(a) as ra, LlamaRunner(b) as rb:
+        ids = ra.tokenize("The quick brown fox")
+        la, lb = ra.eval(ids), rb.eval(ids)
+        for _ in range(4):
+            np.testing.assert_allclose(la, lb, atol=1e-4 + 1e-4 * float(np.abs(la).max()))
+            ka, kb = ra.topk(), rb.topk()
+            assert sorted(ka) == sorted(kb) and all(np.array_equal(np.sort(ka[i], 1), np.sort(kb[i], 1)) for i in ka)
+            ta, tb = int(np.argmax(la)), int(np.argmax(lb))
+            assert ta == tb
+            la, lb = ra.eval([ta]), rb.eval([tb])
 
 
 def test_k_quant_needs_fast_random():
@@ -198,3 +247,24 @@ def test_every_type_runs_in_llama_cpp(tmp_path, case):
     res = llama_parity(src, out, prompts=["The quick brown fox"], n_tokens=3)
     assert res["ok"], res["detail"]
     assert res["tokens"] == 4 and res["routing_decisions"] > 0
+
+
+@needs_llama
+@pytest.mark.parametrize("arch", NEW_FAMILIES)
+def test_planted_groups_survive_each_family(tmp_path, arch):
+    """llama.cpp's own routing on each family picks experts of one planted group together (far
+    above chance), through sigmoid routers with exp_probs_b, MLA and linear attention alike."""
+    from mbolt.trace.llama_backend import LlamaRunner
+
+    cfg = tiny(arch, n_experts=16, n_used=2, n_groups=4, hidden=128, head_dim=32)
+    path = write_synth(tmp_path / "m.gguf", cfg)
+    f = GGUFReader(path).fields["mbolt.synth.groups"]
+    groups = np.array([f.parts[i][0] for i in f.data]).reshape(cfg.n_layers, 16)
+    same = total = 0
+    with LlamaRunner(path) as r:
+        r.eval(r.tokenize("The quick brown fox jumps over the lazy dog while the theater in a tin plays on"))
+        for li, top in r.topk().items():
+            g = groups[li][top]
+            same += int((g[:, 0] == g[:, 1]).sum())
+            total += len(g)
+    assert total > 0 and same / total > 0.6, same / total  # chance: 1/4

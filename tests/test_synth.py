@@ -215,7 +215,6 @@ def test_preset_geometry(name):
     (dict(arch="gptoss"), "unknown arch"),
     (dict(expert_type="Q4_9"), "unknown expert type"),
     (dict(expert_type="Q4_K"), "needs --fast-random"),
-    (dict(arch="glm4moe", fused_gate_up=True), "no ffn_gate_up_exps"),
     (dict(layer_types="1:Q9"), "unknown expert type"),
     (dict(layer_types="x"), "layer types"),
     (dict(n_used=9), "larger than the number of experts"),

@@ -119,7 +119,7 @@ class SynthConfig:
     expert_type: str = "F32"
     down_type: str = ""  # type of ffn_down_exps ("" = expert_type); Q4_K_M keeps down in Q6_K
     layer_types: str = ""  # per-layer expert types "0-2:Q6_K,5:Q5_K" (over expert_type)
-    fused_gate_up: bool = False  # one ffn_gate_up_exps tensor per layer (FUSED_GATE_UP_ARCHS)
+    fused_gate_up: bool = False  # one ffn_gate_up_exps tensor per layer (llama.cpp: FUSED_GATE_UP_ARCHS only)
     dense_type: str = "F32"  # attention / dense FFN / shared expert / output matrices
     seed: int = 0
     structure: str = "planted"  # "planted" | "none"
@@ -239,9 +239,6 @@ class SynthConfig:
             # llama.cpp aborts (GGML_ASSERT(buffer)) on a hybrid with no attention layer: empty KV cache
             bad(f"qwen3next: {self.n_layers} layers have no full-attention layer (every "
                 f"{self.full_attn_every}th is one); use more layers")
-        if self.fused_gate_up and self.arch not in FUSED_GATE_UP_ARCHS:
-            bad(f"--fused-gate-up: llama.cpp's {self.arch} loader has no ffn_gate_up_exps "
-                f"(families that accept it: {', '.join(FUSED_GATE_UP_ARCHS)})")
         if not 1 <= self.groups <= self.n_experts:
             bad(f"groups must be in 1..{self.n_experts}, got {self.groups}")
         if not 0.0 <= self.strength <= 1.0:

@@ -49,6 +49,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from mbolt.core.atomic import atomic_output
+from mbolt.core.errors import warn
 from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
 from mbolt.core.vocab import bytes_to_unicode
 from mbolt.gguf.blocks import Pools, coprime_stride, encode
@@ -120,28 +121,50 @@ class _Model:
 
     def _add(self, name: str, ne, qt: GGMLQuantizationType, std: float, experts: int = 1) -> None:
         """A Gaussian (or fast-random) tensor, generated per expert / in row chunks."""
-        cfg = self.cfg
         ne = tuple(int(n) for n in ne)
+        units = lambda: self._units(name, ne, qt, std, experts)  # noqa: E731
+        self.tensors.append(_Tensor(name, ne, qt, lambda: (c for unit in units() for c in unit)))
+
+    def _units(self, name: str, ne: tuple[int, ...], qt: GGMLQuantizationType, std: float,
+               experts: int) -> Iterator[Iterator[np.ndarray]]:
+        """The data of tensor `name`, one chunk iterator per expert (consumed in order)."""
+        cfg = self.cfg
         rows_per_unit = int(np.prod(ne[1:], dtype=np.int64)) // experts  # rows of ne[0] per expert
+        if cfg.fast_random:  # random valid blocks, a different pool window per expert
+            blocks_per_unit = ne[0] * rows_per_unit // GGML_QUANT_SIZES[qt][0]
+            n_pool = self.pools.n_blocks(qt)
+            base = int(rng_for(cfg.seed, "offset", name).integers(0, n_pool))
+            stride = coprime_stride(n_pool)
+            for e in range(experts):
+                yield self.pools.stream(qt, std, base + e * stride, blocks_per_unit)
+            return
+        rng = rng_for(cfg.seed, name)
+        step = max(1, min(rows_per_unit, CHUNK_BYTES // (ne[0] * 4)))
+
+        def unit():
+            for r0 in range(0, rows_per_unit, step):
+                n = min(step, rows_per_unit - r0)
+                x = rng.standard_normal((n, ne[0]), dtype=np.float32) * np.float32(std)
+                yield encode(x, qt)
+
+        for _e in range(experts):
+            yield unit()
+
+    def _add_fused(self, p: str, ne: tuple[int, ...], qt: GGMLQuantizationType, std: float) -> None:
+        """ffn_gate_up_exps: per expert the rows of ffn_gate_exps then those of ffn_up_exps, the
+        very bytes the unfused file has (same generators), so fused and unfused files are the same
+        model (llama.cpp's build_moe_ffn splits the 2 x ff rows into gate then up)."""
+        H, ff, E = ne
+        one = (H, ff, E)
 
         def chunks():
-            if cfg.fast_random:  # random valid blocks, a different pool window per expert
-                blocks_per_unit = ne[0] * rows_per_unit // GGML_QUANT_SIZES[qt][0]
-                n_pool = self.pools.n_blocks(qt)
-                base = int(rng_for(cfg.seed, "offset", name).integers(0, n_pool))
-                stride = coprime_stride(n_pool)
-                for e in range(experts):
-                    yield from self.pools.stream(qt, std, base + e * stride, blocks_per_unit)
-                return
-            rng = rng_for(cfg.seed, name)
-            step = max(1, min(rows_per_unit, CHUNK_BYTES // (ne[0] * 4)))
-            for _e in range(experts):
-                for r0 in range(0, rows_per_unit, step):
-                    n = min(step, rows_per_unit - r0)
-                    x = rng.standard_normal((n, ne[0]), dtype=np.float32) * np.float32(std)
-                    yield encode(x, qt)
+            gate = self._units(p + "ffn_gate_exps.weight", one, qt, std, E)
+            up = self._units(p + "ffn_up_exps.weight", one, qt, std, E)
+            for g, u in zip(gate, up):
+                yield from g
+                yield from u
 
-        self.tensors.append(_Tensor(name, ne, qt, chunks))
+        self.tensors.append(_Tensor(p + "ffn_gate_up_exps.weight", (H, 2 * ff, E), qt, chunks))
 
     def _matrix(self, name: str, ne: tuple[int, ...], make: Callable[[], np.ndarray]) -> None:
         """A dense-type matrix computed by `make` (numpy shape = reversed ne)."""
@@ -258,7 +281,7 @@ class _Model:
         if cfg.probs_bias or cfg.arch in ("glm4moe", "deepseek2"):
             self._const(p + "exp_probs_b.bias", lambda i=i: self.plant.probs_bias(i), shape=(E,))
         if cfg.fused_gate_up:  # gate rows then up rows of each expert (one mul_mat_id in llama.cpp)
-            self._add(p + "ffn_gate_up_exps.weight", (H, 2 * ff, E), types["gate"], GAIN / math.sqrt(H), experts=E)
+            self._add_fused(p, (H, ff, E), types["gate"], GAIN / math.sqrt(H))
         else:
             self._add(p + "ffn_gate_exps.weight", (H, ff, E), types["gate"], GAIN / math.sqrt(H), experts=E)
             self._add(p + "ffn_up_exps.weight", (H, ff, E), types["up"], GAIN / math.sqrt(H), experts=E)
@@ -444,6 +467,9 @@ def write_synth_info(path: str | os.PathLike, cfg: SynthConfig, *, force: bool =
                      progress: Callable[[int, int], None] | None = None) -> SynthInfo:
     """write_synth, returning a SynthInfo summary."""
     cfg.validate()
+    if cfg.fused_gate_up and cfg.arch not in FUSED_GATE_UP_ARCHS:
+        warn(f"{path}: llama.cpp's {cfg.arch} loader refuses ffn_gate_up_exps (it accepts it in "
+             f"{', '.join(FUSED_GATE_UP_ARCHS)}): this file is for mbolt's own tools")
     path = Path(path)
     model = _Model(cfg)
     header = _header(model)
