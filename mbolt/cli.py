@@ -130,9 +130,11 @@ def cache_cmd(
 @user_errors
 def synth_cmd(
     out: Path = typer.Argument(..., help="Output GGUF path."),
-    arch: str = typer.Option(None, "--arch", help="qwen3moe (default), olmoe, mixtral or qwen2moe."),
+    arch: str = typer.Option(None, "--arch", help="qwen3moe (default), olmoe, mixtral, qwen2moe, glm4moe, "
+                             "deepseek2, gpt-oss or qwen3next (docs/families.md)."),
     preset: str = typer.Option(None, "--preset", help="Real model geometry: qwen3-30b-a3b, qwen3-next-80b-a3b, "
-                               "olmoe-1b-7b, granite-moe-1b (other options override it)."),
+                               "olmoe-1b-7b, granite-moe-1b, glm-4.5-air, deepseek-v3, gpt-oss-20b, glm-5.2 "
+                               "(other options override it)."),
     layers: int = typer.Option(None, "--layers", help="Number of layers (scales a preset down)."),
     experts: int = typer.Option(None, "--experts", help="Routed experts per layer."),
     k: int = typer.Option(None, "--k", help="Experts used per token."),
@@ -142,7 +144,15 @@ def synth_cmd(
     kv_heads: int = typer.Option(None, "--kv-heads", help="KV heads."),
     head_dim: int = typer.Option(None, "--head-dim", help="Head dimension."),
     shared_ff: int = typer.Option(None, "--shared-ff", help="Shared expert FFN size (qwen2moe)."),
-    expert_type: str = typer.Option(None, "--type", help="Expert tensor type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 MXFP4."),
+    expert_type: str = typer.Option(None, "--type", help="Expert tensor type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 "
+                                    "MXFP4, and with --fast-random Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_XS IQ4_NL IQ3_XXS "
+                                    "IQ3_S IQ2_XXS IQ2_XS IQ1_S."),
+    down_type: str = typer.Option(None, "--down-type", help="Type of ffn_down_exps (default: --type); Q4_K_M "
+                                  "files keep down in Q6_K."),
+    layer_types: str = typer.Option(None, "--layer-types", help="Per-layer expert types over --type, "
+                                    "e.g. '0-3:Q6_K,10:Q5_K'."),
+    fused_gate_up: bool = typer.Option(False, "--fused-gate-up", help="One ffn_gate_up_exps tensor per layer "
+                                       "(llama.cpp loads it for deepseek2 and qwen3next only)."),
     dense_type: str = typer.Option(None, "--dense-type", help="Attention/output matrices: F32 or F16."),
     seed: int = typer.Option(None, "--seed", help="Random seed (same seed, same bytes)."),
     structure: str = typer.Option(None, "--structure", help="planted (default) or none (null control)."),
@@ -153,9 +163,12 @@ def synth_cmd(
                                   "follows the token; ~1: recent tokens move it too)."),
     fast_random: bool = typer.Option(False, "--fast-random", help="Random valid expert/matrix blocks: disk speed, "
                                      "routing still planted, forward pass not meaningful."),
-    probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (llama.cpp refuses it)."),
-    expert_bias: bool = typer.Option(False, "--expert-bias", help="Add ffn_*_exps.bias (llama.cpp refuses it)."),
-    dense_layers: int = typer.Option(None, "--dense-layers", help="Leading dense-FFN layers (llama.cpp refuses them)."),
+    probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (glm4moe and deepseek2 "
+                                    "have it; llama.cpp refuses it elsewhere)."),
+    expert_bias: bool = typer.Option(False, "--expert-bias", help="Add ffn_*_exps.bias (gpt-oss has them; llama.cpp "
+                                     "refuses them elsewhere)."),
+    dense_layers: int = typer.Option(None, "--dense-layers", help="Leading dense-FFN layers (glm4moe, deepseek2; "
+                                     "llama.cpp refuses them elsewhere)."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
@@ -169,6 +182,7 @@ def synth_cmd(
     given = dict(arch=arch, n_layers=layers, n_experts=experts, n_used=k, hidden=hidden, expert_ff=expert_ff,
                  n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, shared_ff=shared_ff,
                  expert_type=expert_type.upper() if expert_type else None, dense_type=dense_type, seed=seed,
+                 down_type=down_type, layer_types=layer_types, fused_gate_up=fused_gate_up or None,
                  structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew, context=context,
                  dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
                  expert_bias=expert_bias or None)
@@ -177,6 +191,8 @@ def synth_cmd(
         given["head_dim"] = (hidden or SynthConfig.hidden) // (heads or SynthConfig.n_heads)
     if not preset and arch == "olmoe" and kv_heads is None:  # olmoe has no GQA
         given["n_kv_heads"] = heads or SynthConfig.n_heads
+    if not preset and arch == "deepseek2" and kv_heads is None:  # MLA: one latent kv head
+        given["n_kv_heads"] = 1
     cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
     if out.exists() and not force:
         raise MboltError(f"{out}: output exists (use --force to overwrite)")

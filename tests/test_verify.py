@@ -10,6 +10,7 @@ from gguf import GGUFReader
 
 from conftest import needs_llama
 from mbolt.core.header import read_header
+from mbolt.gguf.config import tiny
 from mbolt.gguf.synth import SYNTH_ARCHS, SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify
@@ -21,8 +22,10 @@ def random_perm(n_layers, n_experts, seed=0):
 
 
 def small(arch: str, seed: int = 11, **kw) -> SynthConfig:
-    return SynthConfig(arch=arch, n_layers=3, n_experts=8, n_used=2, n_heads=4,
-                       n_kv_heads=4 if arch == "olmoe" else 2, seed=seed, **kw)
+    return tiny(arch, n_layers=3, dense_layers=0, seed=seed, **kw)
+
+
+ENGINE_ARCHS = ["glm4moe", "mixtral", "olmoe", "qwen2moe", "qwen3moe"]  # the reference engine's families
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def copy(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("arch", sorted(SYNTH_ARCHS))
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 @pytest.mark.parametrize("layout", ["reorder", "packed"])
 def test_every_arch_survives_reorder_and_verify(tmp_path, arch, layout):
     src = tmp_path / "src.gguf"
@@ -178,7 +181,7 @@ def test_llama_cpp_loads_reorder_output(tmp_path, arch):
     ll = rep.llama
     assert ll["tokens_identical"] == ll["tokens"] > 0
     assert ll["max_logit_diff"] <= ll["tolerance"]
-    assert ll["routing_share"] >= 0.99 and ll["routing_decisions"] > 0
+    assert ll["routing_share"] == 1.0 and ll["routing_decisions"] > 0
 
 
 def test_packed_slot_padding_must_be_zero(tmp_path):

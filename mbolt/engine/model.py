@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, silu, softmax
+from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, sigmoid, silu, softmax
 from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
 from mbolt.engine.source import MmapExpertSource
 from mbolt.core.routemap import RouteMap, read_route_map
@@ -137,6 +137,8 @@ class Model:
     rope_mode = "neox"  # "neox" (rotate halves) or "norm" (rotate adjacent pairs)
     qk_norm: str | None = None  # "head" (per head, qwen3) or "full" (whole q/k, olmoe)
     norm_topk = False  # renormalise the top-k weights to sum to 1
+    gating = "softmax"  # router probabilities: "softmax" over the experts or "sigmoid" per expert
+    ffn_norm = "ffn_norm.weight"  # the pre-FFN norm (glm4moe: post_attention_norm.weight)
 
     def __init__(self, path: Path, header: GGUFHeader, mmap_: MoeMap, hp: HParams, routes: RouteMap,
                  route: str, expert_source):
@@ -204,7 +206,7 @@ class Model:
         p = f"blk.{li}."
         h = rms_norm(x, self.w.get(p + "attn_norm.weight"), self.hp.rms_eps)
         x = x + self.attn(li, h, cache, start, positions)
-        h = rms_norm(x, self.w.get(p + "ffn_norm.weight"), self.hp.rms_eps)
+        h = rms_norm(x, self.w.get(p + self.ffn_norm), self.hp.rms_eps)
         return x + self.ffn(li, h)
 
     def lin(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
@@ -267,9 +269,10 @@ class Model:
         return logits
 
     def select(self, li: int, logits: np.ndarray) -> Routing:
-        """Softmax in original-id order, top-k by (prob desc, original id asc), weights in rank order."""
+        """Softmax in original-id order (or sigmoid), top-k by (prob + exp_probs_b desc, original id
+        asc), weights in rank order."""
         k = self.hp.n_used
-        probs = softmax(logits)
+        probs = sigmoid(logits) if self.gating == "sigmoid" else softmax(logits)
         sel = probs
         pb = self.w.opt(f"blk.{li}.exp_probs_b.bias")
         if pb is not None:
