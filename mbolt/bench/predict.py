@@ -14,7 +14,6 @@ reads through the padding, so predicted bytes add it (padding x merged neighbour
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 
@@ -133,35 +132,92 @@ def _packed_pad(mm: MoeMap) -> int:
     return int(slot_stride(eb)[0] - eb)
 
 
-def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> list[dict]:
-    """Per arm of an `ab` result: predicted reads and I/O time per token next to the measured."""
+def predict_vs_measured(result, trace: Trace | None, probe_path) -> list[dict]:
+    """Per arm of an `ab` result: predicted reads and I/O time per token next to the measured,
+    each arm predicted from its own file's route map with the probe's per-read cost.
+
+    Like with like: the measured speedup is the median over rounds of per-round ratios, each
+    round on its own slice of tokens, so the predicted one is the median over the same rounds of
+    the predicted ratios on the same slices (`pred_speedup`); `pred_ratio_of_medians` stands
+    beside the measured `ratio_of_medians`. Reads and times per token are medians over rounds too
+    (`pred_reads_per_token_all`: over the whole trace)."""
+    from mbolt.bench.ab import round_tokens
+
     if trace is None:
         return []
+    d = result if isinstance(result, dict) else result.to_dict()
     pr = load_probe(probe_path)
+    tpr = int(d["trace"].get("tokens_per_round", 0)) if d.get("trace") else 0
+    base = d["arms"][0]["name"]
+    metric = d["metric"]
+    rounds_of = {}
+    for r in d["rounds"]:
+        if not r["rejected"]:
+            rounds_of.setdefault(r["arm"], []).append(r["round"])
+    slices: dict[int, Trace] = {}
 
+    def tokens_of(k: int) -> Trace:
+        key = (k * tpr) % trace.n_tokens if tpr and tpr < trace.n_tokens else 0
+        if key not in slices:
+            slices[key] = round_tokens(trace, k, tpr)
+        return slices[key]
+
+    pred_T: dict[str, dict[int, float]] = {}
     rows = []
-    base_pred = None
-    for a, s in zip(result.arms, result.summary):
+    for a, s in zip(d["arms"], d["summary"]):
         if a["mode"] == "os" or not s.get("rounds"):
-            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"})
+            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"
+                         if a["mode"] == "os" else "no valid rounds"})
             continue
         mm = moe_map(a["path"])
         rm = mm.route_map
         pad = mm.moe_layers[0].slot_padding
         slots = a["cache_slots"] if a.get("resident_frac") is None else int(round(a["resident_frac"] * mm.n_experts))
-        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], slots, pad)
+        lay = rm.layout if rm.layout != "stock" else "reorder"
         n = len(mm.moe_layers)
-        t_op, bw, opr = reader_cost(pr, a["direct"], a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
-        T = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
-        if base_pred is None:
-            base_pred = T
-        meas = s["io_ms_per_token_median"]
-        meas_sp = s["speedup_vs_baseline_median"]
-        rows.append({"arm": a["name"], "pred_reads_per_token": c["reads_per_token"],
-                     "meas_reads_per_token": s["reads_per_token"], "pred_bytes_per_token": c["bytes_per_token"],
-                     "meas_bytes_per_token": s["mb_per_token"] * 1e6, "pred_ms_per_token": T * 1e3,
-                     "meas_ms_per_token": meas, "pred_speedup": base_pred / T, "meas_speedup": meas_sp,
-                     "speedup_error": (meas_sp / (base_pred / T) - 1) if meas_sp else None,
-                     "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6})
-    _ = Path(plan_path) if plan_path else None
+
+        def timed(tr: Trace) -> tuple[dict, float, tuple]:
+            c = counts(tr, rm.perm, mm, lay, a["gap"], slots, pad)
+            t_op, bw, opr = reader_cost(pr, a["direct"], a["io_threads"], c["reads_per_token"] / n,
+                                        c["bytes_per_token"] / n)
+            return c, io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw), (t_op, bw)
+
+        c_all, _, (t_op, bw) = timed(trace)
+        per = {}
+        reads = []
+        memo: dict[int, tuple] = {}
+        for k in rounds_of.get(a["name"], []):
+            tr = tokens_of(k)
+            if id(tr) not in memo:
+                memo[id(tr)] = timed(tr)
+            c, T, _ = memo[id(tr)]
+            per[k] = T
+            reads.append(c["reads_per_token"])
+        pred_T[a["name"]] = per
+        rows.append({"arm": a["name"], "pred_reads_per_token": float(np.median(reads)),
+                     "pred_reads_per_token_all": c_all["reads_per_token"],
+                     "meas_reads_per_token": s["reads_per_token"],
+                     "pred_bytes_per_token": c_all["bytes_per_token"],
+                     "meas_bytes_per_token": s["mb_per_token"] * 1e6,
+                     "pred_ms_per_token": float(np.median(list(per.values()))) * 1e3,
+                     "meas_ms_per_token": s[f"{metric}_per_token_ms_median"],
+                     "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6,
+                     "cost_source": "burst probe (scattered reads back to back)"
+                     if pr.get("burst_fits") and not a["direct"] and a["io_threads"] <= 1 else "random-read probe"})
+    bT = pred_T.get(base, {})
+    for row in rows:
+        if "pred_ms_per_token" not in row:
+            continue
+        aT = pred_T[row["arm"]]
+        ks = sorted(set(bT) & set(aT))
+        ratios = [bT[k] / aT[k] for k in ks if aT[k] > 0]
+        s = next(x for x in d["summary"] if x["arm"] == row["arm"])
+        meas = s.get("median_of_ratios", s.get("speedup_vs_baseline_median"))
+        row["pred_speedup"] = float(np.median(ratios)) if ratios else None
+        row["pred_ratio_of_medians"] = (float(np.median([bT[k] for k in ks]) / np.median([aT[k] for k in ks]))
+                                        if ks else None)
+        row["meas_speedup"] = meas
+        row["meas_ratio_of_medians"] = s.get("ratio_of_medians")
+        row["speedup_definition"] = "median of per-round ratios (pred_speedup and meas_speedup alike)"
+        row["speedup_error"] = (meas / row["pred_speedup"] - 1) if meas and row["pred_speedup"] else None
     return rows

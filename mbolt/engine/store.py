@@ -210,6 +210,19 @@ class ExpertStore:
                 slots.popitem(last=False)
         return out
 
+    def reserve(self, experts_per_call: int) -> int:
+        """Allocate the read arena for the largest call of `experts_per_call` misses and touch
+        every page now, so that no timed read pays first-touch page faults (or grows the arena)
+        and every arm starts with the same memory state. Returns the arena size in bytes."""
+        n_ranges = max(int(experts_per_call), 1) * max((r.shape[1] for r in self._ranges.values()), default=1)
+        longest = max((int(r[..., 1].max()) for r in self._ranges.values() if r.size), default=0)
+        need = n_ranges * (longest + 3 * ALIGN + self.merge_gap)  # alignment head, tail, slot
+        self._arena_view(need)
+        self._arena.seek(0)
+        self._arena.write(bytes(len(self._arena)))  # first touch, outside any timed read
+        self._arena.seek(0)
+        return len(self._arena)
+
     def _arena_view(self, size: int) -> memoryview:
         if self._arena is None or len(self._arena) < size:
             if self._arena is not None:
