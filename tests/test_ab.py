@@ -204,6 +204,7 @@ def test_stop_check_rules():
 
 def test_order_effects_find_a_carryover(files, fake_mode):
     # following "packed" costs +10%, position 2 costs +4%: both recovered from the balanced design
+    # (deviation coding: packed is 2/3 log(1.10) above the mean over predecessors = +6.6%)
     def times(name, job):
         t = {"stock": 10.0, "packed": 5.0, "stock (A/A)": 10.0}[name] * (1 + 0.01 * (job.rnd % 3))
         return t * (1.10 if job.prev_arm == "packed" else 1.0) * (1.04 if job.position == 2 else 1.0)
@@ -217,7 +218,7 @@ def test_order_effects_find_a_carryover(files, fake_mode):
     assert (1 + c["stock (A/A)"] / 100) / (1 + c["stock"] / 100) == pytest.approx(1.0, abs=1e-6)
     assert (1 + p["2"] / 100) / (1 + p["0"] / 100) == pytest.approx(1.04, rel=1e-6)
     assert e["residual_sd_pct"] < 1e-6
-    assert any("order effect: following packed" in n for n in res.notes)
+    assert any("carryover packed: +6.6%" in n for n in res.notes), res.notes
     # the balanced design cancels both in the A/A ratio
     aa = next(x for x in res.summary if x["arm"] == "stock (A/A)")
     assert aa["median_of_ratios"] == pytest.approx(1.0, abs=0.05)

@@ -570,19 +570,33 @@ def order_effects(rounds: list[RoundResult], metric: str) -> dict:
     beta, *_ = np.linalg.lstsq(X, y, rcond=None)
     resid = y - X @ beta
     dof = len(ok) - X.shape[1]
+    sigma2 = float(resid @ resid / dof)
+    cov = sigma2 * np.linalg.inv(X.T @ X)
     out = {"estimable": True, "n": len(ok), "parameters": int(X.shape[1]),
-           "residual_sd_pct": float(100 * np.sqrt(resid @ resid / dof)),
-           "model": "log(time/token) = mean + arm + round + position + previous arm (deviation coding)"}
+           "residual_sd_pct": float(100 * np.sqrt(sigma2)),
+           "model": "log(time/token) = mean + arm + round + position + previous arm (deviation coding); "
+                    "*_se_pct: standard errors"}
     col = 1
     for k in factors:
         L = levels[k]
-        coefs = beta[col:col + len(L) - 1]
-        col += len(L) - 1
+        m = len(L) - 1
         if k in ("position", "prev_arm"):
-            full = list(coefs) + [-float(np.sum(coefs))]
-            out[f"{k}_pct"] = {str(lv): float(100 * (np.exp(c) - 1)) for lv, c in zip(L, full)}
-    out["carryover_pct"] = out.pop("prev_arm_pct")
-    out["largest_pct"] = float(max(abs(v) for d in (out["position_pct"], out["carryover_pct"]) for v in d.values()))
+            # each level's effect as a contrast of the coefficients (the last level: minus their sum)
+            C = np.zeros((len(L), X.shape[1]))
+            C[:m, col:col + m] = np.eye(m)
+            C[m, col:col + m] = -1.0
+            eff = C @ beta
+            se = np.sqrt(np.maximum(np.einsum("ij,jk,ik->i", C, cov, C), 0.0))
+            name = "carryover" if k == "prev_arm" else k
+            out[f"{name}_pct"] = {str(lv): float(100 * (np.exp(e) - 1)) for lv, e in zip(L, eff)}
+            out[f"{name}_se_pct"] = {str(lv): float(100 * v) for lv, v in zip(L, se)}
+            out[f"{name}_log"] = {str(lv): (float(e), float(v)) for lv, e, v in zip(L, eff, se)}
+        col += m
+    big = [(k, lv, e, v) for k in ("position", "carryover") for lv, (e, v) in out.pop(f"{k}_log").items()]
+    out["largest_pct"] = float(max(100 * abs(np.exp(e) - 1) for _, _, e, _ in big))
+    # "significant": more than twice its standard error away from zero
+    out["significant"] = [f"{k} {lv}: {100 * (np.exp(e) - 1):+.1f}% (se {100 * v:.1f}%)"
+                          for k, lv, e, v in sorted(big, key=lambda t: -abs(t[2])) if abs(e) > 2 * v]
     return out
 
 
@@ -783,12 +797,11 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
             flags.append(f"A/A control off by {100 * dev:+.1f}% (tolerance {100 * aa_tolerance:.0f}%): differences "
                          f"between arms of this run smaller than the noise are not evidence")
     effects = order_effects(results, metric)
-    if effects.get("estimable") and effects["largest_pct"] > 100 * aa_tolerance:
-        big = max(((k, lv, v) for k in ("position_pct", "carryover_pct") for lv, v in effects[k].items()),
-                  key=lambda t: abs(t[2]))
-        what = f"position {big[1]}" if big[0] == "position_pct" else f"following {big[1]}"
-        notes.append(f"order effect: {what} changes time per token by {big[2]:+.1f}% (balanced design: it cancels "
-                     "in the speedups, but it is noise for every arm)")
+    if effects.get("estimable"):
+        big = [x for x in effects["significant"] if abs(float(x.split(": ")[1].split("%")[0])) > 100 * aa_tolerance]
+        if big:
+            notes.append(f"order effects beyond twice their standard error: {'; '.join(big)} (the balanced design "
+                         "cancels them in the speedups, but they add noise to every arm)")
     arm_dicts = []
     for a in arms:
         mm, lay = info[a.path]
