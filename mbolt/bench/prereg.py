@@ -96,6 +96,9 @@ def load_prereg(path: str | os.PathLike) -> Prereg:
         arms.append(Arm(name=a["name"], path=_expand(a["file"]), gap=int(a.get("gap", 0)),
                         io_threads=int(a.get("qd", 1)), direct=bool(a.get("direct", False)),
                         mode="os" if a.get("os") else "read", cache_slots=int(a.get("cache", 0))))
+    for k in ("predicted_speedup", "pass_threshold"):
+        if not isinstance(raw[k], (int, float)) or raw[k] != raw[k]:
+            raise MboltError(f"{p}: {k} is {raw[k]!r}: write the prediction down before the first run")
     names = [a.name for a in arms]
     for k in ("baseline", "treatment"):
         if raw[k] not in names:
