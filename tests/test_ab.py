@@ -372,3 +372,23 @@ def test_unprovable_eviction_marks_run_not_cold(files, monkeypatch):
     assert res.cold is False
     assert any("NOT cold" in n for n in res.notes)
     assert all(not r.cold_proven and "mincore unavailable" in r.note for r in res.rounds)
+
+
+def test_decode_law_non_io_term_by_hand():
+    from mbolt.bench.predict import decode_law
+
+    # wall 100 ms: 40 ms I/O, 300 reads; the arm reads 40 ms -> 20 ms in 30 reads: without the
+    # non-I/O term it is DESIGN.md's 1/((1-s) + s/g) with s = 0.4, g = 2
+    assert decode_law(0.100, 0.040, 300, 0.020, 30) == pytest.approx(1 / (0.6 + 0.4 / 2))
+    # 20 us per read outside I/O: other = 100 - 40 - 6 = 54 ms; arm = 54 + 20 + 0.6 = 74.6 ms
+    assert decode_law(0.100, 0.040, 300, 0.020, 30, 20e-6) == pytest.approx(0.100 / 0.0746)
+
+
+def test_non_io_per_read_recovers_a_slope():
+    from mbolt.bench.ab import non_io_per_read
+
+    # (wall - io)/token = 2 ms + 25 us * reads/token, exactly
+    rounds = [RoundResult("a", k, 0, 0, 0, True, False, 10, 0.01 * 10 + (0.002 + 25e-6 * rp) * 10, 0.01 * 10, 0,
+                          int(rp * 10), 0, 0, None, 0, 0, 0) for k, rp in enumerate([10, 50, 100, 300, 341, 38])]
+    d = non_io_per_read(rounds)
+    assert d["per_read_us"] == pytest.approx(25.0) and d["fixed_ms_per_token"] == pytest.approx(2.0)

@@ -306,6 +306,7 @@ class AbResult:
     stop: dict = field(default_factory=dict)
     effects: dict = field(default_factory=dict)
     speedup_definition: str = ""
+    non_io: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -600,6 +601,26 @@ def order_effects(rounds: list[RoundResult], metric: str) -> dict:
     return out
 
 
+def non_io_per_read(rounds: list[RoundResult]) -> dict:
+    """Time outside the timed reads, per token, against reads per token over every valid
+    arm-round: (wall - io)/token = fixed + per_read * reads/token, least squares. In replay the
+    store's bookkeeping around the reads (merging, job lists, dropping pages) is what is left
+    outside io_s; a per-read slope is what a layout with fewer reads also saves outside I/O (the
+    non-I/O term of `predict.decode_law`)."""
+    ok = [r for r in rounds if not r.rejected and r.tokens]
+    x = np.array([r.reads / r.tokens for r in ok], float)
+    y = np.array([(r.wall_s - r.io_s) / r.tokens for r in ok], float)
+    if len(ok) < 3 or np.ptp(x) == 0:
+        return {"estimable": False, "note": "needs arms that differ in reads per token"}
+    X = np.stack([np.ones_like(x), x], axis=1)
+    beta, *_ = np.linalg.lstsq(X, y, rcond=None)
+    resid = y - X @ beta
+    cov = float(resid @ resid / max(len(ok) - 2, 1)) * np.linalg.inv(X.T @ X)
+    return {"estimable": True, "per_read_us": float(beta[1] * 1e6), "per_read_se_us": float(np.sqrt(cov[1, 1]) * 1e6),
+            "fixed_ms_per_token": float(beta[0] * 1e3), "n": len(ok),
+            "model": "(wall_s - io_s)/token = fixed + per_read * reads/token"}
+
+
 def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str, str], perms: dict[str, bytes]) -> list[str]:
     """Arms that should differ in what they read but report identical counters."""
     flags = []
@@ -823,7 +844,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     stop_d = {"reason": stopped[0], "detail": stopped[1], "rounds": r, "elapsed_s": round(elapsed, 2),
               "rule": asdict(rule)}
     return AbResult(name, mode, arm_dicts, results, summary, flags, cold, env, tinfo,
-                    metric, arms[0].name, prereg, None, notes, design, stop_d, effects, SPEEDUP_DEFINITION)
+                    metric, arms[0].name, prereg, None, notes, design, stop_d, effects, SPEEDUP_DEFINITION,
+                    non_io_per_read(results))
 
 
 # ---- pre-registration ----

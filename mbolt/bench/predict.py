@@ -69,6 +69,18 @@ def law(saved_ops_per_expert: float, slice_bytes: float, t_op: float, bw: float,
     return g, 1.0 / ((1.0 - s) + s / g)
 
 
+def decode_law(wall_base: float, io_base: float, reads_base: float, io_arm: float, reads_arm: float,
+               non_io_per_read_s: float = 0.0) -> float:
+    """End-to-end decode speedup of an arm over the baseline, per token:
+
+        wall = other + io + reads * c        (c: time per read spent outside I/O, e.g. bookkeeping)
+        speedup = wall_base / (other + io_arm + reads_arm * c),  other = wall_base - io_base - reads_base * c
+
+    With c = 0 this is DESIGN.md's 1/((1-s) + s/g), s = io_base/wall_base, g = io_base/io_arm."""
+    other = wall_base - io_base - reads_base * non_io_per_read_s
+    return wall_base / (other + io_arm + reads_arm * non_io_per_read_s)
+
+
 def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *, layouts=("reorder", "packed"),
             qd: int = 1, direct: bool = False, gap: int = 0, cache_slots: int = 0, s: float = 1.0,
             trace_name: str = "trace") -> dict:
