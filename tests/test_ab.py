@@ -392,3 +392,42 @@ def test_non_io_per_read_recovers_a_slope():
                           int(rp * 10), 0, 0, None, 0, 0, 0) for k, rp in enumerate([10, 50, 100, 300, 341, 38])]
     d = non_io_per_read(rounds)
     assert d["per_read_us"] == pytest.approx(25.0) and d["fixed_ms_per_token"] == pytest.approx(2.0)
+
+
+def test_probe_bursts_and_host_cache(tmp_path):
+    """A small probe: burst rows (k scattered reads back to back) with their fit, and the host-cache
+    probe, both recorded; cold before each config, proven by mincore."""
+    from mbolt.bench.probe import probe
+
+    d = probe(tmp_path, sizes=(16 << 10, 64 << 10), qds=(1,), modes=("buffered",), size_mb=64, reads_mb=1,
+              max_reads=16, repeats=1, burst_k=4, n_bursts=4, burst_span=4 << 20)
+    assert [(r["size"], r["k"], r["bursts"]) for r in d["burst_rows"]] == [(16 << 10, 4, 4), (64 << 10, 4, 4)]
+    assert all(r["cold_proven"] and r["t_op_us"] > 0 for r in d["burst_rows"])
+    assert set(d["burst_fits"]) == {"buffered_qd1"} and d["burst_fits"]["buffered_qd1"]["k"] == 4
+    hc = d["host_cache"]
+    assert hc["measured"] and hc["guest_eviction_proven"] and hc["reads"] == 64
+    assert hc["verdict"].split(":")[0] in ("yes", "not seen") and d["environment"]["host_cache"] == hc
+    assert not list(tmp_path.iterdir())  # temp files removed
+
+
+def test_cost_prefers_burst_figures_for_qd1_buffered(tmp_path):
+    from mbolt.bench.probe import cost, load_probe
+
+    p = fake_probe(tmp_path)
+    d = json.loads(p.read_text())
+    d["burst_fits"] = {"buffered_qd1": {"mode": "buffered", "qd": 1, "k": 8, "t_op_s": 150e-6, "bw_bytes_s": 8e8}}
+    p.write_text(json.dumps(d))
+    pr = load_probe(p)
+    assert cost(pr, False, 1) == (150e-6, 8e8)  # the burst figures
+    assert cost(pr, False, 1, bursts=False) == (100e-6, 1e9)  # the random-read figures
+    assert cost(pr, True, 1) == (100e-6, 1e9)  # O_DIRECT: no burst figures
+    assert cost(pr, False, 4) == (25e-6, 2e9)
+
+
+def test_ab_environment_records_host_cache(files):
+    import mbolt.bench.ab as ab
+
+    ab._HOST_CACHE.clear()
+    res = run_ab([Arm("stock", str(files["stock"]))], trace=rand_trace(), rounds=1, aa=False)
+    hc = res.environment["host_cache"]
+    assert hc["measured"] and "first_over_reread" in hc and "measured_at" in hc
