@@ -36,7 +36,6 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
-import math
 import os
 import time
 from contextlib import contextmanager
@@ -159,13 +158,11 @@ def median_ci(x, conf: float = 0.95, min_n: int = MIN_CI_ROUNDS) -> tuple[float,
     n = v.size
     if n < max(min_n, 1):
         return None
+    from scipy.stats import binom
+
     alpha = (1.0 - conf) / 2
-    k, cdf = 0, 0.0
-    for j in range(n // 2 + 1):  # cdf = P(B <= j)
-        cdf += math.comb(n, j) / 2.0 ** n
-        if cdf > alpha:
-            break
-        k = j + 1
+    # k = number of j in 0..n/2 with P(B <= j) <= alpha (binom.cdf is monotone in j)
+    k = int(np.sum(binom.cdf(np.arange(n // 2 + 1), n, 0.5) <= alpha))
     if k == 0:
         return None
     return float(v[k - 1]), float(v[n - k])
