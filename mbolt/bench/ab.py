@@ -266,6 +266,7 @@ class RoundResult:
     inflight_before: int | None = None  # device I/O in flight when the arm was about to start
     settle_s: float = 0.0  # time waited for it to drain
     prev_arm: str | None = None  # the arm that ran just before (carry-over), None for the first run
+    drop_s: float = 0.0  # time the store spent dropping the pages it read (outside io_s, inside wall_s)
 
 
 @dataclass
@@ -387,7 +388,7 @@ def round_result(arm: Arm, job: ArmJob, ev, quiet: dict, c, wall: float, ttft: f
     return RoundResult(arm.name, job.rnd, job.position, ev.resident_before, ev.resident_after, ev.proven, rejected,
                        tokens, wall, c.io_time, ttft, c.reads, c.bytes, c.useful_bytes, c.device_bytes, c.hits,
                        c.misses, c.major_faults, ev.note, c.ops, quiet.get("inflight_at_start"), quiet["waited_s"],
-                       job.prev_arm)
+                       job.prev_arm, c.drop_time)
 
 
 def run_replay_once(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
@@ -511,6 +512,8 @@ def summarise(arms: list[Arm], rounds: list[RoundResult], metric: str, seed: int
             f"{metric}_per_token_ms_median": float(np.median(val) * 1e3),
             "io_ms_per_token_median": float(np.median(io / tok) * 1e3),
             "wall_ms_per_token_median": float(np.median([r.wall_s / r.tokens for r in rs]) * 1e3),
+            "non_io_ms_per_token_median": float(np.median([(r.wall_s - r.io_s) / r.tokens for r in rs]) * 1e3),
+            "drop_ms_per_token_median": float(np.median([r.drop_s / r.tokens for r in rs]) * 1e3),
             "reads_per_token": float(np.median([r.reads / r.tokens for r in rs])),
             "mb_per_token": float(np.median(by_ / tok) / 1e6),
             "device_mb_per_token": float(np.median(np.array(dev) / tok[: len(dev)]) / 1e6) if dev else None,

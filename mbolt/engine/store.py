@@ -72,6 +72,7 @@ class StoreCounters:
     useful_bytes: int = 0
     io_time: float = 0.0
     compute_time: float = 0.0
+    drop_time: float = 0.0  # time spent dropping read pages (posix_fadvise DONTNEED), outside io_time
     major_faults: int = 0
     device_bytes: int | None = None
 
@@ -265,7 +266,9 @@ class ExpertStore:
         c.bytes += int(lens.sum())
         c.useful_bytes += int(R[..., 1].sum())
         if self.drop_pages and not self.direct:
+            t1 = time.perf_counter()
             _drop_span(self.fd, int(a.min()), int(b.max()))
+            c.drop_time += time.perf_counter() - t1
         got = {}
         if keep:
             roles = self._roles[layer]
@@ -321,10 +324,12 @@ class ExpertStore:
         c.useful_bytes += int(sizes.sum())
         c.bytes += int(sizes.sum())
         if self.drop_pages:
+            t1 = time.perf_counter()
             a = int(starts.min()) // DROP_ALIGN * DROP_ALIGN
             b = min(-(-int((starts + sizes).max()) // DROP_ALIGN) * DROP_ALIGN, self.file_size)
             m.madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
             _drop_span(self.fd, a, b)
+            c.drop_time += time.perf_counter() - t1
         return got
 
 
