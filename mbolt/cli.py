@@ -208,8 +208,8 @@ def ab_cmd(
                                "--time-budget). Each round runs every arm once, in a seeded balanced order."),
     min_rounds: int = typer.Option(12, "--min-rounds", help="Adaptive: never stop before this many rounds."),
     max_rounds: int = typer.Option(400, "--max-rounds", help="Adaptive: stop after this many rounds at most."),
-    time_budget: float = typer.Option(600.0, "--time-budget", help="Adaptive: stop when this many seconds are spent "
-                                      "(checked after every round)."),
+    time_budget: float = typer.Option(600.0, "--time-budget", help="Adaptive: seconds to spend at most; the run stops "
+                                      "at the end of a balanced block of rounds once another block would overrun it."),
     precision: float = typer.Option(0.05, "--precision", help="Adaptive: stop once the A/A interval is inside the "
                                     "tolerance and every treated arm's 95%% interval half-width is at most this "
                                     "share of its speedup."),

@@ -174,12 +174,15 @@ def test_adaptive_stop(files, fake_mode):
     assert (res.stop["reason"], res.stop["rounds"]) == ("max rounds", 24)
     assert any(re.search(r"A/A control off by -9\.\d%", f) for f in res.flags), res.flags
     # a spent time budget stops after the round it was spent in
-    res = run_ab(arms(), mode="fake", stop=StopRule(time_budget_s=0.0), host_cache={})
+    res = run_ab(arms(), mode="fake", stop=StopRule(time_budget_s=0.0, budget_at_checks=False), host_cache={})
     assert (res.stop["reason"], res.stop["rounds"]) == ("time budget", 1)
+    # by default only at the end of a balanced block (6 rounds here), from min_rounds on
+    res = run_ab(arms(), mode="fake", stop=StopRule(time_budget_s=0.0, min_rounds=1), host_cache={})
+    assert (res.stop["reason"], res.stop["rounds"]) == ("time budget", 6)
 
 
 def test_stop_check_rules():
-    rule = StopRule(min_rounds=12, max_rounds=100, time_budget_s=60.0, precision=0.05)
+    rule = StopRule(min_rounds=12, max_rounds=100, time_budget_s=60.0, precision=0.05, budget_at_checks=False)
     ok = [{"arm": "stock", "median_of_ratios": 1.0, "speedup_ci95": [1.0, 1.0]},
           {"arm": "packed", "median_of_ratios": 2.0, "speedup_ci95": [1.95, 2.05]},
           {"arm": "stock (A/A)", "median_of_ratios": 1.0, "speedup_ci95": [0.98, 1.02]}]

@@ -274,14 +274,16 @@ class StopRule:
     """When a run stops. `rounds` set: exactly that many. Otherwise adaptive: at every check point
     (each `check_every` rounds, default one balanced block) from `min_rounds` on, stop once the
     A/A interval lies inside the tolerance and every treated arm's interval half-width is at most
-    `precision` of its median; stop anyway at `max_rounds` or when `time_budget_s` is spent."""
+    `precision` of its median; stop anyway at `max_rounds` or when `time_budget_s` is (about to be)
+    spent."""
     rounds: int | None = None
     min_rounds: int = 12
     max_rounds: int = 400
     time_budget_s: float = 600.0
     precision: float = 0.05
     check_every: int = 0
-    budget_at_checks: bool = False  # stop for time only at a check point, when one more interval would overrun
+    budget_at_checks: bool = True  # stop for time only at a check point (whole blocks stay balanced), when one
+    # more check interval would overrun the budget; False: right after the round in which it was spent
 
 
 @dataclass
