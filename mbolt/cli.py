@@ -228,7 +228,16 @@ def ab_cmd(
     prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
     n_prompts: int = typer.Option(2, "--n-prompts", help="Decode: prompts used."),
     new_tokens: int = typer.Option(8, "--new-tokens", "-n", help="Decode: tokens generated per prompt."),
-    rounds: int = typer.Option(5, "--rounds", help="Rounds (arm order alternates every round)."),
+    rounds: int = typer.Option(None, "--rounds", help="Run exactly this many rounds (default: adaptive, see "
+                               "--time-budget). Each round runs every arm once, in a seeded balanced order."),
+    min_rounds: int = typer.Option(12, "--min-rounds", help="Adaptive: never stop before this many rounds."),
+    max_rounds: int = typer.Option(400, "--max-rounds", help="Adaptive: stop after this many rounds at most."),
+    time_budget: float = typer.Option(600.0, "--time-budget", help="Adaptive: seconds to spend at most; the run stops "
+                                      "at the end of a balanced block of rounds once another block would overrun it."),
+    precision: float = typer.Option(0.05, "--precision", help="Adaptive: stop once the A/A interval is inside the "
+                                    "tolerance and every treated arm's 95%% interval half-width is at most this "
+                                    "share of its speedup."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the arm orders (recorded in the result)."),
     qd: int = typer.Option(1, "--qd", help="Default queue depth (reads in flight) for arms."),
     direct: bool = typer.Option(False, "--direct", help="Default: O_DIRECT reads for arms."),
     gap: int = typer.Option(0, "--gap", help="Default merge gap (bytes)."),
@@ -242,15 +251,17 @@ def ab_cmd(
     name: str = typer.Option("", "--name", help="Result name: results/<name>.json."),
     out_dir: Path = typer.Option(Path("results"), "--out-dir", help="Where the result JSON goes."),
     prereg: Path = typer.Option(None, "--prereg", help="Run a pre-registration (prereg/x.toml): arms and rule from the file."),
-    plan: Path = typer.Option(None, "--plan", help="Plan of the treatment: print the prediction next to the measurement."),
-    probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures for the prediction."),
+    probe_json: Path = typer.Option(None, "--probe", help="Probe figures (mbolt probe): print each arm's predicted "
+                                    "speedup (from its own route map) next to the measured one. Default: "
+                                    "results/probe.json when it exists."),
     plot: Path = typer.Option(None, "--plot", help="Also draw speedups with CIs and reads/token into this PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
-    """Controlled cold A/B of arms (files + reader options): alternating order, eviction proven, A/A control."""
+    """Controlled cold A/B of arms (files + reader options): balanced seeded arm orders, eviction proven, A/A
+    control, adaptive number of rounds."""
     from rich.progress import Progress
 
-    from mbolt.bench.ab import parse_arm, run_ab, write_result
+    from mbolt.bench.ab import StopRule, parse_arm, run_ab, write_result
     from mbolt.report.bench_tables import ab_table
 
     pr = None
@@ -265,6 +276,8 @@ def ab_cmd(
             replay_trace = Path(pr.trace)
         decode = pr.mode == "decode"
         rounds = pr.rounds
+        min_rounds, max_rounds = pr.min_rounds, pr.max_rounds
+        time_budget, precision, seed = pr.time_budget, pr.precision, pr.seed
         name = name or pr.name
         if tokens_per_round:
             raise MboltError("--prereg defines the protocol: set tokens_per_round in the file, not on the command line")
@@ -295,28 +308,32 @@ def ab_cmd(
         lock = check_and_lock(pr)
         console.print(f"pre-registration {pr.path}: sha256 {pr.sha256[:16]}, run {lock['runs']} "
                       f"(locked {lock['locked_at']})")
+    if probe_json is None and Path("results/probe.json").exists():
+        probe_json = Path("results/probe.json")
+    rule = StopRule(rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, time_budget_s=time_budget,
+                    precision=precision)
     with Progress(console=err_console, transient=True) as bar:
-        task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)))
-        res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", rounds=rounds,
+        task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)) if rounds else None)
+        res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", stop=rule,
                      threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
                      progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
                      prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
-                     tokens_per_round=tokens_per_round, engine=engine)
+                     tokens_per_round=tokens_per_round, seed=seed, engine=engine)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 
         res.prereg["result"] = verdict(pr, res.summary)
-    if engine == "llama.cpp" and (plan is not None or probe_json.exists()):
+    if engine == "llama.cpp" and probe_json is not None:
         from mbolt.bench.llama_stream import record_routing
         from mbolt.bench.predict import predict_llama
 
         # the law with s measured in this run; counts on the routing llama.cpp computes
         ref = next((a for a in arm_list if a.mode != "os"), arm_list[0])
         res.prediction = predict_llama(res, record_routing(ref.path, prompt_ids, new_tokens), probe_json)
-    elif plan is not None:
+    elif probe_json is not None and trace is not None:
         from mbolt.bench.predict import predict_vs_measured
 
-        res.prediction = predict_vs_measured(res, plan, trace, probe_json)
+        res.prediction = predict_vs_measured(res, trace, probe_json)
     out = write_result(out_dir / f"{res.name}.json", res)
     if plot is not None:
         from mbolt.report.plots import plot_ab
@@ -326,6 +343,7 @@ def ab_cmd(
         print_json(res.to_dict())
         return
     console.print(ab_table(res))
+    console.print(f"stopped: {res.stop['reason']} ({res.stop['detail']})", highlight=False)
     for f in res.flags:
         console.print(f"[yellow]flag:[/] {f}")
     for n in res.notes:
@@ -337,8 +355,10 @@ def ab_cmd(
     if pr is not None:
         v = res.prereg["result"]
         colour = {"PASS": "green", "FAIL": "red"}.get(v["verdict"], "yellow")
+        ci = v.get("ci95")
+        ci_s = f"95% CI {ci[0]:.3f}-{ci[1]:.3f}" if ci else "no CI: fewer than 10 rounds"
         console.print(f"[bold {colour}]{v['verdict']}[/]: {pr.treatment} vs {pr.baseline} "
-                      f"{v.get('measured_speedup', float('nan')):.3f}x (95% CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}), "
+                      f"{v.get('measured_speedup', float('nan')):.3f}x ({ci_s}), "
                       f"threshold {pr.pass_threshold}, predicted {pr.predicted_speedup}")
     console.print(f"wrote {out}")
 

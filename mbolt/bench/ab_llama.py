@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mbolt.bench.ab import Arm, RoundResult
+from mbolt.bench.ab import Arm, ArmJob, RoundResult
 from mbolt.bench.llama_stream import LlamaStream, check_llama_streamable
 from mbolt.bench.pagecache import wait_quiet
 from mbolt.core.errors import MboltError
@@ -44,9 +44,10 @@ def _slots(arm: Arm) -> int:
     return arm.cache_slots if arm.mode != "os" else 0
 
 
-def run_llama_arm(arm: Arm, mm: MoeMap, trace=None, *, threshold: float, rnd: int, position: int,
-                  mode: str = "decode", prompts=None, n_new: int = 0) -> RoundResult:
-    """One arm, one round, in llama.cpp (see the module docstring)."""
+def run_llama_arm(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
+    """One arm, one round, in llama.cpp (see the module docstring): run_ab's runner for
+    --engine llama.cpp, with the signature of bench.ab.ARM_RUNNERS."""
+    threshold, rnd, position, prompts, n_new = job.threshold, job.rnd, job.position, job.prompts, job.n_new
     stream = LlamaStream(arm.path, reads=arm.mode != "os", gap=arm.gap, qd=arm.io_threads,
                          cache_slots=_slots(arm), evict=not arm.warm, callback=arm.callback, mm=mm)
     try:
@@ -68,7 +69,7 @@ def run_llama_arm(arm: Arm, mm: MoeMap, trace=None, *, threshold: float, rnd: in
     return RoundResult(arm.name, rnd, position, before, after, proven, rejected, run.decode_tokens, run.decode_s,
                        run.io_s, run.prefill_s / n, run.reads, run.bytes, run.useful_bytes, run.device_bytes,
                        run.hits, run.misses, run.major_faults, note, run.ops, quiet.get("inflight_at_start"),
-                       quiet["waited_s"], generated=run.generated)
+                       quiet["waited_s"], prev_arm=job.prev_arm, generated=run.generated)
 
 
 def check_same_tokens(rounds: list[RoundResult]) -> None:

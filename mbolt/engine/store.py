@@ -74,6 +74,7 @@ class StoreCounters:
     useful_bytes: int = 0
     io_time: float = 0.0
     compute_time: float = 0.0
+    drop_time: float = 0.0  # time spent dropping read pages (posix_fadvise DONTNEED), outside io_time
     major_faults: int = 0
     device_bytes: int | None = None
 
@@ -215,6 +216,19 @@ class ExpertStore:
                     self.on_evict(layer, gone)
         return out
 
+    def reserve(self, experts_per_call: int) -> int:
+        """Allocate the read arena for the largest call of `experts_per_call` misses and touch
+        every page now, so that no timed read pays first-touch page faults (or grows the arena)
+        and every arm starts with the same memory state. Returns the arena size in bytes."""
+        n_ranges = max(int(experts_per_call), 1) * max((r.shape[1] for r in self._ranges.values()), default=1)
+        longest = max((int(r[..., 1].max()) for r in self._ranges.values() if r.size), default=0)
+        need = n_ranges * (longest + 3 * ALIGN + self.merge_gap)  # alignment head, tail, slot
+        self._arena_view(need)
+        self._arena.seek(0)
+        self._arena.write(bytes(len(self._arena)))  # first touch, outside any timed read
+        self._arena.seek(0)
+        return len(self._arena)
+
     def _arena_view(self, size: int) -> memoryview:
         if self._arena is None or len(self._arena) < size:
             if self._arena is not None:
@@ -257,7 +271,9 @@ class ExpertStore:
         c.bytes += int(lens.sum())
         c.useful_bytes += int(R[..., 1].sum())
         if self.drop_pages and not self.direct:
+            t1 = time.perf_counter()
             _drop_span(self.fd, int(a.min()), int(b.max()))
+            c.drop_time += time.perf_counter() - t1
         got = {}
         if keep:
             roles = self._roles[layer]
@@ -313,10 +329,12 @@ class ExpertStore:
         c.useful_bytes += int(sizes.sum())
         c.bytes += int(sizes.sum())
         if self.drop_pages:
+            t1 = time.perf_counter()
             a = int(starts.min()) // DROP_ALIGN * DROP_ALIGN
             b = min(-(-int((starts + sizes).max()) // DROP_ALIGN) * DROP_ALIGN, self.file_size)
             m.madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
             _drop_span(self.fd, a, b)
+            c.drop_time += time.perf_counter() - t1
         return got
 
 
