@@ -136,6 +136,7 @@ def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
     assert aa["median_of_ratios"] < 0.97  # the injected bias is what the harness measured
     info = {"prompts": 1, "prefill_tokens": 0, "decode_tokens": n}
     summary = demo._summary(demo.SIZES["tiny"], "tiny", tmp_path / "demo.json", info, held, held, ab, {}, files, 1.0)
+    summary["workdir"] = str(tmp_path)  # run_demo adds where the folder is
     assert summary["ab"]["too_noisy"] is True
     assert all(a["speedup_vs_stock"] is None and a["speedup_ci95"] is None for a in summary["ab"]["arms"])
     assert summary["ab"]["instead"].startswith("mbolt ab ") and "--replay" in summary["ab"]["instead"]

@@ -183,7 +183,7 @@ def test_prediction_counts_what_llama_read(files, tmp_path):
     assert rows[0]["pred_speedup"] == pytest.approx(1.0)
 
 
-def test_cli_generate_stream_and_ab(files, tmp_path):
+def test_cli_generate_stream_and_ab(files, tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
     from mbolt.cli import app
@@ -195,9 +195,10 @@ def test_cli_generate_stream_and_ab(files, tmp_path):
     assert d["stream"] and len(d["ids"]) == 3 and d["reads_per_token"] > 0 and d["decode_tokens_per_s"] > 0
     r = CliRunner().invoke(app, ["generate", str(files["packed"]), "hi", "--engine", "llama.cpp", "--stream"])
     assert r.exit_code == 2 and "packed layout" in r.output and "Traceback" not in r.output
+    monkeypatch.chdir(tmp_path)  # no results/probe.json here: no prediction asked for
     r = CliRunner().invoke(app, ["ab", f"{files['stock']}:os,name=os", f"{files['reorder']}:name=reorder",
                                  "--decode", "--engine", "llama.cpp", "--rounds", "1", "-n", "2", "--no-aa",
-                                 "--out-dir", str(tmp_path), "--probe", str(tmp_path / "none.json"), "--json"])
+                                 "--out-dir", str(tmp_path), "--json"])
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert d["engine"] == "llama.cpp" and d["cold"] and (tmp_path / "ab.json").exists()

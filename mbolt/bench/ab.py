@@ -772,8 +772,6 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         arms = list(arms) + [replace(arms[0], name=f"{arms[0].name} (A/A)", control_of=arms[0].name)]
     info = check_same_model(arms)
     mm0 = info[arms[0].path][0]
-    if trace is not None:
-        check_compatible(trace, mm0, trace_path or "trace")
     runner = ARM_RUNNERS[mode]
     if engine == "llama.cpp":
         from mbolt.bench.ab_llama import check_llama_arms, run_llama_arm
@@ -784,6 +782,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
     elif any(a.warm or a.callback for a in arms):
         raise MboltError("arm options warm and callback are for --engine llama.cpp")
+    if trace is not None:
+        check_compatible(trace, mm0, trace_path or "trace")
     layouts = {p: lay for p, (m, lay) in info.items()}
     perms = {p: m.route_map.perm.tobytes() for p, (m, _) in info.items()}
     env = environment(arms[0].path)
