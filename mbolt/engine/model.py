@@ -29,7 +29,8 @@ from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, rou
 from mbolt.engine.source import MmapExpertSource
 from mbolt.core.routemap import RouteMap, read_route_map
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.gguf_set import open_model_header
+from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import MoeMap, moe_map
 
 F32 = np.float32
@@ -80,9 +81,11 @@ class Weights:
 
     def __init__(self, header: GGUFHeader):
         self.header = header
-        with open(header.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._mms = []  # one map per file (the shards of a split set)
+        for p in header.paths:
+            with open(p, "rb") as f:
+                self._mms.append(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        self.bufs = [np.frombuffer(m, dtype=np.uint8) for m in self._mms]
         self._cache: dict[str, tuple[np.ndarray, T]] = {}
 
     def has(self, name: str) -> bool:
@@ -96,7 +99,7 @@ class Weights:
 
     def raw(self, name: str) -> np.ndarray:
         t = self.info(name)
-        return self.buf[t.data_offset: t.data_offset + t.nbytes]
+        return self.bufs[t.file][t.data_offset: t.data_offset + t.nbytes]
 
     def get(self, name: str) -> np.ndarray:
         return self.get_typed(name)[0]
@@ -356,7 +359,7 @@ def load_model(path: str | os.PathLike, *, route: str = "file", expert_source=No
     if route not in ("file", "map"):
         raise MboltError(f"route must be 'file' or 'map', not {route!r}")
     path = Path(path)
-    header = read_header(path)
+    header = open_model_header(path)  # one file, or the whole split set `path` is a shard of
     arch = header.get("general.architecture")
     cls = ARCHS.get(arch)
     if cls is None:
