@@ -656,7 +656,6 @@ def reorder(
         u = unknown[0]
         raise MboltError(f"{src}: tensor {u.name} is expert-indexed but mbolt does not know how to permute it "
                          f"({u.why}); refusing to rewrite" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
-    in_rm = m.route_map
     E, L = m.n_experts, m.n_layers
     ident = np.tile(np.arange(E, dtype=np.int32), (L, 1))
     perm = ident.copy() if perm is None else check_perm(perm, L, E, "plan")
@@ -676,7 +675,22 @@ def reorder(
     protected = {m.source_fingerprint, m.fingerprint} | {s.fingerprint for s in m.header.shards}
     if dst.is_dir():
         raise MboltError(f"{dst}: is a directory (give a file path for the rewritten model)")
-    _check_outputs(out_paths, side, all_inputs, force, protected)
+    if not dst.parent.is_dir():
+        raise MboltError(f"{dst.parent}: output directory does not exist")
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(output_lock(dst))  # one writer per output, from the checks to the renames
+        removed = recover_interrupted(dst)
+        _check_outputs(out_paths, side, all_inputs, force, protected)
+        return _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side,
+                      in_paths, removed, stack, progress, t0)
+
+
+def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side, in_paths,
+           removed, stack, progress, t0) -> ReorderResult:
+    in_rm = m.route_map
+    src = Path(m.path)
+    n_shards = len(out_paths)
 
     header = m.header
     with src.open("rb") as f:  # metadata is copied verbatim from shard 1's header bytes
@@ -710,9 +724,7 @@ def reorder(
     ops = _copy_ops(tensors, starts)
     n_data = sum(n for _, _, n in ops)
 
-    removed: list[Path] = []
-    with output_lock(dst), interrupt_on_terminate(), contextlib.ExitStack() as stack:
-        removed += recover_interrupted(dst)
+    with interrupt_on_terminate():
         for p in out_paths + ([side] if side else []):
             removed += clean_stale_parts(p)
         fins = [stack.enter_context(open(p, "rb")) for p in in_paths]
