@@ -119,10 +119,10 @@ def merge_traces(traces: list[Trace], names: list[str] | None = None) -> Trace:
         if (t.n_layers, t.n_experts, t.k) != (first.n_layers, first.n_experts, first.k):
             raise MboltError(f"{name}: {t.n_layers} layers x {t.n_experts} experts, k={t.k}; {names[0]} has "
                              f"{first.n_layers} x {first.n_experts}, k={first.k}: not the same model")
-        if t.fingerprint and len(fps) > 1:
-            other = next(x for x in traces if x.fingerprint and x.fingerprint != t.fingerprint)
-            raise MboltError(f"{name}: recorded on model {t.fingerprint[:12]}, {names[traces.index(other)]} on "
-                             f"{other.fingerprint[:12]}: not the same model")
+    if len(fps) > 1:
+        known = [(t.fingerprint, n) for t, n in zip(traces, names) if t.fingerprint]
+        (fa, na), (fb, nb) = known[0], next(x for x in known if x[0] != known[0][0])
+        raise MboltError(f"{nb}: recorded on model {fb[:12]}, {na} on {fa[:12]}: not the same model")
     seqs, domains, notes = [], {}, []
     base = 0
     for t, name in zip(traces, names):

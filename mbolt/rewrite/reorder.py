@@ -611,9 +611,12 @@ def _check_outputs(paths: list[Path], side: Path | None, inputs: list, force: bo
     input was made from is never replaced (its set fingerprint is protected)."""
     for p in paths:
         if p.exists() and protected:
-            with contextlib.suppress(MboltError):
-                if open_model_header(p).fingerprint in protected:
-                    raise MboltError(f"{p}: is part of the model an input was made from; refusing to replace it "
+            try:
+                fp = open_model_header(p).fingerprint
+            except MboltError:
+                fp = ""  # not a readable model or set: check_output decides
+            if fp in protected:
+                raise MboltError(f"{p}: is part of the model an input was made from; refusing to replace it "
                                      "(write the rewritten model to a new path)")
         check_output(p, kind="gguf-mbolt", inputs=inputs, force=force, protected_fingerprints=protected,
                      what="rewritten model")
