@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.env import environment
-from mbolt.bench.pagecache import evict, expert_spans, resident_share, wait_quiet
+from mbolt.bench.pagecache import evict_model, expert_resident_share, wait_quiet
 from mbolt.engine.store import ExpertStore
 from mbolt.core.compat import check_compatible
 from mbolt.core.errors import MboltError
@@ -243,10 +243,10 @@ def run_arm(arm: Arm, mm: MoeMap, trace: Trace | None, *, threshold: float, rnd:
 
             model = load_model(arm.path, expert_source=store)
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
-        ev = evict(arm.path, threshold)
+        ev = evict_model(mm, threshold)  # every shard of a split set
         if mode == "decode" and ev.resident_after == ev.resident_after:
             # the engine maps the file: its dense weights stay resident; the experts must not
-            ev.resident_after = resident_share(arm.path, expert_spans(mm))
+            ev.resident_after = expert_resident_share(mm)
             ev.proven = ev.resident_after <= threshold
             ev.note = ev.note or "decode: resident share measured over the expert tensors"
         store.reset_counters()
