@@ -610,16 +610,16 @@ def _check_outputs(paths: list[Path], side: Path | None, inputs: list, force: bo
     """core.atomic.check_output for every output file, plus: an existing shard of the set an
     input was made from is never replaced (its set fingerprint is protected)."""
     for p in paths:
+        check_output(p, kind="gguf-mbolt", inputs=inputs, force=force, protected_fingerprints=protected,
+                     what="rewritten model")
         if p.exists() and protected:
             try:
                 fp = open_model_header(p).fingerprint
             except MboltError:
-                fp = ""  # not a readable model or set: check_output decides
+                fp = ""  # not a readable model or set: check_output decided
             if fp in protected:
                 raise MboltError(f"{p}: is part of the model an input was made from; refusing to replace it "
-                                     "(write the rewritten model to a new path)")
-        check_output(p, kind="gguf-mbolt", inputs=inputs, force=force, protected_fingerprints=protected,
-                     what="rewritten model")
+                                 "(write the rewritten model to a new path)")
     if side is not None and side.exists():
         check_output(side, kind="json", inputs=inputs, force=True, what="route-map sidecar")
 
