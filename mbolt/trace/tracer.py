@@ -127,8 +127,8 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
         seqs = seqs[i - 1::n]
         if not seqs:
             raise MboltError(f"--shard {i}/{n}: no prompts in this share ({len(items)} prompts)")
-    mm = moe_map(model)
-    backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
+    mm = moe_map(model)  # opened once: the reference engine takes it as is
+    backend = _Reference(mm, route, threads) if engine == "reference" else _Llama(mm.path, route, threads)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
     # The trace appears at `out` only when every prompt is done. An interrupted run keeps what it
