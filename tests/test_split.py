@@ -427,3 +427,11 @@ def test_ab_replay_on_sets(model, tmp_path):
     assert [r.useful_bytes for r in res.rounds] == [want, want]
     stock, packed = sorted(res.rounds, key=lambda r: r.arm != "stock")
     assert packed.reads < stock.reads  # one read per expert in the packed set, three in the stock set
+
+
+def test_verify_of_another_geometry_is_a_verdict_not_a_crash(model, tmp_path):
+    src, _ = model
+    other = write_synth(tmp_path / "o.gguf", SynthConfig(arch="qwen3moe", n_layers=4, n_experts=16, n_used=2, seed=3))
+    out = reorder(other, tmp_path / "o2.gguf", None)
+    res = cli("verify", src, out.dst, "--no-parity")
+    assert res.exit_code == 1 and "shape 4x16 != source 4x8" in res.output.replace("\n", " ").replace("│", "")

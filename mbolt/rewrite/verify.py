@@ -485,7 +485,7 @@ def verify(
     dense_moved = [l.index for l in om.layers if l.dense and not (out_rm.perm[l.index] == np.arange(out_rm.n_experts)).all()]
     if dense_moved:
         problems.append(f"dense layer {dense_moved[0]} has a non-identity perm")
-    moved = int(sum((out_rm.perm[l.index] != src_rm.perm[l.index]).sum() for l in om.moe_layers))
+    moved = 0 if problems else int(sum((out_rm.perm[l.index] != src_rm.perm[l.index]).sum() for l in om.moe_layers))
     if report.add("route map", not problems, "; ".join(problems) or
                   f"{out_rm.layout}, method {out_rm.method or '?'}, {moved} expert positions differ from the source") is False:
         report.seconds = time.perf_counter() - t0
