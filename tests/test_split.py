@@ -435,3 +435,25 @@ def test_verify_of_another_geometry_is_a_verdict_not_a_crash(model, tmp_path):
     out = reorder(other, tmp_path / "o2.gguf", None)
     res = cli("verify", src, out.dst, "--no-parity")
     assert res.exit_code == 1 and "shape 4x16 != source 4x8" in res.output.replace("\n", " ").replace("│", "")
+
+
+def test_reorder_never_replaces_the_model_a_trace_was_recorded_on(model, tmp_path):
+    from mbolt.core.mbtrace import write_trace
+    from mbolt.core.trace import DECODE, Trace
+
+    src, _ = model
+    stock = tmp_path / "stock.gguf"
+    shutil.copy(src, stock)
+    other = reorder(src, tmp_path / "other.gguf", None)  # some model file mbolt wrote
+    m = moe_map(stock)
+    n = 16
+    rng = np.random.default_rng(0)
+    ex = np.stack([np.stack([rng.choice(8, 2, replace=False) for _ in range(m.n_layers)]) for _ in range(n)])
+    # a trace recorded on other.gguf, used to reorder stock.gguf into other.gguf
+    tr = Trace(m.n_layers, 8, 2, ex.astype(np.int16), np.full(n, DECODE, np.uint8), np.zeros(n, np.int32),
+               np.arange(n, dtype=np.int32), fingerprint=moe_map(other.dst).fingerprint)
+    write_trace(tmp_path / "t.mbtrace", tr)
+    before = sha(other.dst)
+    res = cli("reorder", stock, other.dst, "--trace", tmp_path / "t.mbtrace", "--force")
+    assert res.exit_code == 2 and "model an input was made from" in res.output, res.output
+    assert sha(other.dst) == before

@@ -640,12 +640,14 @@ def reorder(
     sidecar: bool = True,
     split: SplitSpec | None = None,
     inputs: tuple = (),
+    protect: tuple = (),
 ) -> ReorderResult:
     """Rewrite `src` (a path, or the model already opened) into `dst` with experts in `perm`
     order ([n_layers, E] original ids per position; None = identity) and the given layout.
     `heat` is per position ([n_layers, E]). A split set is written as a set named after `dst`
     (out.gguf -> out-00001-of-0000N.gguf ...), cut as `split` says. `inputs`: other input
-    files of the command (plan, trace), never written over."""
+    files of the command (plan, trace), never written over; `protect`: fingerprints of models
+    they were made from (a plan's or trace's model), never replaced either."""
     t0 = time.perf_counter()
     m = src if isinstance(src, MoeMap) else moe_map(src)
     src = Path(m.path)
@@ -675,7 +677,8 @@ def reorder(
     side = sidecar_path(out_paths[0]) if sidecar else None
     in_paths = [Path(p) for p in m.paths]
     all_inputs = in_paths + [Path(x) for x in inputs if x is not None]
-    protected = {m.source_fingerprint, m.fingerprint} | {s.fingerprint for s in m.header.shards}
+    protected = {m.source_fingerprint, m.fingerprint} | {s.fingerprint for s in m.header.shards} | {
+        fp for fp in protect if fp}
     if dst.is_dir():
         raise MboltError(f"{dst}: is a directory (give a file path for the rewritten model)")
     if not dst.parent.is_dir():
@@ -841,6 +844,7 @@ def reorder_file(
     if len(given) != 1:
         raise MboltError("give exactly one of --plan, --trace or --identity" + (f" (got {' and '.join(given)})" if given else ""))
     m = moe_map(src)
+    made_from: tuple = ()
     if identity:
         perm, heat, method = None, None, "identity"
     else:
@@ -857,8 +861,9 @@ def reorder_file(
             tr = load_traces(traces)
             check_compatible(tr, m, ", ".join(map(str, traces)))
             p = make_plan(tr)
+        made_from = (p.meta.get("fingerprint", ""),)  # the model the plan or trace was made on
         perm, method = p.perm, p.method
         rows = np.arange(p.n_layers)[:, None]
         heat = np.asarray(p.heat, np.float32)[rows, p.perm]  # plan heat is per original id; the map's per position
     return reorder(m, dst, perm, heat=heat, method=method, layout=layout, force=force, progress=progress,
-                   split=split, inputs=(plan, *traces))
+                   split=split, inputs=(plan, *traces), protect=made_from)
