@@ -457,3 +457,39 @@ def test_reorder_never_replaces_the_model_a_trace_was_recorded_on(model, tmp_pat
     res = cli("reorder", stock, other.dst, "--trace", tmp_path / "t.mbtrace", "--force")
     assert res.exit_code == 2 and "model an input was made from" in res.output, res.output
     assert sha(other.dst) == before
+
+
+def test_set_killed_during_its_renames_is_refused_then_removed(model, tmp_path):
+    import subprocess
+    import sys
+    import textwrap
+
+    _, shards = model
+    m = moe_map(shards[0])
+    old = reorder(m, tmp_path / "r.gguf", perm_for(m, 1))
+    child = textwrap.dedent("""
+        import os, signal, sys
+        import numpy as np
+        import mbolt.rewrite.reorder as R
+        real = os.replace
+        n = [0]
+        def replace(a, b):
+            real(a, b)
+            n[0] += 1
+            if n[0] == 2:  # the sidecar and shard 3 are in place: die (no handler runs)
+                os.kill(os.getpid(), signal.SIGKILL)
+        R.os.replace = replace
+        rng = np.random.default_rng(2)
+        R.reorder(sys.argv[1], sys.argv[2], np.stack([rng.permutation(8) for _ in range(4)]), force=True)
+    """)
+    p = subprocess.run([sys.executable, "-c", child, str(shards[0]), str(tmp_path / "r.gguf")],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == -9, p.stderr
+    for f in old.files:  # old shards 1-2 beside the new shard 3: refused, whichever is opened
+        with pytest.raises(MboltError, match="another set"):
+            moe_map(f)
+    assert list(tmp_path.glob(".r.gguf.*.journal"))
+    res = reorder(m, tmp_path / "r.gguf", perm_for(m, 3))  # the next run cleans up and writes
+    assert sorted(set(res.files) & set(res.removed_stale)) == sorted(res.files)
+    assert verify(shards[0], res.files[1]).ok
+    assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
