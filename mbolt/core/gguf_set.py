@@ -11,7 +11,9 @@ shard (`file`, an index into `header.paths`) and its absolute offset in that sha
 checked first: every shard present, `split.no` = 0..N-1, the same `split.count` and
 `split.tensors.count` everywhere and equal to the tensors found, no tensor twice, one set
 identity (`mbolt.set.id`, written by `mbolt reorder` into every shard it writes: a shard of
-another set, or an old shard beside new ones, is refused).
+another set, or an old shard beside new ones, is refused). A set written by gguf-split or
+gguf-py has no such id: there a foreign shard is caught only when its split keys, tensor
+names or architecture disagree (a shard of an identically shaped model is not detectable).
 
 Fingerprint of a set: sha256 over "mbolt.set:" followed by every shard's header fingerprint
 (in shard order, comma separated), hex, first 16 bytes. It changes when any shard's header
