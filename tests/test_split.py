@@ -493,3 +493,19 @@ def test_set_killed_during_its_renames_is_refused_then_removed(model, tmp_path):
     assert sorted(set(res.files) & set(res.removed_stale)) == sorted(res.files)
     assert verify(shards[0], res.files[1]).ok
     assert not [q for q in tmp_path.iterdir() if q.name.startswith(".")]
+
+
+def test_force_replaces_a_set_of_another_shard_count_as_a_whole(model, tmp_path):
+    src, shards = model
+    out = tmp_path / "o.gguf"
+    three = reorder(shards[0], out, None)
+    with pytest.raises(MboltError, match="output exists"):
+        reorder(src, out, None, split=SplitSpec(max_tensors=30))  # a 2-shard set under the same name
+    two = reorder(src, out, None, split=SplitSpec(max_tensors=30), force=True)
+    assert len(two.files) == 2
+    assert not any(map(lambda p: __import__("os").path.exists(p), three.files))
+    assert sorted(q.name for q in tmp_path.iterdir()) == sorted(
+        [p.split("/")[-1] for p in two.files] + [two.sidecar.split("/")[-1]])
+    one = reorder(src, out, None, split=SplitSpec(no_split=True), force=True)
+    assert sorted(q.name for q in tmp_path.iterdir()) == ["o.gguf", "o.gguf.mbolt.json"]
+    assert verify(src, one.dst).ok

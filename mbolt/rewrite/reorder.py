@@ -688,8 +688,27 @@ def reorder(
         stack.enter_context(output_lock(dst))  # one writer per output, from the checks to the renames
         removed = recover_interrupted(dst)
         _check_outputs(out_paths, side, all_inputs, force, protected)
-        return _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side,
-                      in_paths, removed, stack, progress, t0)
+        # another model already written under this name (a set of another shard count, or one
+        # file where a set goes): replaced as a whole with --force, so `verify OUT` is unambiguous
+        others = [p for p in other_outputs(dst) if p not in out_paths]
+        _check_outputs(others, None, all_inputs, force, protected)
+        res = _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side,
+                     in_paths, removed, stack, progress, t0)
+        for p in others:
+            for q in (p, sidecar_path(p)):
+                with contextlib.suppress(FileNotFoundError):
+                    q.unlink()
+                    res.removed_stale.append(str(q))
+        return res
+
+
+def other_outputs(dst: Path) -> list[Path]:
+    """Model files named after `dst`: dst itself and the shards of any set named after it."""
+    import glob
+
+    stem = dst.name[:-5] if dst.name.endswith(".gguf") else dst.name
+    found = sorted(dst.parent.glob(glob.escape(stem) + "-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].gguf"))
+    return ([dst] if dst.exists() else []) + found
 
 
 def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side, in_paths,
