@@ -13,6 +13,9 @@ Arms, each its own process timed from outside with its peak RSS (bench_rewrite.p
 in two cache states (warm: files read once before; cold: every input evicted, proven by
 mincore), arm order alternating between rounds, medians reported.
 
+Part 3 (with --like PROFILE): `mbolt synth-trace --like PROFILE` and `mbolt plan` (tsp,
+mbolt-chain, --compare for held-out reads/token of every method) on that trace, timed.
+
 Part 2, "geometry" (goal: flat memory, RSS < 300 MB whatever the size): the 744B-class geometry
 of --preset (default glm-5.2, the GLM-5.2-shaped synth preset; if this mbolt has no such preset
 it falls back to qwen3moe with 78 layers x 256 experts, k=8) with its expert slices scaled down
@@ -34,6 +37,7 @@ import json
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -197,6 +201,24 @@ def zipf_trace(path: Path, m, n_tokens: int, seed: int = 0) -> None:
     write_trace(path, tr)
 
 
+def bench_like(profile: str, tokens: int, tmp: Path, log) -> dict:
+    """Planning on a calibrated trace: `mbolt synth-trace --like PROFILE`, then `mbolt plan
+    --compare` (every method on held-out tokens, tsp and mbolt-chain among them), timed."""
+    trace = tmp / "like.mbtrace"
+    d = run([*MBOLT, "synth-trace", "--like", profile, "-o", str(trace), "--tokens", str(tokens), "--json"])
+    log(f"  synth-trace      {d['seconds']:7.2f} s  rss {d['peak_rss_mb']:7.1f} MB")
+    out = {"profile": profile, "synth_trace": {"seconds": d["seconds"], "peak_rss_mb": d["peak_rss_mb"]}}
+    for method in ("tsp", "mbolt-chain"):
+        d = run([*MBOLT, "plan", str(trace), "--method", method, "--geometry", "unit", "--json"])
+        out[method] = {"seconds": d["seconds"], "peak_rss_mb": d["peak_rss_mb"]}
+        log(f"  plan {method:11} {d['seconds']:7.2f} s  rss {d['peak_rss_mb']:7.1f} MB")
+    res = subprocess.run([*MBOLT, "plan", str(trace), "--compare", "--bound", "none", "--geometry", "unit", "--json"],
+                         capture_output=True, text=True, check=True)
+    out["compare"] = json.loads(res.stdout).get("compare")
+    trace.unlink(missing_ok=True)
+    return out
+
+
 def bench_geometry(preset: str, target_gb: float, n_shards: int, tokens: int, tmp: Path, log) -> dict:
     if preset in PRESETS:
         base = {k: PRESETS[preset][k] for k in ("n_layers", "n_experts", "n_used")}
@@ -248,6 +270,8 @@ def main() -> None:
     ap.add_argument("--preset", default="glm-5.2", help="synth preset of the 744B-class geometry (part 2)")
     ap.add_argument("--geo-gb", type=float, default=4.0, help="size of the part 2 set, GB (0 = skip part 2)")
     ap.add_argument("--tokens", type=int, default=20000, help="decode tokens of the part 2 planning trace")
+    ap.add_argument("--like", default=None, help="a co-activation profile (e.g. ../shared/data/mbolt/"
+                    "coactivation_glm52_overlay.json): also time synth-trace --like and plan on it")
     ap.add_argument("--reps", type=int, default=2, help="rounds per cache state (arm order alternates)")
     ap.add_argument("--tmp", default=None, help="scratch directory (default: system temp)")
     ap.add_argument("--out", default=str(ROOT / "results" / "split.json"))
@@ -274,6 +298,13 @@ def main() -> None:
         if a.geo_gb > 0:
             log(f"part 2: 744B-class geometry, ~{a.geo_gb} GB")
             result["geometry"] = bench_geometry(a.preset, a.geo_gb, a.shards, a.tokens, Path(tmp), log)
+        if a.like:
+            log(f"part 3: planning on a trace calibrated to {a.like}")
+            try:
+                result["like"] = bench_like(a.like, a.tokens, Path(tmp), log)
+            except (RuntimeError, subprocess.CalledProcessError) as e:  # e.g. a profile this mbolt cannot read
+                result["like"] = {"profile": a.like, "error": str(e)[-500:]}
+                log(f"  skipped: {str(e)[-300:]}")
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out, json.dumps(result, indent=1) + "\n")
