@@ -365,8 +365,10 @@ def ab_cmd(
 
 @user_errors
 def reorder_cmd(
-    src: Path = typer.Argument(..., help="Source MoE GGUF (stock, or a file mbolt already rewrote)."),
-    dst: Path = typer.Argument(..., help="Output GGUF (a new path; the source is never modified)."),
+    src: Path = typer.Argument(..., help="Source MoE GGUF (stock, or a file mbolt already rewrote), or any shard "
+                               "of a split set (NAME-0000I-of-0000N.gguf: the whole set is read)."),
+    dst: Path = typer.Argument(..., help="Output GGUF (a new path; the source is never modified). A set is written "
+                               "as DST-00001-of-0000N.gguf ..."),
     plan: Path = typer.Option(None, "--plan", help="plan.json from `mbolt plan` (perms name original expert ids)."),
     layout: str = typer.Option("reorder", "--layout", help="reorder: standard tensor names, loads in unmodified "
                                "llama.cpp. packed: each expert's gate|up|down adjacent in one blob per layer "
@@ -374,31 +376,42 @@ def reorder_cmd(
                                "the store read it, llama.cpp does NOT load this layout."),
     identity: bool = typer.Option(False, "--identity", help="Identity plan: stock order plus a route map "
                                   "(a control for the whole pipeline; restores stock order of a rewritten file)."),
-    trace: Path = typer.Option(None, "--trace", help="Plan inline from this .mbtrace with the default method."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
+    trace: list[Path] = typer.Option(None, "--trace", help="Plan inline from this .mbtrace with the default method "
+                                     "(repeat to merge traces of the same model)."),
+    split_max_tensors: int = typer.Option(0, "--split-max-tensors", help="Write a set: at most this many tensors "
+                                          "per shard (default: the input's shards, one file for one file)."),
+    split_max_size: str = typer.Option(None, "--split-max-size", help="Write a set: at most this much tensor data "
+                                       "per shard (e.g. 4G, 500M)."),
+    no_split: bool = typer.Option(False, "--no-split", help="Write one file, even from a split set."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous mbolt output (never an input, nor the "
+                               "model an input was made from, nor any other file)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
     """Rewrite a MoE GGUF bit-exactly with experts in plan order (+ route map and JSON sidecar).
 
-    Streams with bounded memory (os.copy_file_range); writes a temp file beside the output,
-    fsyncs and renames, so an interrupted run never leaves a partial output."""
+    Streams with bounded memory (os.copy_file_range); writes temp files beside the output,
+    fsyncs and renames, so an interrupted run never leaves a partial output (a set is
+    renamed into place as a whole: readers refuse a mix of shards of two runs)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from mbolt.report.rewrite_tables import reorder_table
-    from mbolt.rewrite.reorder import reorder_file
+    from mbolt.rewrite.reorder import SplitSpec, parse_size, reorder_file
 
+    split = SplitSpec(no_split, split_max_tensors, parse_size(split_max_size))
+    split.check()
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task(f"writing {dst.name}", total=None)
-        r = reorder_file(src, dst, plan=plan, trace=trace, identity=identity, layout=layout, force=force,
-                         progress=lambda d, t: bar.update(task, completed=d, total=t))
+        r = reorder_file(src, dst, plan=plan, trace=trace or None, identity=identity, layout=layout, force=force,
+                         progress=lambda d, t: bar.update(task, completed=d, total=t), split=split)
     show(as_json, r.to_dict(), lambda: reorder_table(r))
 
 
 @user_errors
 def verify_cmd(
-    src: Path = typer.Argument(..., help="The source GGUF."),
-    out: Path = typer.Argument(..., help="The file `mbolt reorder` wrote from it."),
+    src: Path = typer.Argument(..., help="The source GGUF (one file or any shard of a split set)."),
+    out: Path = typer.Argument(..., help="The file or set `mbolt reorder` wrote from it (any shard, or the "
+                               "path given to reorder)."),
     prompts: Path = typer.Option(None, "--prompts", help="Prompts for routing parity: .jsonl (prompt/text field) "
                                  "or one per line (default: a built-in set)."),
     n_prompts: int = typer.Option(8, "--n-prompts", help="Use at most this many prompts."),
@@ -656,10 +669,13 @@ def trace_cmd(
     limit: int = typer.Option(0, "--n-prompts", help="Use at most this many prompts (0 = all)."),
     threads: int = typer.Option(0, "--threads", help="llama.cpp threads (0 = all cores)."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
+    shard: str = typer.Option(None, "--shard", help="I/N: trace only the I-th of N deterministic shares of the "
+                              "prompts (prompts I, I+N, ...), e.g. on N machines; join with `mbolt trace-merge`."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ):
-    """Run prompts and record every token's routing (prefill and decode) into an .mbtrace."""
+    """Run prompts and record every token's routing (prefill and decode) into an .mbtrace.
+    MODEL may be any shard of a split set."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mbolt.core.prompts import read_prompts
@@ -667,6 +683,7 @@ def trace_cmd(
 
     if out.exists() and not force:
         raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    share = parse_share(shard) if shard else None
     if prompts is None:
         from mbolt.data import PROMPTS, path
 
@@ -681,7 +698,7 @@ def trace_cmd(
             bar.update(task, completed=done, rate=f"{toks} tok, {toks / secs if secs > 0 else 0:.1f} tok/s")
 
         res = trace_prompts(model, items, out, max_new_tokens=max_new_tokens, engine=engine,
-                            route=route, threads=threads or None, on_progress=progress)
+                            route=route, threads=threads or None, on_progress=progress, shard=share)
     if as_json:
         print_json(res)
     else:
@@ -690,9 +707,47 @@ def trace_cmd(
                       f"({res['tokens_per_s']:.1f} tok/s, {engine})")
 
 
+def parse_share(text: str) -> tuple[int, int]:
+    """'2/4' -> (2, 4) for `trace --shard`."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise MboltError(f"--shard {text!r}: expected I/N, e.g. 2/4") from None
+    if not 1 <= i <= n:
+        raise MboltError(f"--shard {text}: expected I/N with 1 <= I <= N")
+    return i, n
+
+
+@user_errors
+def trace_merge_cmd(
+    traces: list[Path] = typer.Argument(..., help="Traces of the same model (e.g. from `mbolt trace --shard I/N`)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous trace at --out (never an input)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Join traces of one model into one .mbtrace: refuses other models (fingerprint) or
+    geometry, renumbers sequences, keeps domains."""
+    from mbolt.core.atomic import check_output
+    from mbolt.core.mbtrace import write_trace
+    from mbolt.core.trace_import import load_traces
+
+    check_output(out, kind="mbtrace", inputs=traces, force=force, what="merged trace")
+    tr = load_traces(traces)
+    write_trace(out, tr, force=True)
+    res = {"out": str(out), "inputs": [str(t) for t in traces], "tokens": tr.n_tokens,
+           "sequences": int(len(set(tr.seq.tolist()))), "n_layers": tr.n_layers, "n_experts": tr.n_experts,
+           "k": tr.k, "fingerprint": tr.fingerprint, "domains": len(tr.domains)}
+    if as_json:
+        print_json(res)
+    else:
+        console.print(f"wrote [bold]{out}[/]: {res['tokens']} tokens, {res['sequences']} sequences from "
+                      f"{len(traces)} traces")
+
+
 @user_errors
 def plan_cmd(
-    trace: Path = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin)."),
+    trace: list[Path] = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin); "
+                                       "several traces of the same model are merged (as `mbolt trace-merge`)."),
     out: Path = typer.Option(None, "-o", "--out", help="Write the plan JSON here."),
     method: str = typer.Option("tsp", "--method", help="stock, heat, heat-tsp, mbolt-chain or tsp."),
     train_frac: float = typer.Option(0.5, "--train-frac", help="Leading share of tokens to train on (rest held out)."),
@@ -718,7 +773,7 @@ def plan_cmd(
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task(f"planning ({method})")
-        res = plan_file(trace, out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
+        res = plan_file(trace if len(trace) > 1 else trace[0], out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
                         phase=phase, model=model, geometry=geometry, layout=layout, gap=gap, cache_slots=cache,
                         compare=compare, bound=bound, force=force, heldout_out=heldout,
                         progress=lambda m: bar.update(task, description=f"planned {m}"))
@@ -822,6 +877,7 @@ COMMANDS = [
     ("demo", demo_cmd, "Start here"),
     ("report", report_cmd, "Start here"),
     ("trace", trace_cmd, "Pipeline"),
+    ("trace-merge", trace_merge_cmd, "Pipeline"),
     ("plan", plan_cmd, "Pipeline"),
     ("reorder", reorder_cmd, "Pipeline"),
     ("verify", verify_cmd, "Pipeline"),

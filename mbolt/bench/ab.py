@@ -49,7 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.env import environment
-from mbolt.bench.pagecache import evict, expert_spans, resident_share, wait_quiet
+from mbolt.bench.pagecache import evict_model, expert_resident_share, wait_quiet
 from mbolt.engine.generate import greedy_decode
 from mbolt.engine.store import ExpertStore
 from mbolt.core.compat import check_compatible
@@ -387,10 +387,10 @@ def paused_gc():
 def cold_start(arm: Arm, mm: MoeMap, threshold: float, experts_only: bool = False):
     """Wait for the device to go idle, evict the arm's file and prove it (mincore)."""
     quiet = wait_quiet(arm.path)  # the previous arm's I/O must not overlap this arm
-    ev = evict(arm.path, threshold)
+    ev = evict_model(mm, threshold)  # every shard of a split set
     if experts_only and ev.resident_after == ev.resident_after:
         # the engine maps the file: its dense weights stay resident; the experts must not
-        ev.resident_after = resident_share(arm.path, expert_spans(mm))
+        ev.resident_after = expert_resident_share(mm)
         ev.proven = ev.resident_after <= threshold
         ev.note = ev.note or "decode: resident share measured over the expert tensors"
     return quiet, ev

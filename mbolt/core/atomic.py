@@ -130,7 +130,8 @@ def file_kind(path: str | os.PathLike) -> str:
     except OSError:
         return "other"
     if head.startswith(b"GGUF"):
-        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head) else "gguf-model"
+        # a shard of a set mbolt wrote carries mbolt.set.id (the route map is in shard 1 only)
+        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head or b"mbolt.set.id" in head) else "gguf-model"
     if head.startswith(b"MBTRACE"):
         return "mbtrace"
     if head.startswith(b"\x89PNG"):

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.gguf_set import open_model_header, vaddr
+from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import MoeLayer, MoeMap
 
 ROUTE_MAP_VERSION = 1
@@ -126,7 +127,7 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
     """The route map of a GGUF (identity with layout "stock" for a file mbolt did not write)."""
     if isinstance(src, MoeMap):
         return src.route_map
-    header = src if isinstance(src, GGUFHeader) else read_header(src)
+    header = src if isinstance(src, GGUFHeader) else open_model_header(src)
     path = header.path
     n_layers, n_experts = _model_shape(header)
     layout = header.get("mbolt.layout")
@@ -156,17 +157,19 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
 
 
 def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
-    """int64 [E, n_roles, 2]: (absolute start, size) of every expert's slice of every routed
-    weight tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order.
+    """int64 [E, n_roles, 2]: (start, size) of every expert's slice of every routed weight
+    tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order. The start is a
+    virtual offset (core.gguf_set.vaddr: file index << 48 | offset in that file), the plain
+    absolute offset for a one-file model; `split_vaddr` gives (file, offset).
 
-    Works for stock, reorder and packed files (a dense layer gives [E, 0, 2]).
+    Works for stock, reorder and packed files and split sets (a dense layer gives [E, 0, 2]).
     """
     layer = moemap.layers[layer] if isinstance(layer, (int, np.integer)) else layer
     pos = moemap.route_map.pos[layer.index].astype(np.int64)
     weights = layer.weights
     out = np.empty((moemap.n_experts, len(weights), 2), np.int64)
     for r, w in enumerate(weights):
-        out[:, r, 0] = w.data_offset + pos * (w.stride or w.slice_bytes)
+        out[:, r, 0] = vaddr(w.file, w.data_offset) + pos * (w.stride or w.slice_bytes)
         out[:, r, 1] = w.slice_bytes
     return out
 
@@ -191,7 +194,8 @@ def sidecar_dict(moemap: MoeMap) -> dict:
                 {
                     "name": w.name, "role": w.role, "type": w.type, "ne": list(w.ne),
                     "data_offset": w.data_offset, "slice_bytes": w.slice_bytes,
-                    "stride": w.stride or w.slice_bytes, **({"container": w.container} if w.container else {}),
+                    "stride": w.stride or w.slice_bytes, "file": w.file,
+                    **({"container": w.container} if w.container else {}),
                 }
                 for w in layer.weights
             ],
@@ -200,8 +204,9 @@ def sidecar_dict(moemap: MoeMap) -> dict:
         "format": "mbolt.routemap",
         **rm.to_dict(),
         "file": Path(moemap.path).name,
+        "files": [Path(p).name for p in moemap.paths],  # a tensor's "file" indexes this list
         "file_size": h.file_size,
-        "fingerprint": h.fingerprint,
+        "fingerprint": h.fingerprint,  # of the GGUF (or set) this sidecar describes: readers check it
         "arch": moemap.arch,
         "n_used": moemap.n_used,
         "how_to_locate": "slice of original expert e in a tensor of layer l starts at "
@@ -210,11 +215,15 @@ def sidecar_dict(moemap: MoeMap) -> dict:
     }
 
 
-def read_sidecar(path: str | os.PathLike) -> RouteMap:
-    """Read a JSON sidecar back into a RouteMap (validated)."""
+def read_sidecar(path: str | os.PathLike, fingerprint: str | None = None) -> RouteMap:
+    """Read a JSON sidecar back into a RouteMap (validated). With `fingerprint` (the GGUF's),
+    a sidecar written for another file is refused: the GGUF and its sidecar are one unit."""
     p = Path(path)
     try:
         d = json.loads(p.read_text())
+        if fingerprint is not None and d.get("fingerprint") != fingerprint:
+            raise MboltError(f"{p}: describes another file (fingerprint {str(d.get('fingerprint'))[:12]}, the GGUF "
+                             f"beside it has {fingerprint[:12]}): stale sidecar, rewrite the model")
         perm = np.asarray(d["perm"], np.int64)
         n_layers, n_experts = int(d["n_layers"]), int(d["n_experts"])
         perm = check_perm(perm, n_layers, n_experts, f"{p}: perm")

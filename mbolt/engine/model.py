@@ -26,9 +26,10 @@ from gguf import GGMLQuantizationType as T
 from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, sigmoid, silu, softmax
 from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
 from mbolt.engine.source import MmapExpertSource
-from mbolt.core.routemap import RouteMap, read_route_map
+from mbolt.core.routemap import RouteMap
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, MappedFile, read_header
+from mbolt.core.gguf_set import open_model_header
+from mbolt.core.header import GGUFHeader, MappedFile
 from mbolt.core.moe_map import MoeMap, moe_map
 
 F32 = np.float32
@@ -79,8 +80,8 @@ class Weights:
 
     def __init__(self, header: GGUFHeader):
         self.header = header
-        self.file = MappedFile(header.path)
-        self.buf = self.file.buf
+        self.files = [MappedFile(p) for p in header.paths]  # one map per file (the shards of a split set)
+        self.bufs = [f.buf for f in self.files]
         self._cache: dict[str, tuple[np.ndarray, T]] = {}
 
     def has(self, name: str) -> bool:
@@ -94,7 +95,7 @@ class Weights:
 
     def raw(self, name: str) -> np.ndarray:
         t = self.info(name)
-        return self.buf[t.data_offset: t.data_offset + t.nbytes]
+        return self.bufs[t.file][t.data_offset: t.data_offset + t.nbytes]
 
     def get(self, name: str) -> np.ndarray:
         return self.get_typed(name)[0]
@@ -349,26 +350,28 @@ class Model:
             self.source.close()
 
 
-def load_model(path: str | os.PathLike, *, route: str = "file", expert_source=None) -> Model:
-    """Open a MoE GGUF for the reference engine (see the module docstring for `route`)."""
+def load_model(path: str | os.PathLike | MoeMap, *, route: str = "file", expert_source=None) -> Model:
+    """Open a MoE GGUF (one file or any shard of a split set; or the model already opened as a
+    MoeMap, not read again) for the reference engine (see the module docstring for `route`)."""
     from mbolt.engine.arch import ARCHS
 
     if route not in ("file", "map"):
         raise MboltError(f"route must be 'file' or 'map', not {route!r}")
-    path = Path(path)
-    header = read_header(path)
+    opened = path if isinstance(path, MoeMap) else None
+    path = Path(opened.path if opened else path)
+    header = opened.header if opened else open_model_header(path)  # one file, or the whole set of a shard
     arch = header.get("general.architecture")
     cls = ARCHS.get(arch)
     if cls is None:
         raise MboltError(f"{path}: architecture {arch!r} is not supported by the reference engine "
                          f"(supported: {', '.join(sorted(ARCHS))}; `mbolt trace --engine llama.cpp` "
                          f"traces any architecture llama.cpp runs)")
-    mm = moe_map(header)
+    mm = opened or moe_map(header)
     tok = header.get("tokenizer.ggml.tokens")
     emb = header.tensor("token_embd.weight")
     if emb is None:
         raise MboltError(f"{path}: missing tensor token_embd.weight")
     n_vocab = int(emb.ne[1]) if len(emb.ne) > 1 else len(tok or [])
     hp = HParams.from_header(header, arch, n_vocab)
-    routes = read_route_map(header)
+    routes = mm.route_map
     return cls(path, header, mm, hp, routes, route, expert_source)

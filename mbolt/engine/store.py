@@ -44,6 +44,7 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.ranges import merge_ranges
+from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr
 from mbolt.core.routemap import expert_ranges
 
 ALIGN = 4096
@@ -116,16 +117,26 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(self.io_threads) if self.io_threads > 1 else None
         self._dev0 = proc_read_bytes()
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        # One descriptor per file: a split set's shards (ranges are virtual offsets, core.gguf_set).
+        self.fds: list[int] = []
+        self._maps: list[mmap.mmap] = []
         try:
-            self.fd = os.open(self.path, flags)
-        except OSError as e:
-            raise MboltError(f"{self.path}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
-        self.file_size = os.fstat(self.fd).st_size
-        self._map = None
-        if mode == "os":
-            self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-        elif not direct:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for p in self.mm.paths:
+                try:
+                    self.fds.append(os.open(p, flags))
+                except OSError as e:
+                    raise MboltError(f"{p}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
+            self.file_sizes = [os.fstat(fd).st_size for fd in self.fds]
+            if mode == "os":
+                self._maps = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in self.fds]
+            elif not direct:
+                for fd in self.fds:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except BaseException:
+            self.close()
+            raise
+        self.fd = self.fds[0]
+        self.file_size = self.file_sizes[0]
 
     # ---- public ----
 
@@ -155,15 +166,16 @@ class ExpertStore:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        for m in self._maps:
+            m.close()
+        self._maps = []
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        self.fd = -1
 
     def __enter__(self):
         return self
@@ -272,7 +284,7 @@ class ExpertStore:
         c.useful_bytes += int(R[..., 1].sum())
         if self.drop_pages and not self.direct:
             t1 = time.perf_counter()
-            _drop_span(self.fd, int(a.min()), int(b.max()))
+            self._drop(a, b)
             c.drop_time += time.perf_counter() - t1
         got = {}
         if keep:
@@ -289,14 +301,23 @@ class ExpertStore:
                 got[e] = d
         return got
 
+    def _drop(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Drop the page-cache span of what was just read, per file."""
+        files = a >> FILE_SHIFT
+        for f in np.unique(files):
+            sel = files == f
+            _drop_span(self.fds[int(f)], int(a[sel].min()) - (int(f) << FILE_SHIFT), int(b[sel].max()) - (int(f) << FILE_SHIFT))
+
     def _pread(self, view, off, n, where):
+        f, off = split_vaddr(off)
+        fd = self.fds[f]
         done = 0
         while done < n:
-            k = os.preadv(self.fd, [view[where + done:where + n]], off + done)
+            k = os.preadv(fd, [view[where + done:where + n]], off + done)
             if k <= 0:
-                if self.direct and off + done >= self.file_size:
+                if self.direct and off + done >= self.file_sizes[f]:
                     break  # aligned tail past the end of the file
-                raise MboltError(f"{self.path}: short read at byte {off + done} (wanted {n - done} more)")
+                raise MboltError(f"{self.mm.paths[f]}: short read at byte {off + done} (wanted {n - done} more)")
             done += k
 
     def _read_os(self, layer, missed, keep):
@@ -307,13 +328,13 @@ class ExpertStore:
         t0 = time.perf_counter()
         roles = self._roles[layer]
         got = {}
-        m = self._map
         sink = 0
         for i, e in enumerate(missed):
             d = {}
             for r, role in enumerate(roles):
                 j = i * len(roles) + r
-                s, n = int(starts[j]), int(sizes[j])
+                f, s = split_vaddr(starts[j])
+                m, n = self._maps[f], int(sizes[j])
                 if keep:
                     d[role] = np.frombuffer(m, dtype=np.uint8, count=n, offset=s).copy()
                 else:
@@ -330,10 +351,14 @@ class ExpertStore:
         c.bytes += int(sizes.sum())
         if self.drop_pages:
             t1 = time.perf_counter()
-            a = int(starts.min()) // DROP_ALIGN * DROP_ALIGN
-            b = min(-(-int((starts + sizes).max()) // DROP_ALIGN) * DROP_ALIGN, self.file_size)
-            m.madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
-            _drop_span(self.fd, a, b)
+            files = starts >> FILE_SHIFT
+            for f in np.unique(files):
+                sel = files == f
+                base = int(f) << FILE_SHIFT
+                a = (int(starts[sel].min()) - base) // DROP_ALIGN * DROP_ALIGN
+                b = min(-(-(int((starts + sizes)[sel].max()) - base) // DROP_ALIGN) * DROP_ALIGN, self.file_sizes[int(f)])
+                self._maps[int(f)].madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
+                _drop_span(self.fds[int(f)], a, b)
             c.drop_time += time.perf_counter() - t1
         return got
 

@@ -20,7 +20,7 @@ from mbolt.layout.methods import METHODS, order
 from mbolt.core.plan import Plan, save_plan
 from mbolt.core.routemap import identity_perm
 from mbolt.core.trace import Trace, split_trace
-from mbolt.core.trace_import import load_trace
+from mbolt.core.trace_import import load_traces
 
 # ---------------------------------------------------------------- building
 
@@ -158,7 +158,8 @@ def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 
 
     if gap < 0 or cache_slots < 0:
         raise MboltError("--gap and --cache must be >= 0")
-    trace = load_trace(trace_path)
+    trace = load_traces(trace_path)  # one path, or several traces of one model merged
+    trace_path = ", ".join(map(str, trace_path)) if isinstance(trace_path, (list, tuple)) else trace_path
     if model is not None:
         from mbolt.core.compat import check_compatible
         from mbolt.core.moe_map import moe_map

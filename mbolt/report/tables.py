@@ -98,6 +98,9 @@ def moe_map_table(m: MoeMap) -> Group:
         f"arch {m.arch}, {m.n_layers} layers ({len(m.moe_layers)} MoE), "
         f"{m.n_experts} experts, {m.n_used} used per token, layout "
         f"{m.header.get('mbolt.layout', 'stock')}, fingerprint {m.fingerprint[:12]}",
+        *([f"\nsplit set of {len(m.paths)} shards (fingerprint of the set): "
+           + ", ".join(f"{i + 1}: {s.path.name} ({len(s.tensors)} tensors, {human_bytes(s.file_size)})"
+                       for i, s in enumerate(m.header.shards))] if m.header.shards else []),
         *(f"\n  {line}" for line in moe_structure(m)),
     )
     t = Table(show_lines=False, header_style="bold")
@@ -111,8 +114,9 @@ def moe_map_table(m: MoeMap) -> Group:
             continue
         for x in layer.experts:
             role = f"[red]{x.role}[/] ({x.why})" if x.role == "unknown" else x.role
+            at = f"{x.data_offset:,}" + (f" (shard {x.file + 1})" if m.header.shards else "")
             t.add_row(str(layer.index), x.name.removeprefix(p), role, x.type, human_bytes(x.slice_bytes),
-                      f"{x.data_offset:,}", "yes" if x.aligned else "no")
+                      at, "yes" if x.aligned else "no")
         for name in layer.shared:
             info = m.header.tensor(name)
             t.add_row(str(layer.index), f"[dim]{name.removeprefix(p)}[/]", "[dim]shared[/]",

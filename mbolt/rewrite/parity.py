@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from mbolt.core.header import read_header
 from mbolt.core.routemap import read_route_map
 from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.core.vocab import byte_tokens
@@ -91,7 +90,7 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
     from mbolt.trace.llama_backend import LlamaRunner
 
     prompts = prompts or BUILTIN_PROMPTS
-    perm = read_route_map(read_header(out)).perm
+    perm = read_route_map(out).perm
     max_diff = 0.0
     tol_used = 0.0
     tokens_same = tokens_total = 0

@@ -75,7 +75,10 @@ class LlamaRunner:
         L = self.L = _lib()
         _quiet(L)
         L.llama_backend_init()
-        self.path = Path(path)
+        from mbolt.core.gguf_set import open_model_header
+
+        # llama.cpp opens a split set from its first shard: check the set, hand it shard 1
+        path = self.path = Path(open_model_header(path).path)
         mp = L.llama_model_default_params()
         mp.vocab_only = vocab_only
         if load_mode is not None:

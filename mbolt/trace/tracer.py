@@ -105,8 +105,13 @@ class _Llama:
 
 def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Prompt], out: str | os.PathLike, *,
                   max_new_tokens: int = 16, engine: str = "reference", limit: int | None = None,
-                  route: str = "file", threads: int | None = None, on_progress=None) -> dict:
+                  route: str = "file", threads: int | None = None, on_progress=None,
+                  shard: tuple[int, int] | None = None) -> dict:
     """Trace prompts through `model` into `out` (.mbtrace). Returns a summary dict.
+
+    `shard` (i, n), 1-based: trace only prompts i-1, i-1+n, i-1+2n, ... (a deterministic share,
+    for tracing on n machines; `mbolt trace-merge` joins the n traces). Sequence ids stay the
+    prompts' indices in the whole prompt list.
 
     on_progress(done_prompts, total_prompts, tokens_so_far, seconds) after every prompt.
     """
@@ -115,8 +120,16 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     if max_new_tokens < 0:
         raise MboltError(f"--new-tokens must be >= 0, got {max_new_tokens}")
     items = read_prompts(prompts, limit) if not isinstance(prompts, list) else prompts[:limit or None]
-    mm = moe_map(model)
-    backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
+    seqs = list(range(len(items)))
+    if shard is not None:
+        i, n = shard
+        if not 1 <= i <= n:
+            raise MboltError(f"--shard {i}/{n}: expected I/N with 1 <= I <= N")
+        seqs = seqs[i - 1::n]
+        if not seqs:
+            raise MboltError(f"--shard {i}/{n}: no prompts in this share ({len(items)} prompts)")
+    mm = moe_map(model)  # opened once: the reference engine takes it as is
+    backend = _Reference(mm, route, threads) if engine == "reference" else _Llama(mm.path, route, threads)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
     # The trace appears at `out` only when every prompt is done. An interrupted run keeps what it
@@ -128,7 +141,10 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
         with TraceWriter(part, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
                          weights=backend.weights, flush_every=64) as w:
             w.add_note(f"mbolt trace --engine {engine} --new-tokens {max_new_tokens} ({Path(model).name})")
-            for seq, p in enumerate(items):
+            if shard is not None:
+                w.add_note(f"share {shard[0]}/{shard[1]} of {len(items)} prompts")
+            for done, seq in enumerate(seqs):
+                p = items[seq]
                 ids = backend.encode(p.text)
                 if not ids:
                     raise MboltError(f"prompt on line {p.line} has no tokens")
@@ -148,7 +164,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
                     else:
                         n_decode += n
                 if on_progress is not None:
-                    on_progress(seq + 1, len(items), n_prefill + n_decode, time.perf_counter() - t0)
+                    on_progress(done + 1, len(seqs), n_prefill + n_decode, time.perf_counter() - t0)
     except BaseException as e:
         if part.exists() and part.stat().st_size > 0 and isinstance(e, KeyboardInterrupt):
             raise MboltError(f"{out}: interrupted; the {n_prefill + n_decode} tokens traced so far are in "
@@ -160,7 +176,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     os.replace(part, out)
     dt = time.perf_counter() - t0
     return {
-        "out": str(out), "engine": engine, "prompts": len(items), "prefill_tokens": n_prefill,
+        "out": str(out), "engine": engine, "prompts": len(seqs), "prefill_tokens": n_prefill,
         "decode_tokens": n_decode, "seconds": dt,
         "tokens_per_s": (n_prefill + n_decode) / dt if dt > 0 else 0.0,
         "n_layers": mm.n_layers, "n_experts": mm.n_experts, "k": mm.n_used,
