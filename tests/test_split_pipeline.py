@@ -142,3 +142,11 @@ def test_llama_pipeline_on_a_set(setup):
         assert greedy(outs["reorder"][2], ids) == want  # any shard: the runner opens the set
     # the plan moved experts: the output set is not a byte copy of the input set
     assert not (load_plan(d / "plan.json").perm == np.arange(8)).all()
+
+
+@needs_llama
+def test_llama_streaming_refuses_a_set_in_one_line(setup):
+    d, src, shards, prompts = setup
+    r = cli("generate", shards[0], "hi", "--engine", "llama.cpp", "--stream", "-n", "1")
+    assert r.exit_code == 2 and "split set" in r.output and "--no-split" in r.output, r.output
+    assert "Traceback" not in r.output
