@@ -65,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.atomic import atomic_output
+from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import DECODE, PREFILL, Trace
 
@@ -116,8 +117,10 @@ def _check_shape(where: str, n_layers: int, n_experts: int, k: int) -> None:
                          f"(got {n_layers}, {n_experts}, {k})")
     if k > n_experts:
         raise MboltError(f"{where}: k={k} is larger than the number of experts ({n_experts})")
-    if n_experts > 32767:
+    if n_experts > MAX_EXPERTS:
         raise MboltError(f"{where}: {n_experts} experts do not fit int16 expert ids")
+    if n_layers > MAX_LAYERS:
+        raise MboltError(f"{where}: {n_layers} layers (at most {MAX_LAYERS} supported: damaged file?)")
 
 
 def validate_experts(where: str, experts: np.ndarray, n_experts: int, first_record: int = 0,
