@@ -146,7 +146,7 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     """Parse and validate a GGUF header; every tensor's data must lie inside the file."""
     path = Path(path)
     if not path.is_file():
-        raise MboltError(f"{path}: no such file")
+        raise MboltError(f"{path}: " + ("is a directory, expected a GGUF file" if path.is_dir() else "no such file"))
     size = path.stat().st_size
     if size < 24:
         raise MboltError(f"{path}: not a GGUF file (only {size} bytes)")

@@ -102,10 +102,26 @@ class _Llama:
         self.r.close()
 
 
+def part_path(out: str | os.PathLike) -> Path:
+    """Where a trace being recorded lives until it is complete (kept when interrupted)."""
+    out = Path(out)
+    return out.with_name(out.name + ".part")
+
+
+def check_part(out: str | os.PathLike, force: bool) -> None:
+    """Refuse to start over a kept OUT.part (an interrupted run's tokens) unless `force`."""
+    part = part_path(out)
+    if part.exists() and not force:
+        raise MboltError(f"{part}: kept from an interrupted trace (a readable trace): move it away, or use "
+                         f"--force to discard it")
+
+
 def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Prompt], out: str | os.PathLike, *,
                   max_new_tokens: int = 16, engine: str = "reference", limit: int | None = None,
-                  route: str = "file", threads: int | None = None, on_progress=None) -> dict:
+                  route: str = "file", threads: int | None = None, on_progress=None, force: bool = False) -> dict:
     """Trace prompts through `model` into `out` (.mbtrace). Returns a summary dict.
+
+    A kept `OUT.part` from an interrupted run is replaced only with `force`.
 
     on_progress(done_prompts, total_prompts, tokens_so_far, seconds) after every prompt.
     """
@@ -113,6 +129,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
         raise MboltError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if max_new_tokens < 0:
         raise MboltError(f"--new-tokens must be >= 0, got {max_new_tokens}")
+    check_part(out, force)
     items = read_prompts(prompts, limit) if not isinstance(prompts, list) else prompts[:limit or None]
     mm = moe_map(model)
     backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
@@ -122,7 +139,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     # recorded in OUT.part (the format is crash-safe, so it stays readable) and never leaves a
     # partial file at `out`.
     out = Path(out)
-    part = out.with_name(out.name + ".part")
+    part = part_path(out)
     try:
         with TraceWriter(part, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
                          weights=backend.weights, flush_every=64) as w:
