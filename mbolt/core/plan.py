@@ -68,7 +68,7 @@ def validate_plan(plan: Plan, where: str = "plan", n_layers: int | None = None, 
     ref = np.arange(plan.n_experts)
     for l in range(plan.n_layers):
         if not np.array_equal(np.sort(plan.perm[l]), ref):
-            bad = sorted(set(ref) ^ set(plan.perm[l].tolist()))[:5]
+            bad = sorted(set(ref.tolist()) ^ set(plan.perm[l].tolist()))[:5]
             raise MboltError(f"{where}: layer {l}: perm is not a permutation of 0..{plan.n_experts - 1} "
                              f"(missing or repeated: {bad})")
 
