@@ -40,7 +40,7 @@ def gguf_bytes(kvs: dict, tensors: list[tuple[str, tuple[int, ...], int]], data_
     off = 0
     sizes = []
     for name, ne, ttype in tensors:
-        out += encode_tensor_info(name, ne, GGMLQuantizationType(ttype), off)
+        out += encode_tensor_info(name, ne, GGMLQuantizationType(ttype), off % (1 << 64))
         n = 4 * int(np.prod([int(x) for x in ne], dtype=object)) if ne else 4
         off += -(-n // alignment) * alignment
         if off <= 1 << 24:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from badfiles import mbolt_trace_bytes, mbtrace_header, moe_gguf, nuthatch_bin_bytes
 from hypothesis import HealthCheck, given, settings
+from gguf import GGUFValueType
 from hypothesis import strategies as st
 
 from mbolt.core.errors import MboltError
@@ -135,6 +136,31 @@ def test_fuzz_gguf_header(data, tmp_path):
     p = tmp_path / "x.gguf"
     p.write_bytes(data.draw(_mutate(seed[:400]), "header") + seed[400:])
     _check(_open_gguf, p, "GGUF header + MoE map")
+
+
+_kv_value = st.one_of(
+    st.tuples(st.just(GGUFValueType.UINT32), st.integers(0, 2**32 - 1)),
+    st.tuples(st.just(GGUFValueType.INT32), st.integers(-2**31, 2**31 - 1)),
+    st.tuples(st.just(GGUFValueType.UINT64), st.integers(0, 2**64 - 1)),
+    st.tuples(st.just(GGUFValueType.FLOAT32), st.floats(width=32, allow_nan=True)),
+    st.tuples(st.just(GGUFValueType.BOOL), st.booleans()),
+    st.tuples(st.just(GGUFValueType.STRING), st.text(max_size=8)),
+)
+_dim = st.one_of(st.integers(0, 64), st.sampled_from([2**31, 2**32, 2**63, 2**64 - 1]))
+
+
+@FUZZ
+@given(values=st.fixed_dictionaries({}, optional={k: _kv_value for k in (
+           "general.alignment", "qwen3moe.expert_count", "qwen3moe.expert_used_count", "qwen3moe.block_count")}),
+       extra=st.lists(st.tuples(st.sampled_from(["blk.0.ffn_gate_exps.weight", "blk.1.attn_q.weight",
+                                                 "blk.4095.norm.weight", "blk.99999999.norm.weight",
+                                                 "blk.0.ffn_gate_inp.weight", "output.weight"]),
+                                st.lists(_dim, min_size=1, max_size=4).map(tuple), st.sampled_from([0, 1, 8, 30])),
+                      max_size=3))
+def test_fuzz_gguf_fields(values, extra, tmp_path):
+    """Any GGUF type and value in the keys mbolt reads, and tensors of any shape and layer index."""
+    p = moe_gguf(tmp_path / "x.gguf", n_experts=4, extra_tensors=extra, **values)
+    _check(_open_gguf, p, "GGUF fields and shapes")
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +342,33 @@ def test_fuzz_examples_counted():
     """Runs last in this module: the counts the README's reliability section quotes."""
     if EXAMPLES:
         print("\nfuzzed examples per reader:", json.dumps(EXAMPLES), "total", sum(EXAMPLES.values()))
+
+
+@pytest.mark.parametrize("fmt", ["mbtrace", "MBOLT_TRACE", "NUTHTRC1", "GGUF"])
+def test_every_single_byte_flip(fmt, tmp_path):
+    """Exhaustively: every byte of a small valid file set to 0x00, 0xFF and 0x80 in turn. The
+    reader refuses it (MboltError) or returns a consistent result; for .mbtrace, whose every byte
+    is checksummed, a flip is never read as valid data (only a flip in the LAST record may be
+    dropped as a torn tail, with a note, as a crash would leave it)."""
+    if fmt == "mbtrace":
+        seed, reader, name = _mbtrace_seed(tmp_path), _load_trace, "x.mbtrace"
+    elif fmt == "MBOLT_TRACE":
+        seed = mbolt_trace_bytes(records=[(0, 2, 3, [0, 1, 2, 3, 4, 5]), (1, 2, 3, [1, 2, 3, 4, 5, 6]),
+                                          (0, 2, 1, [7, 0]), (1, 2, 1, [2, 3])])
+        reader, name = _load_trace, "x.bin"
+    elif fmt == "NUTHTRC1":
+        seed, reader, name = nuthatch_bin_bytes(), _load_trace, "x.bin"
+    else:
+        seed, reader, name = _gguf_seed(tmp_path)[:600], _open_gguf, "x.gguf"
+        tail = _gguf_seed(tmp_path)[600:]
+    p = tmp_path / name
+    for i in range(len(seed)):
+        for v in (0x00, 0xFF, 0x80):
+            b = bytearray(seed)
+            if b[i] == v:
+                continue
+            b[i] = v
+            p.write_bytes(bytes(b) + (tail if fmt == "GGUF" else b""))
+            got = _check(reader, p, f"single-byte flips ({fmt})")
+            if fmt == "mbtrace" and got is not None:
+                assert any("torn last record" in n for n in got.notes), f"byte {i} = {v:#x} read as valid"

@@ -106,8 +106,13 @@ def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> n
 def _model_shape(header: GGUFHeader) -> tuple[int, int]:
     from mbolt.core.moe_map import n_layers_of
 
+    from mbolt.core.checks import MAX_EXPERTS
+
     arch = header.get("general.architecture")
-    return n_layers_of(header), header.get_int(f"{arch}.expert_count")
+    n_experts = header.get_int(f"{arch}.expert_count")
+    if not 0 <= n_experts <= MAX_EXPERTS:  # it sizes the route map
+        raise MboltError(f"{header.path}: {arch}.expert_count is {n_experts} (at most {MAX_EXPERTS} supported)")
+    return n_layers_of(header), n_experts
 
 
 def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
