@@ -236,6 +236,7 @@ def synth_cmd(
         given["n_kv_heads"] = heads or SynthConfig.n_heads
     cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
     output(out, "gguf-mbolt", force=force, what="synthetic model")
+    cfg.validate()  # before the progress bar: an error is then the only output
     total = synth_size(cfg)
     if total > 64 << 20 and not as_json:
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
