@@ -644,16 +644,21 @@ def trace_cmd(
 
         prompts = path(PROMPTS)
     items = read_prompts(prompts, limit or None)
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console,
-                  transient=as_json) as bar:
-        task = bar.add_task(f"tracing ({engine})", total=len(items), rate="")
+    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console, transient=as_json)
+    tasks = []
 
-        def progress(done, total, toks, secs):
-            bar.update(task, completed=done, rate=f"{toks} tok, {toks / secs if secs > 0 else 0:.1f} tok/s")
+    def progress(done, total, toks, secs):
+        if not tasks:  # the bar appears once the model has loaded: a load error is the only output
+            bar.start()
+            tasks.append(bar.add_task(f"tracing ({engine})", total=len(items), rate=""))
+        bar.update(tasks[0], completed=done, rate=f"{toks} tok, {toks / secs if secs > 0 else 0:.1f} tok/s")
 
+    try:
         res = trace_prompts(model, items, out, max_new_tokens=max_new_tokens, engine=engine,
                             route=route, threads=threads or None, on_progress=progress, force=force)
+    finally:
+        bar.stop()
     if as_json:
         print_json(res)
     else:

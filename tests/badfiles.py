@@ -85,3 +85,20 @@ def flip(raw: bytes, at: int, value: int | None = None) -> bytes:
     b = bytearray(raw)
     b[at] = (b[at] ^ 0xFF) if value is None else value
     return bytes(b)
+
+
+def set_kv(src: Path, dst: Path, key: str, vtype, value, sub=None) -> Path:
+    """Copy of GGUF `src` with metadata `key` replaced (or added): the other pairs and the tensor
+    infos are copied verbatim, the data section follows the new header at the same alignment."""
+    from mbolt.core.header import read_header
+
+    h = read_header(src)
+    raw = src.read_bytes()
+    pairs = [encode_kv(key, vtype, value, sub) if k == key else raw[kv.span[0]:kv.span[1]] for k, kv in h.kv.items()]
+    if key not in h.kv:
+        pairs.append(encode_kv(key, vtype, value, sub))
+    infos_start = max(kv.span[1] for kv in h.kv.values())
+    out = encode_header_start(len(h.tensors), len(pairs), h.version) + b"".join(pairs) + raw[infos_start:h.header_size]
+    out += b"\0" * (-len(out) % h.alignment)
+    dst.write_bytes(out + raw[h.data_offset:])
+    return dst

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 import pytest
-from badfiles import (ARR, STR, U32, flip, mbolt_trace_bytes, mbtrace_header, moe_gguf,
+from badfiles import (ARR, STR, U32, flip, set_kv, mbolt_trace_bytes, mbtrace_header, moe_gguf,
                       nuthatch_bin_bytes)
 from typer.testing import CliRunner
 
@@ -291,6 +291,13 @@ CASES = [
     ("cache-nuthatch-lines-not-ascii", lambda w: (["cache", str(_write(w / "x.txt", b"0 1 2\n\xff\n")),
                                                    "--nuthatch-lines"], "x.txt")),
     # ---- generate ----
+    ("generate-hidden-string", lambda w: (["generate", str(set_kv(w / M, w / "x.gguf", "qwen3moe.embedding_length",
+                                                                  STR, "64")), "hi"], "qwen3moe.embedding_length")),
+    ("generate-heads-zero", lambda w: (["generate", str(set_kv(w / M, w / "x.gguf", "qwen3moe.attention.head_count",
+                                                               U32, 0)), "hi"], "qwen3moe.attention.head_count")),
+    ("trace-rope-base-string", lambda w: (["trace", str(set_kv(w / M, w / "x.gguf", "qwen3moe.rope.freq_base", STR,
+                                                               "fast")), "-p", str(w / "p.txt"), "-o",
+                                           str(w / "x.mbtrace")], "qwen3moe.rope.freq_base")),
     ("generate-model-missing", lambda w: (["generate", str(w / "nope.gguf"), "hi"], "nope.gguf")),
     ("generate-tokens-zero", lambda w: (["generate", str(w / M), "hi", "-n", "0"], "--new-tokens")),
     ("generate-bad-route", lambda w: (["generate", str(w / M), "hi", "--route", "both"], "--route")),

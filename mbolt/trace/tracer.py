@@ -123,7 +123,8 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
 
     A kept `OUT.part` from an interrupted run is replaced only with `force`.
 
-    on_progress(done_prompts, total_prompts, tokens_so_far, seconds) after every prompt.
+    on_progress(done_prompts, total_prompts, tokens_so_far, seconds) once the model is loaded
+    (done_prompts = 0) and after every prompt.
     """
     if engine not in ENGINES:
         raise MboltError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
@@ -135,6 +136,8 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
+    if on_progress is not None:
+        on_progress(0, len(items), 0, 0.0)  # the model loaded: work starts
     # The trace appears at `out` only when every prompt is done. An interrupted run keeps what it
     # recorded in OUT.part (the format is crash-safe, so it stays readable) and never leaves a
     # partial file at `out`.
