@@ -51,16 +51,22 @@ def kind_of(d: dict) -> str:
 def plot(src: str | Path, out: str | Path, **opts) -> Path:
     src = Path(src)
     try:
-        d = json.loads(src.read_text())
+        d = json.loads(src.read_text(encoding="utf-8"))
     except OSError as e:
         raise MboltError(f"{src}: {e.strerror}") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise MboltError(f"{src}: not JSON (for a trace, give --plan to draw the co-activation heatmap)") from None
-    kind = kind_of(d)
-    if kind == "demo":
-        d = json.loads(Path(d["ab"]["result"]).read_text())
-        kind = "ab"
-    return {"ab": plot_ab, "layout": plot_layout, "cache": plot_cache}[kind](d, out, title=src.name)
+    try:
+        kind = kind_of(d) if isinstance(d, dict) else kind_of({})
+        if kind == "demo":
+            d = json.loads(Path(d["ab"]["result"]).read_text())
+            kind = "ab"
+        return {"ab": plot_ab, "layout": plot_layout, "cache": plot_cache}[kind](d, out, title=src.name)
+    except MboltError as e:
+        raise MboltError(f"{src}: {e}") from None
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OSError) as e:
+        # a results file is user input: a field missing or of the wrong type is its fault
+        raise MboltError(f"{src}: malformed results file ({type(e).__name__}: {e})") from None
 
 
 def plot_ab(d: dict, out, title: str = "") -> Path:
