@@ -41,6 +41,11 @@ def _make_file(dirpath: Path, size: int, progress=None) -> Path:
             if progress:
                 progress(written / size)
         os.fsync(fd)
+    except BaseException as e:
+        os.unlink(name)  # never leave the probe file behind
+        if isinstance(e, OSError):
+            raise MboltError(f"{dirpath}: cannot write the {size >> 20} MB probe file: {e.strerror}") from None
+        raise
     finally:
         os.close(fd)
     return Path(name)

@@ -184,9 +184,7 @@ class TraceWriter:
             self._f = open(self.path, "wb")
         except OSError as e:
             raise MboltError(f"{self.path}: cannot create trace file: {e.strerror}") from None
-        self._f.write(_header_bytes(self.n_layers, self.n_experts, self.k, self.fingerprint,
-                                    self.weights))
-        self._f.flush()
+        self._put(_header_bytes(self.n_layers, self.n_experts, self.k, self.fingerprint, self.weights))
 
     # -- writing --------------------------------------------------------------------------
     def append(self, phase, seq: int, pos: int, experts, weights=None) -> None:
@@ -231,11 +229,11 @@ class TraceWriter:
                                  f"experts {list(experts.shape)}")
             recs["weights"] = w
         _fill_crc(recs)
-        self._f.write(recs.tobytes())
+        self._put(recs.tobytes(), flush=False)
         self.n_records += n
         self._pending += n
         if self._pending >= self.flush_every:
-            self._f.flush()
+            self._put(b"")
             self._pending = 0
 
     def set_domain(self, seq: int, tag: str) -> None:
@@ -248,16 +246,28 @@ class TraceWriter:
     def _write(self, tag: bytes, payload: bytes) -> None:
         if self._f is None:
             raise MboltError(f"{self.path}: trace writer is closed")
-        self._f.write(_frame(tag, payload))
-        self._f.flush()
+        self._put(_frame(tag, payload))
+
+    def _put(self, data: bytes, flush: bool = True) -> None:
+        """Write (and flush) to the trace; a write error (no space left) names the file."""
+        try:
+            self._f.write(data)
+            if flush:
+                self._f.flush()
+        except OSError as e:
+            raise MboltError(f"{self.path}: cannot write the trace: {e.strerror or e}") from None
 
     def close(self) -> None:
         if self._f is None:
             return
         f, self._f = self._f, None
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            raise MboltError(f"{self.path}: cannot write the trace: {e.strerror or e}") from None
+        finally:
+            f.close()
 
     def __enter__(self) -> "TraceWriter":
         return self
