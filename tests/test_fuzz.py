@@ -29,7 +29,14 @@ PEAK_BYTES = 64 << 20  # no reader may allocate more than this for a file of a f
 HANG_S = 20
 FUZZ = settings(max_examples=150, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-EXAMPLES = {}  # reader -> examples run (the suite's coverage count)
+EXAMPLES = {}  # reader -> examples run (the suite's coverage count, printed with -s)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report_counts():
+    yield
+    if EXAMPLES:
+        print("\nfuzzed examples per reader:", json.dumps(EXAMPLES), "total", sum(EXAMPLES.values()))
 
 
 @contextlib.contextmanager
@@ -336,12 +343,6 @@ def test_fuzz_probe_json(data, tmp_path):
     if d is not None:
         with contextlib.suppress(MboltError):
             cost(d, False, 1)
-
-
-def test_fuzz_examples_counted():
-    """Runs last in this module: the counts the README's reliability section quotes."""
-    if EXAMPLES:
-        print("\nfuzzed examples per reader:", json.dumps(EXAMPLES), "total", sum(EXAMPLES.values()))
 
 
 @pytest.mark.parametrize("fmt", ["mbtrace", "MBOLT_TRACE", "NUTHTRC1", "GGUF"])
