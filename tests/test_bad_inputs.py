@@ -157,6 +157,8 @@ CASES = [
                                    "x.mbtrace.part")),
     ("trace-negative-tokens", lambda w: (["trace", str(w / M), "-o", str(w / "x.mbtrace"), "-n", "-1"],
                                          "--new-tokens")),
+    ("trace-out-is-source-model", lambda w: (["trace", str(w / "packed.gguf"), "-p", str(w / "p.txt"), "-o",
+                                              str(w / M), "--force"], "is the model an input was made from")),
     ("trace-out-is-dir", lambda w: (["trace", str(w / M), "-p", str(w / "p.txt"), "-o", str(w)], "is a directory")),
     # ---- trace-stats: every trace reader ----
     ("stats-nuthatch-huge-layer", lambda w: (["trace-stats", str(_write(w / "x.txt", "0 1 2\n2000000000 3 4\n"))],
