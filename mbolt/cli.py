@@ -107,6 +107,17 @@ def print_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=2, default=json_default) + "\n")
 
 
+def show(as_json: bool, data, render) -> None:
+    """--json: `data` as JSON on stdout; otherwise what `render()` returns (one rich renderable
+    or a list of them), built only when printed."""
+    if as_json:
+        print_json(data)
+        return
+    out = render()
+    for r in out if isinstance(out, list) else [out]:
+        console.print(r, highlight=False)
+
+
 def _version(value: bool):
     if value:
         from mbolt import __version__
@@ -135,10 +146,7 @@ def inspect_cmd(
     from mbolt.report.tables import moe_map_table
 
     m = moe_map(model)
-    if as_json:
-        print_json(m.to_dict())
-    else:
-        console.print(moe_map_table(m))
+    show(as_json, m.to_dict(), lambda: moe_map_table(m))
 
 
 @user_errors
@@ -178,18 +186,17 @@ def cache_cmd(
         from mbolt.report.plots import plot_cache
 
         plot_cache(sweep.to_dict(), plot, title=Path(trace).name)
-    if as_json:
-        print_json(sweep.to_dict())
-    else:
-        console.print(cache_table(sweep))
+    show(as_json, sweep.to_dict(), lambda: cache_table(sweep))
 
 
 @user_errors
 def synth_cmd(
     out: Path = typer.Argument(..., help="Output GGUF path."),
-    arch: str = typer.Option(None, "--arch", help="qwen3moe (default), olmoe, mixtral or qwen2moe."),
+    arch: str = typer.Option(None, "--arch", help="qwen3moe (default), olmoe, mixtral, qwen2moe, glm4moe, "
+                             "deepseek2, gpt-oss or qwen3next (docs/families.md)."),
     preset: str = typer.Option(None, "--preset", help="Real model geometry: qwen3-30b-a3b, qwen3-next-80b-a3b, "
-                               "olmoe-1b-7b, granite-moe-1b (other options override it)."),
+                               "olmoe-1b-7b, granite-moe-1b, glm-4.5-air, deepseek-v3, gpt-oss-20b, glm-5.2 "
+                               "(other options override it)."),
     layers: int = typer.Option(None, "--layers", help="Number of layers (scales a preset down)."),
     experts: int = typer.Option(None, "--experts", help="Routed experts per layer."),
     k: int = typer.Option(None, "--k", help="Experts used per token."),
@@ -199,7 +206,15 @@ def synth_cmd(
     kv_heads: int = typer.Option(None, "--kv-heads", help="KV heads."),
     head_dim: int = typer.Option(None, "--head-dim", help="Head dimension."),
     shared_ff: int = typer.Option(None, "--shared-ff", help="Shared expert FFN size (qwen2moe)."),
-    expert_type: str = typer.Option(None, "--type", help="Expert tensor type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 MXFP4."),
+    expert_type: str = typer.Option(None, "--type", help="Expert tensor type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 "
+                                    "MXFP4, and with --fast-random Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_XS IQ4_NL IQ3_XXS "
+                                    "IQ3_S IQ2_XXS IQ2_XS IQ1_S."),
+    down_type: str = typer.Option(None, "--down-type", help="Type of ffn_down_exps (default: --type); Q4_K_M "
+                                  "files keep down in Q6_K."),
+    layer_types: str = typer.Option(None, "--layer-types", help="Per-layer expert types over --type, "
+                                    "e.g. '0-3:Q6_K,10:Q5_K'."),
+    fused_gate_up: bool = typer.Option(False, "--fused-gate-up", help="One ffn_gate_up_exps tensor per layer "
+                                       "(llama.cpp loads it for deepseek2 and qwen3next only)."),
     dense_type: str = typer.Option(None, "--dense-type", help="Attention/output matrices: F32 or F16."),
     seed: int = typer.Option(None, "--seed", help="Random seed (same seed, same bytes)."),
     structure: str = typer.Option(None, "--structure", help="planted (default) or none (null control)."),
@@ -210,9 +225,12 @@ def synth_cmd(
                                   "follows the token; ~1: recent tokens move it too)."),
     fast_random: bool = typer.Option(False, "--fast-random", help="Random valid expert/matrix blocks: disk speed, "
                                      "routing still planted, forward pass not meaningful."),
-    probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (llama.cpp refuses it)."),
-    expert_bias: bool = typer.Option(False, "--expert-bias", help="Add ffn_*_exps.bias (llama.cpp refuses it)."),
-    dense_layers: int = typer.Option(None, "--dense-layers", help="Leading dense-FFN layers (llama.cpp refuses them)."),
+    probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (glm4moe and deepseek2 "
+                                    "have it; llama.cpp refuses it elsewhere)."),
+    expert_bias: bool = typer.Option(False, "--expert-bias", help="Add ffn_*_exps.bias (gpt-oss has them; llama.cpp "
+                                     "refuses them elsewhere)."),
+    dense_layers: int = typer.Option(None, "--dense-layers", help="Leading dense-FFN layers (glm4moe, deepseek2; "
+                                     "llama.cpp refuses them elsewhere)."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
@@ -226,6 +244,7 @@ def synth_cmd(
     given = dict(arch=arch, n_layers=layers, n_experts=experts, n_used=k, hidden=hidden, expert_ff=expert_ff,
                  n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, shared_ff=shared_ff,
                  expert_type=expert_type.upper() if expert_type else None, dense_type=dense_type, seed=seed,
+                 down_type=down_type, layer_types=layer_types, fused_gate_up=fused_gate_up or None,
                  structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew, context=context,
                  dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
                  expert_bias=expert_bias or None)
@@ -234,6 +253,8 @@ def synth_cmd(
         given["head_dim"] = (hidden or SynthConfig.hidden) // (heads or SynthConfig.n_heads)
     if not preset and arch == "olmoe" and kv_heads is None:  # olmoe has no GQA
         given["n_kv_heads"] = heads or SynthConfig.n_heads
+    if not preset and arch == "deepseek2" and kv_heads is None:  # MLA: one latent kv head
+        given["n_kv_heads"] = 1
     cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
     output(out, "gguf-mbolt", force=force, what="synthetic model")
     cfg.validate()  # before the progress bar: an error is then the only output
@@ -260,13 +281,26 @@ def synth_cmd(
 
 @user_errors
 def ab_cmd(
-    arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S]. The first is the baseline."),
+    arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S] (llama.cpp also: "
+                                     "warm, callback). The first is the baseline."),
     replay_trace: Path = typer.Option(None, "--replay", help="Held-out trace: read exactly what each token needs (I/O only)."),
-    decode: bool = typer.Option(False, "--decode", help="Generate with the reference engine (compute + I/O)."),
+    decode: bool = typer.Option(False, "--decode", help="Generate with the engine (compute + I/O)."),
+    engine: str = typer.Option("reference", "--engine", help="Decode engine: 'reference' (numpy engine + store) or "
+                               "'llama.cpp' (explicit expert reads from llama.cpp's eval callback; os arms: page faults)."),
     prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
     n_prompts: int = typer.Option(2, "--n-prompts", min=1, help="Decode: prompts used."),
     new_tokens: int = typer.Option(8, "--new-tokens", "-n", min=1, help="Decode: tokens generated per prompt."),
-    rounds: int = typer.Option(5, "--rounds", min=1, help="Rounds (arm order alternates every round)."),
+    rounds: int = typer.Option(None, "--rounds", min=1, help="Run exactly this many rounds (default: adaptive, see "
+                               "--time-budget). Each round runs every arm once, in a seeded balanced order."),
+    min_rounds: int = typer.Option(12, "--min-rounds", min=1, help="Adaptive: never stop before this many rounds."),
+    max_rounds: int = typer.Option(400, "--max-rounds", min=1, help="Adaptive: stop after this many rounds at most."),
+    time_budget: float = typer.Option(600.0, "--time-budget", min=0.0, help="Adaptive: seconds to spend at most; the "
+                                      "run stops at the end of a balanced block of rounds once another block would "
+                                      "overrun it."),
+    precision: float = typer.Option(0.05, "--precision", min=0.0, help="Adaptive: stop once the A/A interval is inside "
+                                    "the tolerance and every treated arm's 95%% interval half-width is at most this "
+                                    "share of its speedup."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arm orders (recorded in the result)."),
     qd: int = typer.Option(1, "--qd", min=1, max=1024, help="Default queue depth (reads in flight) for arms."),
     direct: bool = typer.Option(False, "--direct", help="Default: O_DIRECT reads for arms."),
     gap: int = typer.Option(0, "--gap", min=0, help="Default merge gap (bytes)."),
@@ -282,16 +316,18 @@ def ab_cmd(
     name: str = typer.Option("", "--name", help="Result name: results/<name>.json."),
     out_dir: Path = typer.Option(Path("results"), "--out-dir", help="Where the result JSON goes."),
     prereg: Path = typer.Option(None, "--prereg", help="Run a pre-registration (prereg/x.toml): arms and rule from the file."),
-    plan: Path = typer.Option(None, "--plan", help="Plan of the treatment: print the prediction next to the measurement."),
-    probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures for the prediction."),
+    probe_json: Path = typer.Option(None, "--probe", help="Probe figures (mbolt probe): print each arm's predicted "
+                                    "speedup (from its own route map) next to the measured one. Default: "
+                                    "results/probe.json when it exists."),
     plot: Path = typer.Option(None, "--plot", help="Also draw speedups with CIs and reads/token into this PNG."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier result JSON (and --plot PNG)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
-    """Controlled cold A/B of arms (files + reader options): alternating order, eviction proven, A/A control."""
+    """Controlled cold A/B of arms (files + reader options): balanced seeded arm orders, eviction proven, A/A
+    control, adaptive number of rounds."""
     from rich.progress import Progress
 
-    from mbolt.bench.ab import parse_arm, run_ab, write_result
+    from mbolt.bench.ab import StopRule, parse_arm, run_ab, write_result
     from mbolt.report.bench_tables import ab_table
 
     pr = None
@@ -306,10 +342,13 @@ def ab_cmd(
             replay_trace = Path(pr.trace)
         decode = pr.mode == "decode"
         rounds = pr.rounds
+        min_rounds, max_rounds = pr.min_rounds, pr.max_rounds
+        time_budget, precision, seed = pr.time_budget, pr.precision, pr.seed
         name = name or pr.name
         if tokens_per_round:
             raise MboltError("--prereg defines the protocol: set tokens_per_round in the file, not on the command line")
         tokens_per_round = int(pr.raw.get("tokens_per_round", 0))
+        engine = str(pr.raw.get("engine", engine))
     else:
         if not arms:
             raise MboltError("give at least one arm (or --prereg)")
@@ -321,7 +360,7 @@ def ab_cmd(
         raise MboltError(f"--name {name!r}: a result name, not a path (the result goes to --out-dir)")
     if out_dir.exists() and not out_dir.is_dir():
         raise MboltError(f"{out_dir}: --out-dir is a file, not a directory")
-    inputs = [a.path for a in arm_list] + [replay_trace, prompts, plan, probe_json, prereg]
+    inputs = [a.path for a in arm_list] + [replay_trace, prompts, probe_json, prereg]
     result_path = output(out_dir / f"{name or 'ab'}.json", "json", inputs=inputs, force=force,
                          what="result", make_parent=True)
     if plot is not None:
@@ -344,21 +383,32 @@ def ab_cmd(
         lock = check_and_lock(pr)
         console.print(f"pre-registration {pr.path}: sha256 {pr.sha256[:16]}, run {lock['runs']} "
                       f"(locked {lock['locked_at']})")
+    if probe_json is None and Path("results/probe.json").exists():
+        probe_json = Path("results/probe.json")
+    rule = StopRule(rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, time_budget_s=time_budget,
+                    precision=precision)
     with Progress(console=err_console, transient=True) as bar:
-        task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)))
-        res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", rounds=rounds,
+        task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)) if rounds else None)
+        res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", stop=rule,
                      threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
                      progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
                      prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
-                     tokens_per_round=tokens_per_round)
+                     tokens_per_round=tokens_per_round, seed=seed, engine=engine)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 
         res.prereg["result"] = verdict(pr, res.summary)
-    if plan is not None:
+    if engine == "llama.cpp" and probe_json is not None:
+        from mbolt.bench.llama_stream import record_routing
+        from mbolt.bench.predict import predict_llama
+
+        # the law with s measured in this run; counts on the routing llama.cpp computes
+        ref = next((a for a in arm_list if a.mode != "os"), arm_list[0])
+        res.prediction = predict_llama(res, record_routing(ref.path, prompt_ids, new_tokens), probe_json)
+    elif probe_json is not None and trace is not None:
         from mbolt.bench.predict import predict_vs_measured
 
-        res.prediction = predict_vs_measured(res, plan, trace, probe_json)
+        res.prediction = predict_vs_measured(res, trace, probe_json)
     out = write_result(result_path, res)
     if plot is not None:
         from mbolt.report.plots import plot_ab
@@ -368,6 +418,7 @@ def ab_cmd(
         print_json(res.to_dict())
         return
     console.print(ab_table(res))
+    console.print(f"stopped: {res.stop['reason']} ({res.stop['detail']})", highlight=False)
     for f in res.flags:
         console.print(f"[yellow]flag:[/] {f}")
     for n in res.notes:
@@ -379,16 +430,20 @@ def ab_cmd(
     if pr is not None:
         v = res.prereg["result"]
         colour = {"PASS": "green", "FAIL": "red"}.get(v["verdict"], "yellow")
+        ci = v.get("ci95")
+        ci_s = f"95% CI {ci[0]:.3f}-{ci[1]:.3f}" if ci else "no CI: fewer than 10 rounds"
         console.print(f"[bold {colour}]{v['verdict']}[/]: {pr.treatment} vs {pr.baseline} "
-                      f"{v.get('measured_speedup', float('nan')):.3f}x (95% CI {v['ci95'][0]:.3f}-{v['ci95'][1]:.3f}), "
+                      f"{v.get('measured_speedup', float('nan')):.3f}x ({ci_s}), "
                       f"threshold {pr.pass_threshold}, predicted {pr.predicted_speedup}")
     console.print(f"wrote {out}")
 
 
 @user_errors
 def reorder_cmd(
-    src: Path = typer.Argument(..., help="Source MoE GGUF (stock, or a file mbolt already rewrote)."),
-    dst: Path = typer.Argument(..., help="Output GGUF (a new path; the source is never modified)."),
+    src: Path = typer.Argument(..., help="Source MoE GGUF (stock, or a file mbolt already rewrote), or any shard "
+                               "of a split set (NAME-0000I-of-0000N.gguf: the whole set is read)."),
+    dst: Path = typer.Argument(..., help="Output GGUF (a new path; the source is never modified). A set is written "
+                               "as DST-00001-of-0000N.gguf ..."),
     plan: Path = typer.Option(None, "--plan", help="plan.json from `mbolt plan` (perms name original expert ids)."),
     layout: str = typer.Option("reorder", "--layout", help="reorder: standard tensor names, loads in unmodified "
                                "llama.cpp. packed: each expert's gate|up|down adjacent in one blob per layer "
@@ -396,34 +451,42 @@ def reorder_cmd(
                                "the store read it, llama.cpp does NOT load this layout."),
     identity: bool = typer.Option(False, "--identity", help="Identity plan: stock order plus a route map "
                                   "(a control for the whole pipeline; restores stock order of a rewritten file)."),
-    trace: Path = typer.Option(None, "--trace", help="Plan inline from this .mbtrace with the default method."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an existing output."),
+    trace: list[Path] = typer.Option(None, "--trace", help="Plan inline from this .mbtrace with the default method "
+                                     "(repeat to merge traces of the same model)."),
+    split_max_tensors: int = typer.Option(0, "--split-max-tensors", help="Write a set: at most this many tensors "
+                                          "per shard (default: the input's shards, one file for one file)."),
+    split_max_size: str = typer.Option(None, "--split-max-size", help="Write a set: at most this much tensor data "
+                                       "per shard (e.g. 4G, 500M)."),
+    no_split: bool = typer.Option(False, "--no-split", help="Write one file, even from a split set."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous mbolt output (never an input, nor the "
+                               "model an input was made from, nor any other file)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
     """Rewrite a MoE GGUF bit-exactly with experts in plan order (+ route map and JSON sidecar).
 
-    Streams with bounded memory (os.copy_file_range); writes a temp file beside the output,
-    fsyncs and renames, so an interrupted run never leaves a partial output."""
+    Streams with bounded memory (os.copy_file_range); writes temp files beside the output,
+    fsyncs and renames, so an interrupted run never leaves a partial output (a set is
+    renamed into place as a whole: readers refuse a mix of shards of two runs)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from mbolt.report.rewrite_tables import reorder_table
-    from mbolt.rewrite.reorder import reorder_file
+    from mbolt.rewrite.reorder import SplitSpec, parse_size, reorder_file
 
+    split = SplitSpec(no_split, split_max_tensors, parse_size(split_max_size))
+    split.check()
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task(f"writing {dst.name}", total=None)
-        r = reorder_file(src, dst, plan=plan, trace=trace, identity=identity, layout=layout, force=force,
-                         progress=lambda d, t: bar.update(task, completed=d, total=t))
-    if as_json:
-        print_json(r.to_dict())
-    else:
-        console.print(reorder_table(r))
+        r = reorder_file(src, dst, plan=plan, trace=trace or None, identity=identity, layout=layout, force=force,
+                         progress=lambda d, t: bar.update(task, completed=d, total=t), split=split)
+    show(as_json, r.to_dict(), lambda: reorder_table(r))
 
 
 @user_errors
 def verify_cmd(
-    src: Path = typer.Argument(..., help="The source GGUF."),
-    out: Path = typer.Argument(..., help="The file `mbolt reorder` wrote from it."),
+    src: Path = typer.Argument(..., help="The source GGUF (one file or any shard of a split set)."),
+    out: Path = typer.Argument(..., help="The file or set `mbolt reorder` wrote from it (any shard, or the "
+                               "path given to reorder)."),
     prompts: Path = typer.Option(None, "--prompts", help="Prompts for routing parity: .jsonl (prompt/text field) "
                                  "or one per line (default: a built-in set)."),
     n_prompts: int = typer.Option(8, "--n-prompts", min=1, help="Use at most this many prompts."),
@@ -436,22 +499,34 @@ def verify_cmd(
 ):
     """Check a rewritten GGUF: every tensor byte-identical through the route map, metadata
     identical apart from mbolt.* and alignment, routing parity; exit 1 on any failure."""
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mbolt.report.rewrite_tables import verify_table
+    from mbolt.report.tables import human_bytes
     from mbolt.core.prompts import prompt_texts
     from mbolt.rewrite.verify import verify
 
     texts = prompt_texts(prompts, n_prompts)
-    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
-                  TransferSpeedColumn(), console=err_console, transient=True) as bar:
-        task = bar.add_task(f"comparing {out.name}", total=None)
+    # one bar per long phase: the byte comparison, then the engine runs (forwards of both files)
+    with Progress("[progress.description]{task.description}", BarColumn(), TextColumn("{task.fields[amount]}"),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        data = bar.add_task(f"comparing {out.name}", total=None, amount="")
+        engines = None
+
+        def on_bytes(d, t):
+            bar.update(data, completed=d, total=t, amount=f"{human_bytes(d)} / {human_bytes(t)}")
+
+        def on_forwards(d, t):
+            nonlocal engines
+            if engines is None:
+                bar.stop_task(data)
+                runs = [name for name, on in (("routing", not no_parity), ("llama.cpp", llama)) if on]
+                engines = bar.add_task(" + ".join(runs) + " parity", total=t, amount="")
+            bar.update(engines, completed=d, total=t, amount=f"{d}/{t} forwards")
+
         rep = verify(src, out, parity=not no_parity, prompts=texts, n_tokens=tokens, llama=llama,
-                     progress=lambda d, t: bar.update(task, completed=d, total=t))
-    if as_json:
-        print_json(rep.to_dict())
-    else:
-        console.print(verify_table(rep))
+                     progress=on_bytes, parity_progress=on_forwards)
+    show(as_json, rep.to_dict(), lambda: verify_table(rep))
     if not rep.ok:
         raise typer.Exit(1)
 
@@ -463,14 +538,11 @@ def trace_stats_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ):
     """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap."""
-    from mbolt.trace.stats import stats_renderables, trace_stats
+    from mbolt.layout.stats import trace_stats
+    from mbolt.report.layout_tables import trace_stats_renderables
 
     s = trace_stats(trace, fmt)
-    if as_json:
-        print_json(s)
-    else:
-        for r in stats_renderables(s):
-            console.print(r, highlight=False)
+    show(as_json, s, lambda: trace_stats_renderables(s))
 
 
 @user_errors
@@ -554,6 +626,8 @@ def predict_cmd(
     cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="Per-layer LRU slot cache."),
     s: float = typer.Option(1.0, "--s", min=0.0, max=1.0, help="Share of decode time spent on cold reads, in (0, 1] "
                             "(1 = I/O only)."),
+    s_from: Path = typer.Option(None, "--s-from", help="Take s from an `ab --engine llama.cpp` result: the read "
+                                "share measured on its first arm with explicit reads."),
     as_json: bool = typer.Option(False, "--json", help="Print the prediction as JSON."),
 ):
     """Predict reads/token, bytes/token, per-expert gain g and speedup of a plan before rewriting."""
@@ -562,7 +636,11 @@ def predict_cmd(
     from mbolt.bench.predict import predict
     from mbolt.core.trace_import import load_trace
 
-    if s <= 0:
+    if s_from is not None:
+        from mbolt.bench.predict import measured_s
+
+        s = measured_s(s_from)
+    if not 0 < s <= 1:
         raise MboltError(f"--s must be in (0, 1], got {s}")
     d = predict(str(model), str(plan) if plan else None, load_trace(trace), str(probe_json), qd=qd, direct=direct,
                 gap=gap, cache_slots=cache_slots, s=s)
@@ -582,13 +660,29 @@ def predict_cmd(
 
 @user_errors
 def generate_cmd(
-    model: Path = typer.Argument(..., help="A MoE GGUF the reference engine runs (qwen3moe, olmoe, mixtral, qwen2moe)."),
+    model: Path = typer.Argument(..., help="A MoE GGUF (reference engine: qwen3moe, olmoe, mixtral, qwen2moe; "
+                                 "llama.cpp: any MoE arch it runs)."),
     prompt: str = typer.Argument(..., help="Prompt text."),
     n: int = typer.Option(32, "--new-tokens", "-n", min=1, help="Tokens to generate (greedy)."),
-    route: str = typer.Option("file", help="Reordered files: 'file' (router rows permuted in the file) or 'map'."),
+    route: str = typer.Option("file", help="Reference engine, reordered files: 'file' (router rows permuted in the "
+                              "file) or 'map'."),
+    engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp'."),
+    stream: bool = typer.Option(False, "--stream", help="llama.cpp: read the selected experts with mbolt's explicit "
+                                "reads from the eval callback and drop expert pages after every token (cold, bounded "
+                                "memory, as a model larger than RAM)."),
+    cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="--stream: experts per layer kept resident (LRU); "
+                                    "0 drops them all after every token."),
+    qd: int = typer.Option(1, "--qd", min=1, max=1024, help="--stream: queue depth (reads in flight)."),
+    gap: int = typer.Option(0, "--gap", min=0, help="--stream: merge gap (bytes)."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
-    """Greedy decode with the numpy reference engine, with tokens/s."""
+    """Greedy decode with tokens/s: the numpy reference engine, or llama.cpp (with --stream: mbolt's expert reads)."""
+    if engine == "llama.cpp":
+        return _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json)
+    if engine != "reference":
+        raise MboltError(f"--engine must be reference or llama.cpp, not {engine!r}")
+    if stream or cache_slots:
+        raise MboltError("--stream and --cache-slots need --engine llama.cpp")
     from mbolt.engine import load_model
     from mbolt.engine.generate import generate
 
@@ -609,6 +703,46 @@ def generate_cmd(
                   f"generated {len(res['ids'])} at {res['decode_tokens_per_s']:.1f} tok/s[/]")
 
 
+def _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json):
+    from rich.progress import Progress
+
+    from mbolt.bench.llama_stream import LlamaStream
+
+    if cache_slots and not stream:
+        raise MboltError("--cache-slots needs --stream")
+    with LlamaStream(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap) as s:
+        ids = s.runner.tokenize(prompt, add_special=True)
+        if not ids:
+            raise MboltError("the prompt has no tokens")
+        if stream:
+            s.make_cold()
+        with Progress(console=err_console, transient=True, disable=as_json) as bar:
+            task = bar.add_task("generating", total=n)
+            run = s.generate([ids], n, on_token=lambda i, t: bar.update(task, completed=i + 1))
+        text = s.detokenize(run.generated[0])
+    tok = max(run.decode_tokens, 1)
+    res = {"engine": "llama.cpp", "stream": stream, "cache_slots": cache_slots, "qd": qd, "gap": gap,
+           "prompt_ids": ids, "ids": run.generated[0], "text": text,
+           "ttft_s": run.prefill_s, "decode_tokens_per_s": run.decode_tokens / run.decode_s if run.decode_s else None,
+           "reads_per_token": run.reads / tok, "bytes_per_token": run.bytes / tok,
+           "device_bytes_per_token": None if run.device_bytes is None else run.device_bytes / tok,
+           "read_share_s": run.io_s / run.decode_s if (stream and run.decode_s) else None,
+           "hits": run.hits, "misses": run.misses}
+    if as_json:
+        print_json(res)
+        return
+    console.print(prompt, end="", highlight=False, markup=False)
+    console.print(text, style="bold", highlight=False, markup=False)
+    how = (f"mbolt explicit reads (QD{qd}, gap {gap} B, {cache_slots} cache slots/layer)" if stream
+           else "plain llama.cpp (the file mapped, nothing dropped)")
+    line = (f"[dim]llama.cpp, {how}: prompt {len(ids)} tokens in {1e3 * run.prefill_s:.0f} ms, generated "
+            f"{len(run.generated[0])} at {res['decode_tokens_per_s'] or 0:.1f} tok/s")
+    if stream:
+        line += (f", {res['reads_per_token']:.1f} reads/token, {res['bytes_per_token'] / 1e6:.2f} MB/token, "
+                 f"s = {res['read_share_s'] or 0:.2f}")
+    console.print(line + "[/]")
+
+
 @user_errors
 def trace_cmd(
     model: Path = typer.Argument(..., help="A MoE GGUF file."),
@@ -620,10 +754,13 @@ def trace_cmd(
     limit: int = typer.Option(0, "--n-prompts", min=0, help="Use at most this many prompts (0 = all)."),
     threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp threads (0 = all cores)."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
+    shard: str = typer.Option(None, "--shard", help="I/N: trace only the I-th of N deterministic shares of the "
+                              "prompts (prompts I, I+N, ...), e.g. on N machines; join with `mbolt trace-merge`."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing trace."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
 ):
-    """Run prompts and record every token's routing (prefill and decode) into an .mbtrace."""
+    """Run prompts and record every token's routing (prefill and decode) into an .mbtrace.
+    MODEL may be any shard of a split set."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mbolt.core.moe_map import moe_map
@@ -635,6 +772,7 @@ def trace_cmd(
         raise MboltError(f"--engine {engine!r}: choose from {', '.join(ENGINES)}")
     if route not in ("file", "map"):
         raise MboltError(f"--route {route!r}: choose file or map")
+    share = parse_share(shard) if shard else None
     mm = moe_map(model)
     output(out, "mbtrace", inputs=[model, prompts], force=force, what="trace",
            protected=(mm.fingerprint, mm.source_fingerprint))
@@ -656,7 +794,8 @@ def trace_cmd(
 
     try:
         res = trace_prompts(model, items, out, max_new_tokens=max_new_tokens, engine=engine,
-                            route=route, threads=threads or None, on_progress=progress, force=force)
+                            route=route, threads=threads or None, on_progress=progress, shard=share,
+                            force=force)
     finally:
         bar.stop()
     if as_json:
@@ -667,9 +806,47 @@ def trace_cmd(
                       f"({res['tokens_per_s']:.1f} tok/s, {engine})")
 
 
+def parse_share(text: str) -> tuple[int, int]:
+    """'2/4' -> (2, 4) for `trace --shard`."""
+    try:
+        i, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise MboltError(f"--shard {text!r}: expected I/N, e.g. 2/4") from None
+    if not 1 <= i <= n:
+        raise MboltError(f"--shard {text}: expected I/N with 1 <= I <= N")
+    return i, n
+
+
+@user_errors
+def trace_merge_cmd(
+    traces: list[Path] = typer.Argument(..., help="Traces of the same model (e.g. from `mbolt trace --shard I/N`)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous trace at --out (never an input)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as JSON."),
+):
+    """Join traces of one model into one .mbtrace: refuses other models (fingerprint) or
+    geometry, renumbers sequences, keeps domains."""
+    from mbolt.core.atomic import check_output
+    from mbolt.core.mbtrace import write_trace
+    from mbolt.core.trace_import import load_traces
+
+    check_output(out, kind="mbtrace", inputs=traces, force=force, what="merged trace")
+    tr = load_traces(traces)
+    write_trace(out, tr, force=True)
+    res = {"out": str(out), "inputs": [str(t) for t in traces], "tokens": tr.n_tokens,
+           "sequences": int(len(set(tr.seq.tolist()))), "n_layers": tr.n_layers, "n_experts": tr.n_experts,
+           "k": tr.k, "fingerprint": tr.fingerprint, "domains": len(tr.domains)}
+    if as_json:
+        print_json(res)
+    else:
+        console.print(f"wrote [bold]{out}[/]: {res['tokens']} tokens, {res['sequences']} sequences from "
+                      f"{len(traces)} traces")
+
+
 @user_errors
 def plan_cmd(
-    trace: Path = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin)."),
+    trace: list[Path] = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin); "
+                                       "several traces of the same model are merged (as `mbolt trace-merge`)."),
     out: Path = typer.Option(None, "-o", "--out", help="Write the plan JSON here."),
     method: str = typer.Option("tsp", "--method", help="stock, heat, heat-tsp, mbolt-chain or tsp."),
     train_frac: float = typer.Option(0.5, "--train-frac", min=0.0, max=1.0,
@@ -696,7 +873,7 @@ def plan_cmd(
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err_console,
                   transient=True) as bar:
         task = bar.add_task(f"planning ({method})")
-        res = plan_file(trace, out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
+        res = plan_file(trace if len(trace) > 1 else trace[0], out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
                         phase=phase, model=model, geometry=geometry, layout=layout, gap=gap, cache_slots=cache,
                         compare=compare, bound=bound, force=force, heldout_out=heldout,
                         progress=lambda m: bar.update(task, description=f"planned {m}"))
@@ -750,22 +927,25 @@ def demo_cmd(
 ):
     """Run the whole pipeline on a built-in synthetic model: synth, trace, plan, reorder,
     verify, cold A/B with an A/A control. No downloads."""
+    import time
+
     from mbolt.demo import check_workdir, run_demo
-    from mbolt.report.tables import demo_table
+    from mbolt.report.tables import demo_next_steps, demo_table
 
     check_workdir(workdir)
+    t0 = time.perf_counter()
 
-    with console.status("starting") as status:
-        def progress(step, detail=""):
-            status.update(f"[bold]{step}[/]: {detail}")
-            if not as_json:
-                console.log(f"[bold]{step}[/] {detail}")
+    def progress(step, detail=""):
+        # plain progress lines on stderr, with the time since the demo started
+        err_console.print(f"[dim]{time.perf_counter() - t0:6.1f} s[/] [bold]{step}[/] {detail}", highlight=False,
+                          soft_wrap=True)
 
-        summary = run_demo(workdir, size, seed=seed, progress=progress)
+    summary = run_demo(workdir, size, seed=seed, progress=progress)
     if as_json:
         print_json(summary)
     else:
         console.print(demo_table(summary))
+        console.print(demo_next_steps(summary), highlight=False, soft_wrap=True)
     if not all(v["ok"] for v in summary["verify"].values()):
         raise typer.Exit(1)
 
@@ -773,18 +953,25 @@ def demo_cmd(
 @user_errors
 def report_cmd(
     src: Path = typer.Argument(..., help="A results JSON (ab, demo, layout, cache) or, with --plan, a trace."),
-    out: Path = typer.Option(..., "-o", "--out", help="PNG to write."),
+    out: Path = typer.Option(None, "-o", "--out", help="PNG to write (optional with --json)."),
     plan: Path = typer.Option(None, "--plan", help="Draw SRC's co-activation heatmap before/after this plan."),
     layer: int = typer.Option(None, "--layer", min=0, help="Layer for the heatmap (default: the first MoE layer)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier PNG."),
+    as_json: bool = typer.Option(False, "--json", help="Print what the picture shows (the plotted numbers) as JSON."),
 ):
     """Plot a results file: A/B speedups with CIs, reads/token per method, cache hit-rate curves,
     or (with --plan) a layer's co-activation heatmap before and after the permutation."""
-    from mbolt.report.plots import plot, plot_heatmap
+    from mbolt.report.plots import heatmap_series, plot, plot_heatmap, series
 
-    output(out, "png", inputs=[src, plan], force=force, what="plot")
-    path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
-    console.print(f"wrote {path}")
+    if out is None and not as_json:
+        raise MboltError("report: give -o PNG to draw the picture, or --json to print its numbers")
+    if out is not None:
+        output(out, "png", inputs=[src, plan], force=force, what="plot")
+        path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
+        if not as_json:
+            console.print(f"wrote {path}")
+    if as_json:
+        print_json(heatmap_series(src, plan, layer) if plan is not None else series(src))
 
 
 # One table registers every command: the order and panels of `mbolt --help` (pipeline order).
@@ -792,6 +979,7 @@ COMMANDS = [
     ("demo", demo_cmd, "Start here"),
     ("report", report_cmd, "Start here"),
     ("trace", trace_cmd, "Pipeline"),
+    ("trace-merge", trace_merge_cmd, "Pipeline"),
     ("plan", plan_cmd, "Pipeline"),
     ("reorder", reorder_cmd, "Pipeline"),
     ("verify", verify_cmd, "Pipeline"),

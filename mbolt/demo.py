@@ -3,7 +3,9 @@
 synth (planted co-activation groups) -> trace built-in prompts with the reference engine ->
 split by prompt (held-out prompts never seen by the planner) -> plan (tsp and mbolt-chain) ->
 rewrite (reorder and packed layouts) -> verify (bit-identity + routing parity) -> probe the
-drive -> cold replay A/B of the held-out tokens with an A/A control -> one summary.
+drive -> cold replay A/B of the held-out tokens with an A/A control -> one summary. When the A/A
+control lands outside its tolerance the summary shows no speedups: it says the machine was too
+noisy and which longer `mbolt ab` to run instead.
 
 Every number the summary shows is read back from `demo.json`, the file the run writes, so what
 a user sees and what a script reads cannot disagree.
@@ -19,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mbolt.core.atomic import json_default, write_text_atomic
-from mbolt.bench.ab import AA_TOLERANCE, aa_row
+from mbolt.core.atomic import json_default, stored_path, write_text_atomic
+from mbolt.bench.ab import AA_TOLERANCE, aa_ok, aa_row
 from mbolt.core.errors import MboltError
 
 
@@ -33,19 +35,23 @@ class DemoSize:
     expert_ff: int
     n_prompts: int
     new_tokens: int
-    rounds: int
-    tokens_per_round: int = 0  # replay the next slice of this many held-out tokens per round (0 = all)
+    tokens_per_round: int  # each A/B round replays the next slice of this many held-out tokens
+    pass_rounds: int = 12  # rounds per pass over the replayed tokens (a multiple of the 6-arm design block)
+    ab_time_budget: float = 30.0  # seconds; the A/B stops at a whole pass once another would overrun it
 
 
 # Expert slices are hidden * expert_ff * 4 bytes (F32): 64 KiB for tiny and small, the
 # fine-grained regime where coalescing reads pays (DESIGN.md: the slice-size law).
+# Many short rounds: the A/B replays pass_rounds x tokens_per_round held-out tokens per pass,
+# each token once per pass, and runs whole passes until its A/A control and speedups have
+# converged or its time budget is spent.
 SIZES = {
-    "tiny": DemoSize(n_layers=8, n_experts=32, k=4, hidden=128, expert_ff=128, n_prompts=24, new_tokens=24, rounds=3),
-    # small and medium replay one slice of held-out tokens per round (rounds = slices)
-    "small": DemoSize(n_layers=16, n_experts=64, k=8, hidden=128, expert_ff=128, n_prompts=48, new_tokens=32, rounds=0,
-                      tokens_per_round=64),
-    "medium": DemoSize(n_layers=16, n_experts=128, k=8, hidden=256, expert_ff=256, n_prompts=64, new_tokens=32, rounds=0,
-                       tokens_per_round=64),
+    "tiny": DemoSize(n_layers=8, n_experts=32, k=4, hidden=128, expert_ff=128, n_prompts=24, new_tokens=24,
+                     tokens_per_round=16, ab_time_budget=30.0),
+    "small": DemoSize(n_layers=16, n_experts=64, k=8, hidden=128, expert_ff=128, n_prompts=48, new_tokens=32,
+                      tokens_per_round=24, ab_time_budget=100.0),
+    "medium": DemoSize(n_layers=16, n_experts=128, k=8, hidden=256, expert_ff=256, n_prompts=64, new_tokens=32,
+                       tokens_per_round=16, ab_time_budget=300.0),
 }
 
 # Two domains of short prompts; every third prompt is held out (never seen by the planner).
@@ -112,7 +118,7 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
 
     `progress(step, detail)` is called as each stage starts.
     """
-    from mbolt.bench.ab import Arm, run_ab, write_result
+    from mbolt.bench.ab import Arm, StopRule, run_ab, write_result
     from mbolt.bench.predict import predict_vs_measured
     from mbolt.bench.probe import probe
     from mbolt.gguf.synth import SynthConfig, write_synth
@@ -158,12 +164,11 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
     is_held = np.isin(trace.seq, held_seqs)
     # Replay the held-out decode tokens: decode is where an engine streams experts one token at a time.
     train, held = trace.select(~is_held), trace.select(is_held & (trace.phase == DECODE))
-    rounds = sz.rounds
-    if sz.tokens_per_round:
-        # One round per slice of held-out tokens, every token replayed exactly once, so the
-        # reads counted over all rounds are the planner's prediction for this very trace.
-        rounds = max(1, held.n_tokens // sz.tokens_per_round)
-        held = held.select(np.arange(held.n_tokens) < rounds * sz.tokens_per_round)
+    # One pass = pass_rounds slices of held-out tokens, every token replayed once per pass; the A/B
+    # stops only after whole passes, so the reads counted over all rounds are the planner's
+    # prediction for this very trace.
+    tpr = min(sz.tokens_per_round, max(1, held.n_tokens // sz.pass_rounds))
+    held = held.select(np.arange(held.n_tokens) < sz.pass_rounds * tpr)
     held_path = wd / "held.mbtrace"
     write_trace(held_path, held)
 
@@ -207,19 +212,22 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
                     reads_mb=4, max_reads=64, repeats=2)
     probe_path = wd / "probe.json"
     write_text_atomic(probe_path, json.dumps(probe_d, indent=2))
-    per_round = f"{sz.tokens_per_round} per round" if sz.tokens_per_round else "all per round"
-    step("ab", f"cold replay of {held.n_tokens} held-out tokens ({per_round}), {rounds} rounds, arms swapped, "
-               "A/A control")
+    step("ab", f"cold replay of {held.n_tokens} held-out tokens ({tpr} per round, {sz.pass_rounds} rounds per "
+               f"pass), balanced arm orders, A/A control, whole passes until converged or {sz.ab_time_budget:.0f} s")
     arms = [Arm(name=name, path=str(path)) for name, path in files.items()]
-    ab = run_ab(arms, trace=held, mode="replay", rounds=rounds, name="demo", trace_path=str(held_path),
-                tokens_per_round=sz.tokens_per_round)
-    ab.prediction = predict_vs_measured(ab, None, held, probe_path)
+    rule = StopRule(min_rounds=sz.pass_rounds, check_every=sz.pass_rounds, time_budget_s=sz.ab_time_budget,
+                    budget_at_checks=True)
+    ab = run_ab(arms, trace=held, mode="replay", stop=rule, name="demo", trace_path=str(held_path),
+                tokens_per_round=tpr, seed=seed)
+    ab.prediction = predict_vs_measured(ab, held, probe_path)
     write_result(wd / "ab.json", ab)
 
     total_s = time.perf_counter() - t_start
-    summary = _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s)
-    write_text_atomic(wd / "demo.json", json.dumps(summary, indent=2, default=json_default))
-    return json.loads((wd / "demo.json").read_text())
+    summary_path = wd / "demo.json"
+    summary = _summary(sz, size, summary_path, trace_info, train, held, ab, verdicts, files, total_s)
+    write_text_atomic(summary_path, json.dumps(summary, indent=2, default=json_default))
+    # paths in demo.json are relative to it; the caller is told where the folder is
+    return {**json.loads(summary_path.read_text()), "workdir": str(wd)}
 
 
 def _as_prompt(p: dict):
@@ -234,36 +242,65 @@ def _aa_deviation(summary: list[dict]) -> float | None:
     return None if aa is None else aa["speedup_vs_baseline_median"] - 1.0
 
 
-def _summary(sz, size, wd, trace_info, train, held, ab, verdicts, files, total_s) -> dict:
+def too_noisy(ab, aa_tolerance: float = AA_TOLERANCE) -> bool:
+    """The A/A control landed outside the tolerance: this run's speedups are not results."""
+    return aa_ok(ab.summary, aa_tolerance) is False
+
+
+def instead_command(files: dict, held_path, tokens_per_round: int) -> str:
+    """The longer `mbolt ab` of the same files to run when the demo's machine was too noisy."""
+    import shlex
+
+    arms = " ".join(shlex.quote(f"{Path(p).resolve()}:name={n}") for n, p in files.items())
+    return (f"mbolt ab {arms} --replay {shlex.quote(str(held_path))} --tokens-per-round {tokens_per_round} "
+            "--time-budget 900 --min-rounds 24")
+
+
+def _summary(sz, size, summary_path, trace_info, train, held, ab, verdicts, files, total_s) -> dict:
+    held_path = Path(summary_path).resolve().parent / "held.mbtrace"
     pred = {p["arm"]: p for p in (ab.prediction or [])}
+    noisy = too_noisy(ab)
     arms = []
     for s in ab.summary:
         p = pred.get(s["arm"], {})
         done = [r for r in ab.rounds if r.arm == s["arm"] and not r.rejected]
         arms.append({
             "arm": s["arm"],
-            # over all rounds (each held-out token once): comparable with the prediction
+            # over all rounds (whole passes: each held-out token equally often): comparable with the prediction
             "reads_per_token": sum(r.reads for r in done) / max(sum(r.tokens for r in done), 1),
             "mb_per_token": s.get("mb_per_token"),
             "io_ms_per_token": s.get("io_ms_per_token_median"),
             "cold_tokens_per_s": 1e3 / s["io_ms_per_token_median"] if s.get("io_ms_per_token_median") else None,
-            "speedup_vs_stock": s.get("speedup_vs_baseline_median"),
-            "speedup_ci95": s.get("speedup_ci95"),
-            "pred_reads_per_token": p.get("pred_reads_per_token"),
+            # an out-of-tolerance A/A control: the speedups of this run are noise, not results
+            "speedup_vs_stock": None if noisy else s.get("median_of_ratios"),
+            "speedup_ci95": None if noisy else s.get("speedup_ci95"),
+            "measured_speedup_noisy": s.get("median_of_ratios") if noisy else None,
+            "ratio_of_medians": None if noisy else s.get("ratio_of_medians"),
+            "pred_reads_per_token": p.get("pred_reads_per_token_all"),
             "pred_speedup": p.get("pred_speedup"),
         })
+    notes = list(ab.notes)
+    if noisy:
+        dev = _aa_deviation(ab.summary)
+        notes.insert(0, f"[bold yellow]the machine was too noisy for this A/B[/]: the A/A control (stock against itself) "
+                        f"landed {100 * dev:+.1f}% off (tolerance +-{100 * AA_TOLERANCE:.0f}%), so no speedups are "
+                        f"shown. Run a longer A/B of the same files on a quieter machine instead:\n  "
+                        f"{instead_command(files, held_path, ab.trace.get('tokens_per_round', 0))}")
+    notes.append(f"A/B: {ab.stop['rounds']} rounds in {ab.stop['elapsed_s']:.0f} s, stopped: {ab.stop['reason']} "
+                 f"({ab.stop['detail']}); speedup = {ab.speedup_definition}")
     return {
         "size": size,
         "geometry": {"n_layers": sz.n_layers, "n_experts": sz.n_experts, "k": sz.k,
                      "slice_bytes": sz.hidden * sz.expert_ff * 4},
-        "workdir": str(wd),
-        "files": {k: str(v) for k, v in files.items()},
+        "files": {k: stored_path(v, summary_path) for k, v in files.items()},
         "trace": {"prompts": trace_info["prompts"], "prefill_tokens": trace_info["prefill_tokens"],
                   "decode_tokens": trace_info["decode_tokens"],
                   "train_decode_tokens": int((train.phase == 1).sum()), "heldout_decode_tokens": held.n_tokens},
         "verify": verdicts,
         "ab": {"cold": ab.cold, "flags": ab.flags, "aa_deviation": _aa_deviation(ab.summary),
-               "aa_tolerance": AA_TOLERANCE, "notes": ab.notes, "baseline": ab.baseline,
-               "result": str(Path(wd) / "ab.json"), "arms": arms},
+               "aa_tolerance": AA_TOLERANCE, "too_noisy": noisy, "notes": notes, "baseline": ab.baseline,
+               "rounds": ab.stop["rounds"], "stop": ab.stop, "speedup_definition": ab.speedup_definition,
+               "instead": instead_command(files, held_path, ab.trace.get("tokens_per_round", 0)) if noisy else None,
+               "result": stored_path(Path(summary_path).parent / "ab.json", summary_path), "arms": arms},
         "seconds": round(total_s, 1),
     }

@@ -6,6 +6,12 @@ Two stages, so that predictions can be pre-registered before anything is measure
   (write prereg/*.toml from the printed predictions)
   python scripts/bench_ab.py run       # the cold A/B rounds; configs with a prereg file run through it
 
+Re-run of earlier models under new pre-registrations (issue 14: the fixed harness):
+  python scripts/bench_ab.py probe --tag seed1fix                        # new probe (bursts, host cache)
+  python scripts/bench_ab.py predict --models s64k --model-tag seed1 --tag seed1fix
+  (copy each printed "speedup" into prereg/ab_s64k_*_seed1fix.toml's predicted_speedup)
+  python scripts/bench_ab.py run --models s64k --seed 1 --model-tag seed1 --tag seed1fix --quiet-machine
+
 Models (big files live in $MBOLT_BENCH, default /tmp/mbolt-bench; only JSON goes to results/):
 - s64k: 16 layers x 64 experts, k=8, 64 KiB F32 slices, planted co-activation (4 groups),
         traced with the reference engine over prompts from ../shared/data/mbolt/prompts.jsonl.
@@ -31,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
-from mbolt.bench.ab import AA_TOLERANCE, Arm, aa_row, run_ab, write_result  # noqa: E402
+from mbolt.bench.ab import AA_TOLERANCE, Arm, StopRule, aa_row, run_ab, write_result  # noqa: E402
 from mbolt.bench.predict import predict_vs_measured  # noqa: E402
 from mbolt.bench.probe import load_probe, probe  # noqa: E402
 
@@ -42,6 +48,7 @@ PROBE = RESULTS / "probe.json"
 # results, pre-registrations and probe carry the tag, so earlier runs are never overwritten.
 SEED = 0
 TAG = ""
+MODEL_TAG = ""  # the models' directory suffix (defaults to TAG)
 PROMPTS = ROOT / "mbolt" / "data" / "prompts.jsonl"
 
 MODELS = {
@@ -63,7 +70,7 @@ def log(*a):
 
 
 def paths(name: str) -> dict:
-    d = BENCH / (f"{name}_{TAG}" if TAG else name)
+    d = BENCH / (f"{name}_{MODEL_TAG}" if MODEL_TAG else name)
     return {"dir": d, "stock": d / "stock.gguf", "trace": d / "full.mbtrace", "held": d / "held.mbtrace",
             "plan": d / "plan.json", "reorder-tsp": d / "reorder-tsp.gguf", "packed-tsp": d / "packed-tsp.gguf",
             "packed-id": d / "packed-id.gguf"}
@@ -123,32 +130,28 @@ def cfg_name(name: str, qd: int, direct: bool) -> str:
     return f"ab_{name}_qd{qd}_{'direct' if direct else 'buffered'}" + (f"_{TAG}" if TAG else "")
 
 
-def predictions(name: str, qd: int, direct: bool) -> list[dict]:
-    """Predicted I/O time per token of every arm (evaluator counts + probe cost), no measuring."""
-    from mbolt.bench.predict import counts, io_time, reader_cost
-    from mbolt.core.moe_map import moe_map
-    from mbolt.core.routemap import read_route_map
+def predictions(name: str, qd: int, direct: bool, tokens_per_round: int = 0) -> list[dict]:
+    """Predicted I/O time per token and speedup of every arm (evaluator counts + probe cost, the
+    burst figures for QD1 buffered when the probe has them), no measuring. With tokens_per_round
+    (the pre-registration's protocol): the median over one cycle of rounds of the per-round
+    predicted ratios, the speedup definition `ab` measures."""
+    from dataclasses import asdict
+
+    from mbolt.bench.predict import predict_rounds, predicted_speedups
     from mbolt.core.mbtrace import read_trace
 
     held = read_trace(paths(name)["held"])
     pr = load_probe(PROBE)
+    arms = [asdict(a) for a in arms_for(name, qd, direct) if a.mode != "os"]
+    cycle = -(-held.n_tokens // tokens_per_round) if tokens_per_round else 1
+    pred = predict_rounds(arms, held, pr, {a["name"]: list(range(cycle)) for a in arms}, tokens_per_round)
     out = []
-    base = None
-    for a in arms_for(name, qd, direct):
-        if a.mode == "os":
-            continue
-        mm = moe_map(a.path)
-        rm = read_route_map(mm)
-        pad = 0
-        if rm.layout == "packed":
-            pad = int(mm.moe_layers[0].weights[0].stride - mm.moe_layers[0].expert_bytes)
-        c = counts(held, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", 0, 0, pad)
-        n = len(mm.moe_layers)
-        t_op, bw, opr = reader_cost(pr, direct, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
-        T = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
-        base = base or T
-        out.append({"arm": a.name, "reads_per_token": c["reads_per_token"], "mb_per_token": c["bytes_per_token"] / 1e6,
-                    "io_ms_per_token": T * 1e3, "speedup": base / T})
+    for a in arms:
+        p = pred[a["name"]]
+        mor, rom = predicted_speedups(pred, arms[0]["name"], a["name"])
+        out.append({"arm": a["name"], "reads_per_token": p["all"]["reads_per_token"],
+                    "mb_per_token": p["all"]["bytes_per_token"] / 1e6, "io_ms_per_token": p["T_all"] * 1e3,
+                    "speedup": mor, "ratio_of_medians": rom, "cost_source": p["cost_source"]})
     return out
 
 
@@ -169,10 +172,12 @@ def run_config(name: str, spec: dict, qd: int, direct: bool) -> dict:
         log(cname, "pre-registered:", pre.name, "sha256", pr.sha256[:16], "run", lock["runs"])
         arms = pr.arms
     t0 = time.perf_counter()
-    res = run_ab(arms, trace=held, rounds=pr.rounds if pr else spec["rounds"], name=cname,
+    stop = StopRule(rounds=pr.rounds, min_rounds=pr.min_rounds, max_rounds=pr.max_rounds,
+                    time_budget_s=pr.time_budget, precision=pr.precision) if pr else StopRule(rounds=spec["rounds"])
+    res = run_ab(arms, trace=held, stop=stop, name=cname, seed=pr.seed if pr else 0,
                  prereg=pr.to_dict() if pr else None, trace_path=str(p["held"]),
                  tokens_per_round=int(pr.raw.get("tokens_per_round", 0)) if pr else 0)
-    res.prediction = predict_vs_measured(res, p["plan"], held, PROBE)
+    res.prediction = predict_vs_measured(res, held, PROBE)
     if pr:
         res.prereg["result"] = verdict(pr, res.summary)
     res.notes.append(NOISE_NOTE)
@@ -185,22 +190,35 @@ def run_config(name: str, spec: dict, qd: int, direct: bool) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["prepare", "predict", "run", "decode", "explore", "summary"])
+    ap.add_argument("stage", choices=["prepare", "probe", "predict", "run", "decode", "explore", "summary"])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--reprobe", action="store_true")
     ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic models (a fresh model per seed)")
     ap.add_argument("--tag", default="", help="suffix of result/prereg names and of the probe file")
+    ap.add_argument("--model-tag", default=None, help="the models' directory suffix when it differs from --tag "
+                    "(a re-run of earlier models under new pre-registrations: --model-tag seed1 --tag seed1fix)")
+    ap.add_argument("--tokens-per-round", type=int, default=8,
+                    help="predict: the protocol's tokens per round (the pre-registrations use 8)")
     ap.add_argument("--quiet-machine", action="store_true",
                     help="record that nothing else ran on the machine (default note: shared and noisy)")
     args = ap.parse_args()
-    global SEED, TAG, PROBE, NOISE_NOTE
+    global SEED, TAG, MODEL_TAG, PROBE, NOISE_NOTE
     SEED, TAG = args.seed, args.tag
+    MODEL_TAG = args.tag if args.model_tag is None else args.model_tag
     if TAG:
         PROBE = RESULTS / f"probe_{TAG}.json"
     if args.quiet_machine:
         NOISE_NOTE = "no other jobs on the machine during the run (2 cores)"
     names = [m for m in args.models.split(",") if m]
     RESULTS.mkdir(exist_ok=True)
+    if args.stage == "probe":  # a new probe only (burst and host-cache figures included), models untouched
+        BENCH.mkdir(parents=True, exist_ok=True)
+        d = probe(BENCH, size_mb=256)
+        write_text_atomic(PROBE, json.dumps(d, indent=1) + "\n")
+        log("probe", PROBE.name, {k: (round(f["t_op_s"] * 1e6), round(f["bw_bytes_s"] / 1e6))
+                                  for k, f in {**d["fits"], **{"burst_" + k: v for k, v in d["burst_fits"].items()}}.items()},
+            "host cache:", d["host_cache"].get("verdict"))
+        return
     if args.stage == "prepare":
         BENCH.mkdir(parents=True, exist_ok=True)
         if args.reprobe or not PROBE.exists():
@@ -214,9 +232,10 @@ def main() -> None:
         for n in names:
             for qd, direct in MODELS[n]["configs"]:
                 log(cfg_name(n, qd, direct))
-                for r in predictions(n, qd, direct):
+                for r in predictions(n, qd, direct, args.tokens_per_round):
                     log(f"  {r['arm']:<12} reads/tok {r['reads_per_token']:7.1f}  MB/tok {r['mb_per_token']:7.3f}  "
-                        f"io {r['io_ms_per_token']:8.3f} ms/tok  speedup {r['speedup']:.3f}")
+                        f"io {r['io_ms_per_token']:8.3f} ms/tok  speedup (median of per-round ratios) "
+                        f"{r['speedup']:.3f}  ratio of medians {r['ratio_of_medians']:.3f}  [{r['cost_source']}]")
         return
     if args.stage == "decode":
         run_decode()
@@ -272,7 +291,7 @@ def run_explore(names: list[str], tokens_per_round: int = 8) -> dict:
             t0 = time.perf_counter()
             res = run_ab(arms, trace=held, rounds=rounds, name=cname, trace_path=str(p["held"]),
                          tokens_per_round=tpr)
-            res.prediction = predict_vs_measured(res, p["plan"], held, PROBE)
+            res.prediction = predict_vs_measured(res, held, PROBE)
             res.notes.append("exploratory (not pre-registered): many short rounds; 2 shared cores, ~7 other "
                              "workers running on the machine")
             write_result(RESULTS / f"{cname}.json", res)
@@ -295,11 +314,17 @@ def run_explore(names: list[str], tokens_per_round: int = 8) -> dict:
     return out
 
 
+def _ci(x: dict) -> str:
+    ci = x.get("speedup_ci95")
+    return f"CI {ci[0]:.3f}-{ci[1]:.3f}" if ci else "no CI (< 10 rounds)"
+
+
 def _log_summary(cname, res, t0):
-    log(cname, f"{time.perf_counter() - t0:.1f}s")
+    log(cname, f"{time.perf_counter() - t0:.1f}s", f"{res.stop['rounds']} rounds, stopped: {res.stop['reason']}")
     for s in res.summary:
         log(f"  {s['arm']:<18} io {s['io_ms_per_token_median']:8.3f} ms/tok  reads/tok {s['reads_per_token']:7.1f}  "
-            f"speedup {s['speedup_vs_baseline_median']:.3f} CI {s['speedup_ci95'][0]:.3f}-{s['speedup_ci95'][1]:.3f}")
+            f"speedup (median of ratios) {s['median_of_ratios']:.3f} {_ci(s)}  ratio of medians "
+            f"{s['ratio_of_medians']:.3f}")
     for f in res.flags:
         log("  flag:", f)
 
@@ -318,23 +343,39 @@ def run_decode(name: str = "s64k", rounds: int = 12) -> dict:
     t0 = time.perf_counter()
     res = run_ab(arms, mode="decode", prompts=prompts, n_new=8, rounds=rounds,
                  name=f"ab_{name}_decode_qd1_buffered" + (f"_{TAG}" if TAG else ""))
+    from mbolt.bench.predict import decode_law
+
     st = _arm(res.to_dict(), "stock")
     s_share = st["io_ms_per_token_median"] / st["wall_ms_per_token_median"]
+    # the non-I/O term: time per read spent outside I/O, from the replay A/B of the same files
+    # (independent of this run); this run's own estimate is in res.non_io
+    rep = RESULTS / f"{cfg_name(name, 1, False)}.json"
+    c = None
+    if rep.exists():
+        ni = json.loads(rep.read_text()).get("non_io") or {}
+        c = ni.get("per_read_us") if ni.get("estimable") else None
     res.prediction = []
     for a in treated:
         tr = _arm(res.to_dict(), a)
         g = st["io_ms_per_token_median"] / tr["io_ms_per_token_median"]
         pred = 1.0 / ((1 - s_share) + s_share / g)
-        res.prediction.append({"law": "speedup = 1/((1-s) + s/g)", "s": s_share, "g": g, "pred_speedup": pred,
-                               "meas_speedup": tr["speedup_vs_baseline_median"],
-                               "speedup_error": tr["speedup_vs_baseline_median"] / pred - 1, "arm": a})
+        row = {"law": "speedup = 1/((1-s) + s/g)", "s": s_share, "g": g, "pred_speedup": pred,
+               "meas_speedup": tr["median_of_ratios"], "speedup_error": tr["median_of_ratios"] / pred - 1, "arm": a,
+               "non_io_ms_per_token": {"stock": st["wall_ms_per_token_median"] - st["io_ms_per_token_median"],
+                                       a: tr["wall_ms_per_token_median"] - tr["io_ms_per_token_median"]}}
+        if c is not None:
+            p2 = decode_law(st["wall_ms_per_token_median"], st["io_ms_per_token_median"], st["reads_per_token"],
+                            tr["io_ms_per_token_median"], tr["reads_per_token"], c * 1e-3)  # ms per token, c: us -> ms
+            row.update({"law_non_io": "speedup = wall_base / (other + io_arm + reads_arm * c), c from " + rep.name,
+                        "non_io_per_read_us": c, "pred_speedup_non_io": p2,
+                        "speedup_error_non_io": tr["median_of_ratios"] / p2 - 1})
+        res.prediction.append(row)
     res.notes.append(NOISE_NOTE)
     write_result(RESULTS / f"{res.name}.json", res)
     log(res.name, f"{time.perf_counter() - t0:.1f}s", json.dumps(res.prediction))
     for x in res.summary:
         log(f"  {x['arm']:<18} wall {x['wall_ms_per_token_median']:8.2f} ms/tok io {x['io_ms_per_token_median']:7.2f} "
-            f"ttft {x['ttft_ms_median']:7.1f} ms speedup {x['speedup_vs_baseline_median']:.3f} "
-            f"CI {x['speedup_ci95'][0]:.3f}-{x['speedup_ci95'][1]:.3f}")
+            f"ttft {x['ttft_ms_median']:7.1f} ms speedup {x['speedup_vs_baseline_median']:.3f} {_ci(x)}")
     return res.to_dict()
 
 

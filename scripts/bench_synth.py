@@ -98,8 +98,13 @@ def run_child(args: list[str]) -> dict:
 
 def pick_layers(preset: str, target: int) -> tuple[int, int]:
     best = None
+    from mbolt.core.errors import MboltError
+
     for n in range(1, PRESET_MAX_LAYERS[preset] + 1):
-        size = synth_size(SynthConfig.from_preset(preset, n_layers=n, fast_random=True))
+        try:  # qwen3-next needs a full-attention layer (every 4th)
+            size = synth_size(SynthConfig.from_preset(preset, n_layers=n, fast_random=True))
+        except MboltError:
+            continue
         if best is None or abs(size - target) < abs(best[1] - target):
             best = (n, size)
     return best

@@ -201,6 +201,13 @@ CASES = [
                                        str(w / "y.mbtrace"), "--layers", "0"], "--layers")),
     ("import-out-exists", lambda w: (["import-trace", str(_write(w / "x.txt", "0 1 2\n")), "-o", str(w / T)],
                                      "output exists")),
+    # ---- trace-merge ----
+    ("tracemerge-out-is-input", lambda w: (["trace-merge", str(w / T), str(w / T), "-o", str(w / T), "--force"],
+                                           "is an input")),
+    ("tracemerge-damaged", lambda w: (["trace-merge", str(w / T), str(_write(w / "x.mbtrace", flip(
+        (w / T).read_bytes(), 100))), "-o", str(w / "m.mbtrace")], "x.mbtrace")),
+    ("tracemerge-other-model", lambda w: (["trace-merge", str(w / T), str(_write(w / "x.txt", "0 1 2\n")), "-o",
+                                           str(w / "m.mbtrace")], "x.txt")),
     # ---- synth-trace ----
     ("synthtrace-like-missing", lambda w: (["synth-trace", "--like", str(w / "nope.json"), "-o",
                                              str(w / "x.mbtrace")], "nope.json")),
@@ -345,7 +352,8 @@ def test_suite_covers_every_command():
     """The bad-input table names every command mbolt has (a new command needs its cases)."""
     from mbolt.cli import COMMANDS
 
-    aliases = {"stats": "trace-stats", "import": "import-trace", "synthtrace": "synth-trace"}
+    aliases = {"stats": "trace-stats", "import": "import-trace", "synthtrace": "synth-trace",
+               "tracemerge": "trace-merge"}
     covered = {aliases.get(c[0].split("-")[0], c[0].split("-")[0]) for c in CASES}
     assert covered == {n for n, _, _ in COMMANDS}
     assert len(CASES) >= 60

@@ -37,10 +37,14 @@ def naive_stock_reads_per_token(model_path, held) -> float:
     return total / held.n_tokens
 
 
-def test_demo_tiny_end_to_end(tmp_path):
+def test_demo_tiny_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
     wd = tmp_path / "demo"
-    res = CliRunner().invoke(app, ["demo", "--workdir", str(wd), "--size", "tiny"], terminal_width=120)
+    # a relative workdir, as the default one: result files must not depend on where it ran
+    res = CliRunner().invoke(app, ["demo", "--workdir", "demo", "--size", "tiny"], terminal_width=120)
     assert res.exit_code == 0, res.output
+    assert "cli.py:" not in res.output  # plain progress lines, not console.log's caller
+    assert "next:" in res.output and "mbolt verify MODEL.gguf" in res.output
     summary = json.loads((wd / "demo.json").read_text())
     ab = json.loads((wd / "ab.json").read_text())
 
@@ -50,14 +54,22 @@ def test_demo_tiny_end_to_end(tmp_path):
 
     # the printed table shows the numbers in demo.json, which are ab.json's medians
     by_arm = {s["arm"]: s for s in ab["summary"]}
+    noisy = summary["ab"]["too_noisy"]
+    assert noisy == (abs(by_arm["stock (A/A)"]["median_of_ratios"] - 1) > summary["ab"]["aa_tolerance"])
     for arm in summary["ab"]["arms"]:
         rounds = [r for r in ab["rounds"] if r["arm"] == arm["arm"] and not r["rejected"]]
         assert arm["reads_per_token"] == sum(r["reads"] for r in rounds) / sum(r["tokens"] for r in rounds)
-        assert arm["speedup_vs_stock"] == by_arm[arm["arm"]]["speedup_vs_baseline_median"]
+        # a noisy machine (A/A out of tolerance) shows no speedups; otherwise ab.json's
+        assert arm["speedup_vs_stock"] == (None if noisy else by_arm[arm["arm"]]["median_of_ratios"])
         row = next(line for line in res.output.splitlines() if line.strip().startswith(arm["arm"] + " "))
         assert f"{arm['reads_per_token']:.1f}" in row
-        assert f"{arm['speedup_vs_stock']:.2f}" in row
+        if not noisy:
+            assert f"{arm['speedup_vs_stock']:.2f}" in row
     assert re.search(r"A/A control: [+-]\d+\.\d%", res.output)
+    # many short rounds, whole passes over the held-out tokens, the stop reason said
+    assert ab["stop"]["rounds"] >= 12 and ab["stop"]["rounds"] % 12 == 0
+    assert ab["stop"]["reason"] in ("converged", "time budget", "max rounds")
+    assert "stopped: " + ab["stop"]["reason"] in " ".join(res.output.split())
 
     # stock reads/token counted independently from the file's own tensor offsets
     held = read_trace(wd / "held.mbtrace")
@@ -68,3 +80,76 @@ def test_demo_tiny_end_to_end(tmp_path):
     packed = next(a for a in summary["ab"]["arms"] if a["arm"] == "packed tsp")
     assert packed["reads_per_token"] < 0.5 * stock["reads_per_token"]
     assert summary["ab"]["cold"] is True
+
+    # paths in the result files are relative to them, so `report` works from anywhere
+    for name, rel in summary["files"].items():
+        assert not rel.startswith("/") and (wd / rel).is_file(), name
+    assert all((wd / a["path"]).is_file() for a in ab["arms"])
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    rep = CliRunner().invoke(app, ["report", "../demo/demo.json", "-o", "ab.png"])
+    assert rep.exit_code == 0, rep.output
+    assert (elsewhere / "ab.png").stat().st_size > 0
+    rep = CliRunner().invoke(app, ["report", "../demo/demo.json", "--json"])
+    assert rep.exit_code == 0, rep.output
+    plotted = json.loads(rep.output)
+    assert plotted["kind"] == "ab"
+    assert [a["arm"] for a in plotted["arms"]] == [s["arm"] for s in ab["summary"] if s.get("rounds")]
+    for a in plotted["arms"]:
+        assert a["reads_per_token"] == by_arm[a["arm"]]["reads_per_token"]
+
+def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
+    """An A/A control out of tolerance (injected: the A/A arm's reads timed 25% slower): the
+    demo's summary shows no speedups, says the machine was too noisy and what to run instead."""
+    from rich.console import Console
+
+    import mbolt.bench.ab as ab_mod
+    from mbolt import demo
+    from mbolt.core.trace import DECODE, Trace
+    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.report.tables import demo_table
+    from mbolt.rewrite.reorder import reorder
+
+    L, E, K = 2, 8, 2
+    stock, packed = tmp_path / "model.gguf", tmp_path / "packed.gguf"
+    write_synth(stock, SynthConfig(n_layers=L, n_experts=E, n_used=K, hidden=64, expert_ff=32))
+    reorder(stock, packed, np.tile(np.arange(E, dtype=np.int32), (L, 1)), layout="packed", method="identity",
+            sidecar=False)
+    rng = np.random.default_rng(0)
+    n = 12
+    ex = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)]).astype(np.int16)
+    held = Trace(L, E, K, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32), np.arange(n, dtype=np.int32))
+    real = ab_mod.ARM_RUNNERS["replay"]
+
+    def slow_aa(arm, mm, job):
+        r = real(arm, mm, job)
+        if arm.control_of:
+            r.io_s *= 1.25
+        return r
+
+    monkeypatch.setitem(ab_mod.ARM_RUNNERS, "replay", slow_aa)
+    files = {"stock": stock, "packed identity": packed}
+    ab = ab_mod.run_ab([ab_mod.Arm(k, str(v)) for k, v in files.items()], trace=held, rounds=12, tokens_per_round=4,
+                       name="demo", host_cache={})
+    aa = next(s for s in ab.summary if s["arm"] == "stock (A/A)")
+    assert aa["median_of_ratios"] < 0.97  # the injected bias is what the harness measured
+    info = {"prompts": 1, "prefill_tokens": 0, "decode_tokens": n}
+    summary = demo._summary(demo.SIZES["tiny"], "tiny", tmp_path / "demo.json", info, held, held, ab, {}, files, 1.0)
+    summary["workdir"] = str(tmp_path)  # run_demo adds where the folder is
+    assert summary["ab"]["too_noisy"] is True
+    assert all(a["speedup_vs_stock"] is None and a["speedup_ci95"] is None for a in summary["ab"]["arms"])
+    assert summary["ab"]["instead"].startswith("mbolt ab ") and "--replay" in summary["ab"]["instead"]
+    c = Console(width=400, record=True)
+    c.print(demo_table(summary))
+    out = c.export_text()
+    assert "the machine was too noisy for this A/B" in out and "no speedups are shown" in out
+    assert summary["ab"]["instead"] in out  # the command to run instead is printed whole
+    for arm in summary["ab"]["arms"]:  # no measured speedup in any row
+        row = next(line for line in out.splitlines() if line.strip().startswith(arm["arm"] + " "))
+        measured = next(s for s in ab.summary if s["arm"] == arm["arm"])["median_of_ratios"]
+        assert f" {measured:.2f} " not in row
+    # the same run with the A/A inside the tolerance shows them
+    monkeypatch.setattr(demo, "too_noisy", lambda ab: False)
+    ok = demo._summary(demo.SIZES["tiny"], "tiny", tmp_path / "demo.json", info, held, held, ab, {}, files, 1.0)
+    assert [a["speedup_vs_stock"] for a in ok["ab"]["arms"]] == [s["median_of_ratios"] for s in ab.summary]

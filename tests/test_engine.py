@@ -12,7 +12,7 @@ from _engine_util import permuted_copy, random_perm
 from mbolt.engine import load_model
 from mbolt.engine.quant import dequantize, round_activations
 from mbolt.engine.source import MmapExpertSource
-from mbolt.engine.tokenizer import Tokenizer, split_gpt2, split_llama3
+from mbolt.engine.tokenizer import Tokenizer, pre_split
 from mbolt.core.errors import MboltError
 from mbolt.core.header import read_header
 from mbolt.gguf.synth import SynthConfig, write_synth
@@ -144,9 +144,10 @@ def test_unsupported_arch_lists_supported(tmp_path):
 
 
 def test_gpt2_pretokenizer_pieces():
-    assert split_gpt2("Hello world!  It's\n\nok") == ["Hello", " world", "!", " ", " It", "'s", "\n", "\n", "ok"]
-    assert split_gpt2("a  ") == ["a", "  "]
-    assert split_llama3("x 12345\n\n  y", 3) == ["x", " ", "123", "45", "\n\n", " ", " y"]
+    assert pre_split("Hello world!  It's\n\nok", "gpt2") == ["Hello", " world", "!", " ", " It", "'s", "\n", "\n", "ok"]
+    assert pre_split("a  ", "gpt2") == ["a", "  "]
+    assert pre_split("x 12345\n\n  y", "llama3") == ["x", " ", "123", "45", "\n\n", " ", " y"]
+    assert pre_split("x 12345", "qwen2") == ["x", " ", "1", "2", "3", "4", "5"]
 
 
 def test_tokenizer_round_trip_and_merges(tmp_path):

@@ -54,7 +54,7 @@ def test_inspect_table_and_dense_and_extra_tensors(tmp_path):
     path = model(tmp_path, n_layers=3, dense_layers=1, probs_bias=True, expert_bias=True)
     res = inspect(path)
     assert res.exit_code == 0, res.output
-    assert "blk.1.ffn_gate_exps.weight" in res.stdout and "dense" in res.stdout
+    assert "ffn_gate_exps.weight" in res.stdout and "dense FFN layers (no routed experts): 0" in res.stdout
     d = json.loads(inspect(path, "--json").stdout)
     assert [layer["dense"] for layer in d["layers"]] == [True, False, False]
     roles = {t["role"] for t in d["layers"][2]["tensors"]}
@@ -127,3 +127,29 @@ def test_non_moe_gguf(tmp_path):
     w.write_tensors_to_file()
     w.close()
     assert_one_error_line(inspect(p), "dense.gguf", "not a MoE model")
+
+
+@pytest.mark.parametrize("arch, kw, lines", [
+    ("glm4moe", {}, ["dense FFN layers (no routed experts): 0", "shared expert (ffn_*_shexp, never permuted) in 3 "
+                     "layers, ungated", "exp_probs_b", "expert weights: gate Q8_0, up Q8_0, down Q8_0"]),
+    ("deepseek2", {"fused_gate_up": True}, ["fused gate_up (ffn_gate_up_exps) in layers 1-3", "MLA"]),
+    ("gpt-oss", {}, ["router bias, per-expert biases", "attention sinks"]),
+    ("qwen3next", {}, ["sigmoid-gated (ffn_gate_inp_shexp)", "linear attention (gated delta net, ssm_*) in layers 0, 2"]),
+    ("qwen3moe", {"expert_type": "Q4_K", "down_type": "Q6_K", "layer_types": "0:Q5_K", "fast_random": True},
+     ["expert weights: gate Q5_K (layer 0) / Q4_K (layers 1-3), up Q5_K (layer 0) / Q4_K (layers 1-3), down Q6_K"]),
+])
+def test_inspect_shows_family_structure(tmp_path, arch, kw, lines):
+    from mbolt.core.moe_map import moe_map
+    from mbolt.gguf.config import tiny
+    from mbolt.report.tables import moe_structure
+
+    kw.setdefault("expert_type", "Q8_0")
+    path = write_synth(tmp_path / "m.gguf", tiny(arch, **kw))
+    text = "\n".join(moe_structure(moe_map(path)))
+    for line in lines:
+        assert line in text, text
+    res = inspect(path)
+    assert res.exit_code == 0, res.output
+    shared = [t for t in GGUFReader(path).tensors if "shexp" in t.name]
+    if shared:  # shared tensors listed with their own type
+        assert "shared" in res.stdout and shared[0].tensor_type.name in res.stdout

@@ -231,7 +231,7 @@ def test_plan_round_trip_and_validation(tmp_path):
     d = json.loads(p.read_text())
     d["layers"][2]["perm"][0] = d["layers"][2]["perm"][1]
     (tmp_path / "bad.json").write_text(json.dumps(d))
-    with pytest.raises(MboltError, match="layer 2: perm is not a permutation"):
+    with pytest.raises(MboltError, match="layer 2 is not a permutation"):
         load_plan(tmp_path / "bad.json")
     d["layers"][2]["perm"] = d["layers"][2]["perm"][:-1]
     (tmp_path / "bad.json").write_text(json.dumps(d))

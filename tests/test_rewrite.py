@@ -193,17 +193,22 @@ def test_rereorder_composes_and_identity_restores_stock(q8, tmp_path):
 
 def test_refuses_same_file_and_existing_output(q8, tmp_path):
     before = sha(q8)
-    with pytest.raises(MboltError, match="output is the input"):
+    with pytest.raises(MboltError, match="is an input"):
         reorder(q8, q8, None)
     link = tmp_path / "hard.gguf"
     os.link(q8, link)
-    with pytest.raises(MboltError, match="output is the input"):
+    with pytest.raises(MboltError, match="is an input"):
         reorder(q8, link, None, force=True)
     out = tmp_path / "o.gguf"
     out.write_bytes(b"keep me")
     with pytest.raises(MboltError, match="exists"):
         reorder(q8, out, None)
+    # --force replaces only a previous mbolt output, never another kind of file
+    with pytest.raises(MboltError, match="not a previous rewritten model"):
+        reorder(q8, out, None, force=True)
     assert out.read_bytes() == b"keep me"
+    out.unlink()
+    reorder(q8, out, None)
     reorder(q8, out, None, force=True)
     assert out.stat().st_size > 1000
     assert sha(q8) == before

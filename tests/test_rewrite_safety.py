@@ -48,7 +48,8 @@ def model(tmp_path_factory):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_kill_mid_write(model, tmp_path, sig):
     out = tmp_path / "out.gguf"
-    out.write_bytes(b"previous output")  # --force run: the old file must survive a killed rewrite
+    reorder(model, out, None)  # --force run: the previous output must survive a killed rewrite
+    previous = sha(out)
     before = sha(model)
     child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(out)],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -65,7 +66,7 @@ def test_kill_mid_write(model, tmp_path, sig):
             child.wait()
     assert "DONE" not in rest
     assert child.returncode != 0
-    assert out.read_bytes() == b"previous output"
+    assert sha(out) == previous
     assert sha(model) == before
     leftovers = list(tmp_path.glob(".out.gguf.*.part"))
     if sig == signal.SIGKILL:

@@ -37,8 +37,9 @@ def sha(path) -> str:
 
 
 def test_archs_exported():
-    assert sorted(SYNTH_ARCHS) == sorted(ARCHS)
-    assert set(PRESETS) == {"qwen3-30b-a3b", "qwen3-next-80b-a3b", "olmoe-1b-7b", "granite-moe-1b"}
+    assert sorted(SYNTH_ARCHS) == sorted(ARCHS + ["glm4moe", "deepseek2", "gpt-oss", "qwen3next"])
+    assert set(PRESETS) == {"qwen3-30b-a3b", "qwen3-next-80b-a3b", "olmoe-1b-7b", "granite-moe-1b",
+                            "glm-4.5-air", "deepseek-v3", "gpt-oss-20b", "glm-5.2"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -176,29 +177,46 @@ def test_optional_tensors_and_dense_layers(tmp_path):
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_geometry(name):
-    real = {  # from the models' HF config.json
+    real = {  # from the models' HF config.json: layers, experts, k, hidden, expert ff, heads, kv heads, head dim
         "qwen3-30b-a3b": (48, 128, 8, 2048, 768, 32, 4, 128),
         "qwen3-next-80b-a3b": (48, 512, 10, 2048, 512, 16, 2, 256),
         "olmoe-1b-7b": (16, 64, 8, 2048, 1024, 16, 16, 128),
         "granite-moe-1b": (24, 32, 8, 1024, 512, 16, 8, 64),
+        "glm-4.5-air": (46, 128, 8, 4096, 1408, 96, 8, 128),
+        "deepseek-v3": (61, 256, 8, 7168, 2048, 128, 1, 192),  # MLA: head dim = qk_nope 128 + qk_rope 64
+        "gpt-oss-20b": (24, 32, 4, 2880, 2880, 64, 8, 64),
+        "glm-5.2": (78, 256, 8, 512, 256, 8, 1, 64),  # routing geometry of GLM-5.2, slices scaled down
     }[name]
     cfg = SynthConfig.from_preset(name)
     assert (cfg.n_layers, cfg.n_experts, cfg.n_used, cfg.hidden, cfg.expert_ff, cfg.n_heads,
             cfg.n_kv_heads, cfg.head_dim) == real
     L, E, k, H, ff, nh, nkv, hd = real
-    small_cfg = SynthConfig.from_preset(name, n_layers=2)
-    assert small_cfg.n_layers == 2 and small_cfg.n_experts == E
+    small_cfg = SynthConfig.from_preset(name, n_layers=cfg.dense_layers + 4)
+    assert small_cfg.n_experts == E
     shapes = {n: ne for n, ne, _ in synth_tensors(small_cfg)}
-    assert shapes["blk.1.ffn_gate_exps.weight"] == (H, ff, E)
-    assert shapes["blk.1.ffn_down_exps.weight"] == (ff, H, E)
-    assert shapes["blk.1.attn_q.weight"] == (H, nh * hd)
-    assert shapes["blk.1.attn_k.weight"] == (H, nkv * hd)
-    assert "blk.2.attn_q.weight" not in shapes
+    last = small_cfg.n_layers - 1  # a MoE layer (and a full-attention one in qwen3next)
+    assert shapes[f"blk.{last}.ffn_gate_exps.weight"] == (H, ff, E)
+    assert shapes[f"blk.{last}.ffn_down_exps.weight"] == (ff, H, E)
+    if cfg.arch == "deepseek2":
+        assert shapes[f"blk.{last}.attn_q_b.weight"] == (cfg.q_lora_rank, nh * hd)
+        assert shapes[f"blk.{last}.attn_k_b.weight"] == (hd - cfg.rope_dim, cfg.kv_lora_rank, nh)
+    elif cfg.arch == "qwen3next":
+        assert shapes[f"blk.{last}.attn_q.weight"] == (H, 2 * nh * hd)  # q and its gate
+        assert shapes["blk.0.attn_qkv.weight"] == (H, 2 * 16 * 128 + 32 * 128)  # linear attention
+    else:
+        assert shapes[f"blk.{last}.attn_q.weight"] == (H, nh * hd)
+        assert shapes[f"blk.{last}.attn_k.weight"] == (H, nkv * hd)
+    if cfg.dense_layers:
+        assert shapes["blk.0.ffn_gate.weight"] == (H, cfg.dense_ff) and "blk.0.ffn_gate_exps.weight" not in shapes
+    assert f"blk.{last + 1}.attn_norm.weight" not in shapes
 
 
 @pytest.mark.parametrize("bad, msg", [
     (dict(arch="gptoss"), "unknown arch"),
-    (dict(expert_type="Q4_K"), "unknown expert type"),
+    (dict(expert_type="Q4_9"), "unknown expert type"),
+    (dict(expert_type="Q4_K"), "needs --fast-random"),
+    (dict(layer_types="1:Q9"), "unknown expert type"),
+    (dict(layer_types="x"), "layer types"),
     (dict(n_used=9), "larger than the number of experts"),
     (dict(expert_type="Q4_0", expert_ff=48), "multiple of the Q4_0 block"),
     (dict(arch="olmoe", n_kv_heads=2), "kv heads == heads"),

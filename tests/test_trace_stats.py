@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from mbolt.cli import app
 from mbolt.core.mbtrace import read_trace
 from mbolt.core.trace import DECODE, PREFILL, Trace
-from mbolt.trace.stats import trace_stats
+from mbolt.layout.stats import trace_stats
 
 
 def _trace(sets, seq=None, phase=None, n_experts=4, domains=None):

@@ -10,6 +10,7 @@ from gguf import GGUFReader
 
 from conftest import needs_llama
 from mbolt.core.header import read_header
+from mbolt.gguf.config import tiny
 from mbolt.gguf.synth import SYNTH_ARCHS, SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify
@@ -21,8 +22,10 @@ def random_perm(n_layers, n_experts, seed=0):
 
 
 def small(arch: str, seed: int = 11, **kw) -> SynthConfig:
-    return SynthConfig(arch=arch, n_layers=3, n_experts=8, n_used=2, n_heads=4,
-                       n_kv_heads=4 if arch == "olmoe" else 2, seed=seed, **kw)
+    return tiny(arch, n_layers=3, dense_layers=0, seed=seed, **kw)
+
+
+ENGINE_ARCHS = ["glm4moe", "mixtral", "olmoe", "qwen2moe", "qwen3moe"]  # the reference engine's families
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def copy(src, dst):
     return dst
 
 
-@pytest.mark.parametrize("arch", sorted(SYNTH_ARCHS))
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 @pytest.mark.parametrize("layout", ["reorder", "packed"])
 def test_every_arch_survives_reorder_and_verify(tmp_path, arch, layout):
     src = tmp_path / "src.gguf"
@@ -62,7 +65,7 @@ def test_every_arch_survives_reorder_and_verify(tmp_path, arch, layout):
     rep = verify(src, out, parity=True, n_tokens=2, prompts=["hello world", "def f(x): return x"])
     assert rep.ok, [c for c in rep.checks if not c.ok]
     names = [c.name for c in rep.checks]
-    assert names == ["header", "route map", "sidecar", "metadata", "tensors", "data", "routing"]
+    assert names == ["header", "route map", "sidecar", "metadata", "tensors", "data", "padding", "routing"]
     assert rep.parity["decisions"] > 0 and rep.parity["identical"] == rep.parity["decisions"]
     assert rep.bytes_compared > 0.9 * sum(t.nbytes for t in read_header(src).tensors)
 
@@ -178,7 +181,7 @@ def test_llama_cpp_loads_reorder_output(tmp_path, arch):
     ll = rep.llama
     assert ll["tokens_identical"] == ll["tokens"] > 0
     assert ll["max_logit_diff"] <= ll["tolerance"]
-    assert ll["routing_share"] >= 0.99 and ll["routing_decisions"] > 0
+    assert ll["routing_share"] == 1.0 and ll["routing_decisions"] > 0
 
 
 def test_packed_slot_padding_must_be_zero(tmp_path):
@@ -190,7 +193,7 @@ def test_packed_slot_padding_must_be_zero(tmp_path):
     reorder(src, out, random_perm(2, 8, seed=3), layout="packed")
     rep = verify(src, out)
     assert rep.ok
-    assert "2,048 packed padding bytes zero" in next(c for c in rep.checks if c.name == "data").detail
+    assert "padding bytes zero" in next(c for c in rep.checks if c.name == "padding").detail
     blob = next(t for t in GGUFReader(out).tensors if t.name == "blk.1.ffn_exps_packed")
     flip(out, blob.data_offset + 2 * 3584 + 3456 + 5)
     rep = verify(src, out)

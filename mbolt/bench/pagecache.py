@@ -71,14 +71,39 @@ def resident_share(path: str | os.PathLike, spans=None) -> float:
     return float(r.mean()) if r.size else 0.0
 
 
-def expert_spans(mm) -> list[tuple[int, int]]:
-    """Byte spans of every routed expert weight tensor (or packed blob) of a MoE map."""
+def expert_spans(mm, file: int = 0) -> list[tuple[int, int]]:
+    """Byte spans of every routed expert weight tensor (or packed blob) of a MoE map in one of
+    its files (a split set's shard `file`; 0 for a one-file model)."""
     out = set()
     for layer in mm.moe_layers:
         for w in layer.weights:
+            if w.file != file:
+                continue
             n = (w.stride or w.slice_bytes) * mm.n_experts
             out.add((int(w.data_offset), int(w.data_offset) + int(n)))
     return sorted(out)
+
+
+def expert_resident_share(mm) -> float:
+    """Share of the pages of the expert tensors resident, over every file of the model."""
+    total = resident = 0.0
+    for f, path in enumerate(mm.paths):
+        spans = expert_spans(mm, f)
+        if not spans:
+            continue
+        n = sum(-(-b // PAGE) - a // PAGE for a, b in spans)
+        resident += resident_share(path, spans) * n
+        total += n
+    return resident / total if total else 0.0
+
+
+def evict_model(mm, threshold: float = 0.01) -> Eviction:
+    """`evict` every file of the model (a split set's shards); proven only if every one is."""
+    evs = [evict(p, threshold) for p in mm.paths]
+    if len(evs) == 1:
+        return evs[0]
+    return Eviction(mm.path, max(e.resident_before for e in evs), max(e.resident_after for e in evs),
+                    all(e.proven for e in evs), threshold, "; ".join(e.note for e in evs if e.note))
 
 
 @dataclass

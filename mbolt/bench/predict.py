@@ -67,7 +67,24 @@ def reader_cost(probe_d: dict, direct: bool, qd: int, reads_per_call: float,
 def law(saved_ops_per_expert: float, slice_bytes: float, t_op: float, bw: float, s: float = 1.0) -> tuple[float, float]:
     """DESIGN.md: g ~= 1 + saved_ops * t_op / (slice_bytes / BW); speedup = 1/((1-s) + s/g)."""
     g = 1.0 + saved_ops_per_expert * t_op / (slice_bytes / bw)
-    return g, 1.0 / ((1.0 - s) + s / g)
+    return g, end_to_end(g, s)
+
+
+def end_to_end(g: float, s: float) -> float:
+    """Decode speedup when a share s of decode time is reads that get g times faster."""
+    return 1.0 / ((1.0 - s) + s / g)
+
+
+def decode_law(wall_base: float, io_base: float, reads_base: float, io_arm: float, reads_arm: float,
+               non_io_per_read_s: float = 0.0) -> float:
+    """End-to-end decode speedup of an arm over the baseline, per token:
+
+        wall = other + io + reads * c        (c: time per read spent outside I/O, e.g. bookkeeping)
+        speedup = wall_base / (other + io_arm + reads_arm * c),  other = wall_base - io_base - reads_base * c
+
+    With c = 0 this is DESIGN.md's 1/((1-s) + s/g), s = io_base/wall_base, g = io_base/io_arm."""
+    other = wall_base - io_base - reads_base * non_io_per_read_s
+    return wall_base / (other + io_arm + reads_arm * non_io_per_read_s)
 
 
 def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *, layouts=("reorder", "packed"),
@@ -110,7 +127,7 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
         saved = (base["reads_per_token"] - r["reads_per_token"]) / max(miss0, 1e-12)
         r["saved_ops_per_expert"] = saved
         r["g_law"], _ = law(saved, slice_b, t_op, bw, s)
-        r["speedup"] = 1.0 / ((1.0 - s) + s / g)
+        r["speedup"] = end_to_end(g, s)
     return {"model": str(model), "plan": str(plan_path) if plan_path else None, "tokens": trace.n_tokens,
             "reader": {"qd": qd, "direct": direct, "gap": gap, "cache_slots": cache_slots},
             "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "s": s, "expert_bytes": slice_b, "rows": rows,
@@ -133,35 +150,180 @@ def _packed_pad(mm: MoeMap) -> int:
     return int(slot_stride(eb)[0] - eb)
 
 
-def predict_vs_measured(result, plan_path, trace: Trace | None, probe_path) -> list[dict]:
-    """Per arm of an `ab` result: predicted reads and I/O time per token next to the measured."""
-    if trace is None:
-        return []
-    pr = load_probe(probe_path)
+def predict_rounds(arms: list[dict], trace: Trace, probe_d: dict, rounds_of: dict[str, list[int]],
+                   tokens_per_round: int = 0) -> dict[str, dict]:
+    """Per arm (dicts with name, path, mode, gap, cache_slots, resident_frac, direct, io_threads):
+    predicted I/O time per token of every round it ran (`per_round`: round -> seconds, each on
+    the round's own slice of tokens, `ab.round_tokens`), the reads per token of those rounds, the
+    whole trace's counts, and the per-read cost used. os arms are left out (layout-blind)."""
+    from mbolt.bench.ab import round_tokens
 
-    rows = []
-    base_pred = None
-    for a, s in zip(result.arms, result.summary):
-        if a["mode"] == "os" or not s.get("rounds"):
-            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"})
+    slices: dict[int, Trace] = {}
+
+    def tokens_of(k: int) -> Trace:
+        key = (k * tokens_per_round) % trace.n_tokens if tokens_per_round and tokens_per_round < trace.n_tokens else 0
+        if key not in slices:
+            slices[key] = round_tokens(trace, k, tokens_per_round)
+        return slices[key]
+
+    out = {}
+    for a in arms:
+        if a["mode"] == "os":
             continue
         mm = moe_map(a["path"])
         rm = mm.route_map
         pad = mm.moe_layers[0].slot_padding
         slots = a["cache_slots"] if a.get("resident_frac") is None else int(round(a["resident_frac"] * mm.n_experts))
-        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], slots, pad)
+        lay = rm.layout if rm.layout != "stock" else "reorder"
         n = len(mm.moe_layers)
-        t_op, bw, opr = reader_cost(pr, a["direct"], a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
-        T = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
-        if base_pred is None:
-            base_pred = T
-        meas = s["io_ms_per_token_median"]
-        meas_sp = s["speedup_vs_baseline_median"]
+
+        def timed(tr: Trace) -> tuple[dict, float, tuple]:
+            c = counts(tr, rm.perm, mm, lay, a["gap"], slots, pad)
+            t_op, bw, opr = reader_cost(probe_d, a["direct"], a["io_threads"], c["reads_per_token"] / n,
+                                        c["bytes_per_token"] / n)
+            return c, io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw), (t_op, bw)
+
+        c_all, T_all, cost_ = timed(trace)
+        memo: dict[int, tuple] = {}
+        per, reads = {}, []
+        for k in rounds_of.get(a["name"], []):
+            tr = tokens_of(k)
+            if id(tr) not in memo:
+                memo[id(tr)] = timed(tr)
+            c, T, _ = memo[id(tr)]
+            per[k] = T
+            reads.append(c["reads_per_token"])
+        out[a["name"]] = {"per_round": per, "reads": reads, "all": c_all, "T_all": T_all, "t_op": cost_[0],
+                          "bw": cost_[1], "cost_source": "burst probe (scattered reads back to back)"
+                          if probe_d.get("burst_fits") and not a["direct"] and a["io_threads"] <= 1
+                          else "random-read probe"}
+    return out
+
+
+def predicted_speedups(pred: dict[str, dict], base: str, arm: str) -> tuple[float | None, float | None]:
+    """(median of per-round predicted ratios, ratio of the predicted medians) of `arm` vs `base`
+    over the rounds both ran: the two speedup definitions of `ab`, predicted."""
+    bT, aT = pred.get(base, {}).get("per_round", {}), pred.get(arm, {}).get("per_round", {})
+    ks = sorted(set(bT) & set(aT))
+    if not ks:
+        return None, None
+    mor = float(np.median([bT[k] / aT[k] for k in ks if aT[k] > 0]))
+    rom = float(np.median([bT[k] for k in ks]) / np.median([aT[k] for k in ks]))
+    return mor, rom
+
+
+def predict_vs_measured(result, trace: Trace | None, probe_path) -> list[dict]:
+    """Per arm of an `ab` result: predicted reads and I/O time per token next to the measured,
+    each arm predicted from its own file's route map with the probe's per-read cost.
+
+    Like with like: the measured speedup is the median over rounds of per-round ratios, each
+    round on its own slice of tokens, so the predicted one is the median over the same rounds of
+    the predicted ratios on the same slices (`pred_speedup`); `pred_ratio_of_medians` stands
+    beside the measured `ratio_of_medians`. Reads and times per token are medians over rounds too
+    (`pred_reads_per_token_all`: over the whole trace)."""
+    if trace is None:
+        return []
+    d = result if isinstance(result, dict) else result.to_dict()
+    pr = load_probe(probe_path)
+    tpr = int(d["trace"].get("tokens_per_round", 0)) if d.get("trace") else 0
+    base = d["arms"][0]["name"]
+    metric = d["metric"]
+    rounds_of: dict[str, list[int]] = {}
+    for r in d["rounds"]:
+        if not r["rejected"]:
+            rounds_of.setdefault(r["arm"], []).append(r["round"])
+    pred = predict_rounds([a for a, s in zip(d["arms"], d["summary"]) if s.get("rounds")], trace, pr, rounds_of, tpr)
+    rows = []
+    for a, s in zip(d["arms"], d["summary"]):
+        p = pred.get(a["name"])
+        if p is None:
+            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"
+                         if a["mode"] == "os" else "no valid rounds"})
+            continue
+        mor, rom = predicted_speedups(pred, base, a["name"])
+        meas = s.get("median_of_ratios", s.get("speedup_vs_baseline_median"))
+        rows.append({"arm": a["name"], "pred_reads_per_token": float(np.median(p["reads"])),
+                     "pred_reads_per_token_all": p["all"]["reads_per_token"],
+                     "meas_reads_per_token": s["reads_per_token"],
+                     "pred_bytes_per_token": p["all"]["bytes_per_token"],
+                     "meas_bytes_per_token": s["mb_per_token"] * 1e6,
+                     "pred_ms_per_token": float(np.median(list(p["per_round"].values()))) * 1e3,
+                     "meas_ms_per_token": s[f"{metric}_per_token_ms_median"],
+                     "pred_speedup": mor, "meas_speedup": meas,
+                     "pred_ratio_of_medians": rom, "meas_ratio_of_medians": s.get("ratio_of_medians"),
+                     "speedup_definition": "median of per-round ratios (pred_speedup and meas_speedup alike)",
+                     "speedup_error": (meas / mor - 1) if meas and mor else None,
+                     "t_op_us": p["t_op"] * 1e6, "bw_mb_s": p["bw"] / 1e6, "cost_source": p["cost_source"]})
+    return rows
+
+
+def measured_s(ab_json) -> float:
+    """s measured by `ab --engine llama.cpp`: the read share of decode time of its first arm
+    with explicit reads (the law's reference)."""
+    import json
+
+    from mbolt.core.errors import MboltError
+
+    try:
+        d = json.loads(Path(ab_json).read_text())
+    except (OSError, ValueError) as e:
+        raise MboltError(f"{ab_json}: not a readable ab result ({e})") from None
+    row = next((r for r in d.get("summary", []) if r.get("read_share_s") is not None), None)
+    if d.get("engine") != "llama.cpp" or row is None:
+        raise MboltError(f"{ab_json}: no arm with a measured read share (an `ab --engine llama.cpp` result "
+                         "with an explicit-read arm is needed)")
+    return float(row["read_share_s"])
+
+
+def predict_llama(result, trace: Trace, probe_path) -> list[dict]:
+    """`ab --engine llama.cpp`: the slice-size law per arm, next to the measurement.
+
+    The reference R is the first arm with explicit reads (an os arm reads what the kernel's
+    readahead decides: no layout prediction). For every reading arm X the evaluator counts
+    X's reads and bytes on `trace` (the routing llama.cpp computed, original ids) and the probe
+    prices them: g = T_R / T_X. s is R's measured share of decode time spent in the reads, and
+    the law predicts X's decode time per token as R's measured one times (1 - s) + s / g, i.e. a
+    speedup 1 / ((1 - s) + s / g); measured: the median per-round ratio of R's decode time per
+    token over X's.
+    """
+    pr = load_probe(probe_path)
+    summ = {s["arm"]: s for s in result.summary}
+    ref = next((a for a in result.arms if a["mode"] != "os" and summ[a["name"]].get("rounds")
+                and summ[a["name"]].get("read_share_s") is not None), None)
+    if ref is None:
+        return []
+    s_ref = summ[ref["name"]]["read_share_s"]
+    per = {(r.arm, r.round): r.wall_s / r.tokens for r in result.rounds if not r.rejected and r.tokens}
+    rounds = sorted({k for _, k in per})
+    T = {}
+    rows = []
+    for a in result.arms:
+        if a["mode"] == "os" or not summ[a["name"]].get("rounds"):
+            rows.append({"arm": a["name"], "note": "os arm: layout-blind page faults, no prediction"})
+            continue
+        mm = moe_map(a["path"])
+        rm = mm.route_map
+        c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], a["cache_slots"])
+        n = len(mm.moe_layers)
+        t_op, bw, opr = reader_cost(pr, False, a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
+        T[a["name"]] = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
         rows.append({"arm": a["name"], "pred_reads_per_token": c["reads_per_token"],
-                     "meas_reads_per_token": s["reads_per_token"], "pred_bytes_per_token": c["bytes_per_token"],
-                     "meas_bytes_per_token": s["mb_per_token"] * 1e6, "pred_ms_per_token": T * 1e3,
-                     "meas_ms_per_token": meas, "pred_speedup": base_pred / T, "meas_speedup": meas_sp,
-                     "speedup_error": (meas_sp / (base_pred / T) - 1) if meas_sp else None,
-                     "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6})
-    _ = Path(plan_path) if plan_path else None
+                     "meas_reads_per_token": summ[a["name"]]["reads_per_token"],
+                     "pred_bytes_per_token": c["bytes_per_token"],
+                     "meas_bytes_per_token": summ[a["name"]]["mb_per_token"] * 1e6,
+                     "pred_io_ms_per_token": T[a["name"]] * 1e3,
+                     "meas_io_ms_per_token": summ[a["name"]]["io_ms_per_token_median"],
+                     "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "s": s_ref, "reference": ref["name"]})
+    ref_ms = summ[ref["name"]]["wall_ms_per_token_median"]
+    for r in rows:
+        if r["arm"] not in T:
+            continue
+        g = T[ref["name"]] / T[r["arm"]] if T[r["arm"]] else float("nan")
+        sp = end_to_end(g, s_ref)
+        ratios = [per[(ref["name"], k)] / per[(r["arm"], k)] for k in rounds
+                  if (ref["name"], k) in per and (r["arm"], k) in per]
+        meas = float(np.median(ratios)) if ratios else None
+        r.update({"g": g, "pred_speedup": sp, "meas_speedup": meas,
+                  "pred_ms_per_token": ref_ms / sp, "meas_ms_per_token": summ[r["arm"]]["wall_ms_per_token_median"],
+                  "speedup_error": (meas / sp - 1) if meas else None})
     return rows

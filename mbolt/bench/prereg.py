@@ -5,14 +5,17 @@
     name = "packed_tsp_64k_qd1"
     question = "Does packing + co-activation order cut cold I/O time at QD1, buffered?"
     mode = "replay"                      # replay | decode
+    engine = "reference"                 # optional, decode: reference | llama.cpp
     trace = "${MBOLT_BENCH}/held.mbtrace"  # environment variables are expanded
-    rounds = 7
+    rounds = 7                           # optional: exactly this many rounds; without it the run is
+                                         # adaptive: min_rounds, max_rounds, time_budget (s), precision
+    seed = 0                             # optional: seed of the arm orders
     tokens_per_round = 0                 # optional: replay slices of this many tokens per round
     metric = "io_s"                      # io_s (replay) or wall_s (decode), per token
     baseline = "stock"                   # arm names
     treatment = "packed-tsp"
     predicted_speedup = 1.45             # baseline time / treatment time
-    pass_threshold = 1.30                # PASS if the median per-round speedup >= this
+    pass_threshold = 1.30                # PASS if the median of per-round speedups >= this
     [[arm]]
     name = "stock"
     file = "${MBOLT_BENCH}/stock.gguf"
@@ -45,7 +48,7 @@ class Prereg:
     question: str
     mode: str
     trace: str | None
-    rounds: int
+    rounds: int | None
     metric: str
     baseline: str
     treatment: str
@@ -53,12 +56,19 @@ class Prereg:
     pass_threshold: float
     arms: list[Arm]
     raw: dict
+    min_rounds: int = 12
+    max_rounds: int = 400
+    time_budget: float = 600.0
+    precision: float = 0.05
+    seed: int = 0
 
     def to_dict(self) -> dict:
         return {"path": self.path, "sha256": self.sha256, "name": self.name, "question": self.question,
                 "metric": self.metric, "baseline": self.baseline, "treatment": self.treatment,
                 "predicted_speedup": self.predicted_speedup, "pass_threshold": self.pass_threshold,
-                "rounds": self.rounds, "mode": self.mode}
+                "rounds": self.rounds, "mode": self.mode, "min_rounds": self.min_rounds,
+                "max_rounds": self.max_rounds, "time_budget": self.time_budget, "precision": self.precision,
+                "seed": self.seed}
 
 
 def _expand(s: str) -> str:
@@ -98,21 +108,30 @@ def load_prereg(path: str | os.PathLike) -> Prereg:
                         gap=check_range(a.get("gap", 0), f"{p}: arm {i} gap", 0, 1 << 40),
                         io_threads=check_range(a.get("qd", 1), f"{p}: arm {i} qd", 1, 1024),
                         direct=bool(a.get("direct", False)), mode="os" if a.get("os") else "read",
-                        cache_slots=check_range(a.get("cache", 0), f"{p}: arm {i} cache", 0, 1 << 20)))
+                        cache_slots=check_range(a.get("cache", 0), f"{p}: arm {i} cache", 0, 1 << 20),
+                        warm=bool(a.get("warm", False)), callback=bool(a.get("callback", False))))
     check_range(raw.get("rounds", 5), f"{p}: rounds", 1, 10_000)
     for k in ("predicted_speedup", "pass_threshold"):
-        if not isinstance(raw[k], (int, float)) or isinstance(raw[k], bool):
-            raise MboltError(f"{p}: {k} is {raw[k]!r}, expected a number")
+        if not isinstance(raw[k], (int, float)) or isinstance(raw[k], bool) or raw[k] != raw[k]:
+            raise MboltError(f"{p}: {k} is {raw[k]!r}: write the prediction down before the first run")
     names = [a.name for a in arms]
     for k in ("baseline", "treatment"):
         if raw[k] not in names:
             raise MboltError(f"{p}: {k} {raw[k]!r} is not one of the arms ({', '.join(names)})")
     if names[0] != raw["baseline"]:  # the harness compares every arm with the first
         arms.sort(key=lambda a: a.name != raw["baseline"])
+    try:
+        stop = dict(min_rounds=int(raw.get("min_rounds", 12)), max_rounds=int(raw.get("max_rounds", 400)),
+                    time_budget=float(raw.get("time_budget", 600.0)), precision=float(raw.get("precision", 0.05)),
+                    seed=int(raw.get("seed", 0)))
+        rounds = int(raw["rounds"]) if "rounds" in raw else None
+    except (TypeError, ValueError) as e:
+        raise MboltError(f"{p}: rounds, min_rounds, max_rounds, time_budget, precision and seed are numbers ({e})") \
+            from None
     return Prereg(str(p), file_sha256(p), raw["name"], raw.get("question", ""), raw["mode"],
-                  _expand(raw["trace"]) if raw.get("trace") else None, int(raw.get("rounds", 5)), raw["metric"],
+                  _expand(raw["trace"]) if raw.get("trace") else None, rounds, raw["metric"],
                   raw["baseline"], raw["treatment"], float(raw["predicted_speedup"]), float(raw["pass_threshold"]),
-                  arms, raw)
+                  arms, raw, **stop)
 
 
 def lock_path(path: str | os.PathLike) -> Path:
@@ -140,14 +159,14 @@ def check_and_lock(pr: Prereg) -> dict:
 
 
 def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = AA_TOLERANCE) -> dict:
-    """PASS/FAIL of the treatment's median per-round speedup against the threshold; INCONCLUSIVE
-    when the run's A/A control missed 1 by more than `aa_tolerance` (DESIGN.md: controls or it
-    didn't happen), the threshold comparison still reported as `by_threshold`."""
+    """PASS/FAIL of the treatment's median of per-round speedups against the threshold;
+    INCONCLUSIVE when the run's A/A control missed 1 by more than `aa_tolerance` (DESIGN.md:
+    controls or it didn't happen), the threshold comparison still reported as `by_threshold`."""
     row = next((s for s in summary if s["arm"] == pr.treatment), None)
     if row is None or row.get("speedup_vs_baseline_median") is None:
         return {"verdict": "NO RESULT", "why": f"no valid rounds for {pr.treatment}"}
     got = row["speedup_vs_baseline_median"]
-    lo, hi = row["speedup_ci95"]
+    ci = row.get("speedup_ci95")
     ok = got >= pr.pass_threshold
     aa = aa_row(summary)
     aa_ok = aa is None or abs(aa["speedup_vs_baseline_median"] - 1.0) <= aa_tolerance
@@ -157,9 +176,11 @@ def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = AA_TOLERANCE)
         "aa_control": None if aa is None else aa["speedup_vs_baseline_median"],
         "aa_within_tolerance": aa_ok,
         "measured_speedup": got,
-        "ci95": [lo, hi],
+        "speedup_definition": "median of per-round ratios",
+        "ratio_of_medians": row.get("ratio_of_medians"),
+        "ci95": list(ci) if ci else None,
         "pass_threshold": pr.pass_threshold,
         "predicted_speedup": pr.predicted_speedup,
         "prediction_error": got / pr.predicted_speedup - 1,
-        "prediction_in_ci": lo <= pr.predicted_speedup <= hi,
+        "prediction_in_ci": None if not ci else ci[0] <= pr.predicted_speedup <= ci[1],
     }

@@ -76,6 +76,18 @@ def clean_stale_parts(path: str | os.PathLike) -> list[Path]:
     return removed
 
 
+def stored_path(path: str | os.PathLike, result_file: str | os.PathLike) -> str:
+    """How a result file records a path: relative to the result file's folder, so the folder can
+    be read from any directory (and moved whole)."""
+    return os.path.relpath(Path(path).absolute(), Path(result_file).absolute().parent)
+
+
+def resolve_stored_path(stored: str | os.PathLike, result_file: str | os.PathLike) -> Path:
+    """The file a result file's recorded path names (relative to the result file; absolute as is)."""
+    p = Path(stored)
+    return p if p.is_absolute() else Path(result_file).parent / p
+
+
 def glob_escape(name: str) -> str:
     import glob
 
@@ -128,7 +140,8 @@ def file_kind(path: str | os.PathLike) -> str:
     except OSError:
         return "other"
     if head.startswith(b"GGUF"):
-        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head) else "gguf-model"
+        # a shard of a set mbolt wrote carries mbolt.set.id (the route map is in shard 1 only)
+        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head or b"mbolt.set.id" in head) else "gguf-model"
     if head.startswith(b"MBTRACE"):
         return "mbtrace"
     if head.startswith(b"\x89PNG"):

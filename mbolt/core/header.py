@@ -52,7 +52,8 @@ class TensorInfo:
     type: GGMLQuantizationType
     offset: int  # relative to the data section
     nbytes: int
-    data_offset: int  # absolute file offset
+    data_offset: int  # absolute offset in its file
+    file: int = 0  # index of the file holding the data in GGUFHeader.paths (a shard of a split set)
 
     @property
     def type_name(self) -> str:
@@ -69,7 +70,13 @@ class GGUFHeader:
     data_offset: int  # absolute offset of the data section
     header_size: int  # bytes of magic + KV + tensor infos (before alignment padding)
     file_size: int
-    fingerprint: str = field(default="")  # sha256 of the header bytes (hex, first 16 bytes)
+    fingerprint: str = field(default="")  # sha256 of the header bytes (hex, first 16 bytes); of a set: core.gguf_set
+    shards: list["GGUFHeader"] = field(default_factory=list)  # a split set's shard headers ([] = one file)
+
+    @property
+    def paths(self) -> list[Path]:
+        """The files holding the model: the shards of a split set in order, or the one file."""
+        return [s.path for s in self.shards] if self.shards else [self.path]
 
     def get(self, key: str, default=None):
         kv = self.kv.get(key)
@@ -140,6 +147,23 @@ class _Cursor:
             return GGUFValueType(raw)
         except ValueError:
             raise MboltError(f"{self.path}: corrupt GGUF header ({what}: value type {raw})") from None
+
+
+class MappedFile:
+    """A read-only map of a whole file and a uint8 view of it (`buf`), for readers that slice
+    tensors straight out of the page cache."""
+
+    def __init__(self, path: str | os.PathLike):
+        with open(path, "rb") as f:
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.buf = None
+        try:
+            self.mm.close()
+        except BufferError:  # numpy views still alive; the GC closes it later
+            pass
 
 
 def read_header(path: str | os.PathLike) -> GGUFHeader:

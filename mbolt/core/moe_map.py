@@ -16,7 +16,8 @@ from functools import cached_property
 
 from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, TensorInfo, read_header
+from mbolt.core.gguf_set import open_model_header
+from mbolt.core.header import GGUFHeader, TensorInfo
 from mbolt.core.packed import PAGE, read_packed
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -51,6 +52,7 @@ class ExpertTensor:
     why: str = ""  # for "unknown": what is not understood
     stride: int = 0  # bytes between positions; 0 = slice_bytes (a real tensor). Packed: the slot size
     container: str = ""  # packed layout: the blob tensor holding this virtual tensor ("" = real tensor)
+    file: int = 0  # index of the file holding it in MoeMap.paths (a shard of a split set)
 
     def slice_offset(self, expert: int) -> int:
         """File offset of the slice at POSITION `expert` (original id only in a stock file)."""
@@ -70,7 +72,7 @@ class MoeLayer:
     @property
     def weights(self) -> list[ExpertTensor]:
         """The routed weight tensors in file order (what an engine reads per expert)."""
-        return sorted((t for t in self.experts if t.role in WEIGHT_ROLES), key=lambda t: t.data_offset)
+        return sorted((t for t in self.experts if t.role in WEIGHT_ROLES), key=lambda t: (t.file, t.data_offset))
 
     @property
     def expert_bytes(self) -> int:
@@ -96,7 +98,13 @@ class MoeMap:
 
     @property
     def fingerprint(self) -> str:
+        """The header fingerprint; of a split set, the set's (core.gguf_set)."""
         return self.header.fingerprint
+
+    @property
+    def paths(self) -> list[str]:
+        """The files of the model (a split set's shards in order, or the one file)."""
+        return [str(p) for p in self.header.paths]
 
     @cached_property
     def route_map(self):
@@ -128,6 +136,10 @@ class MoeMap:
             "source_fingerprint": self.source_fingerprint,
             "layout": self.header.get("mbolt.layout", "stock"),
             "file_size": self.header.file_size,
+            "files": [
+                {"path": str(s.path), "size": s.file_size, "n_tensors": len(s.tensors), "fingerprint": s.fingerprint}
+                for s in (self.header.shards or [self.header])
+            ],
             "layers": [
                 {
                     "index": layer.index,
@@ -137,7 +149,7 @@ class MoeMap:
                         {
                             "name": t.name, "role": t.role, "type": t.type, "ne": list(t.ne),
                             "slice_bytes": t.slice_bytes, "offset": t.data_offset,
-                            "aligned_4k": t.aligned, **({"why": t.why} if t.why else {}),
+                            "aligned_4k": t.aligned, "file": t.file, **({"why": t.why} if t.why else {}),
                             **({"stride": t.stride, "container": t.container} if t.container else {}),
                         }
                         for t in layer.experts
@@ -174,7 +186,7 @@ def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertT
         out.append(ExpertTensor(
             r.name, role, GGMLQuantizationType(r.type).name, r.ne, start, r.slice_bytes * n_experts,
             r.slice_bytes, aligned, "" if role != "unknown" else "packed role mbolt does not know",
-            stride=pl.slot_bytes, container=blob.name,
+            stride=pl.slot_bytes, container=blob.name, file=blob.file,
         ))
     return out
 
@@ -199,8 +211,9 @@ def n_layers_of(header: GGUFHeader) -> int:
 
 
 def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
-    """Build the MoE map of a GGUF file; raises MboltError for non-MoE or damaged files."""
-    header = src if isinstance(src, GGUFHeader) else read_header(src)
+    """Build the MoE map of a GGUF file or split set (given any shard); raises MboltError for
+    non-MoE or damaged files and incomplete or mixed sets."""
+    header = src if isinstance(src, GGUFHeader) else open_model_header(src)
     path = header.path
     arch = header.get("general.architecture")
     if not isinstance(arch, str):
@@ -235,7 +248,8 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
             slice_bytes = t.nbytes // n_experts
             aligned = t.data_offset % PAGE == 0 and slice_bytes % PAGE == 0
             layer.experts.append(
-                ExpertTensor(t.name, role, t.type_name, t.ne, t.data_offset, t.nbytes, slice_bytes, aligned, why)
+                ExpertTensor(t.name, role, t.type_name, t.ne, t.data_offset, t.nbytes, slice_bytes, aligned, why,
+                             file=t.file)
             )
             if role == "packed":
                 layer.experts.extend(_packed_virtuals(t, packed.get(i), n_experts, path))

@@ -16,6 +16,7 @@ import numpy as np
 
 from mbolt.core.atomic import json_default, write_text_atomic
 from mbolt.core.errors import MboltError
+from mbolt.core.routemap import check_perm, inverse_perm
 
 MIN_TRAIN_TOKENS = 2
 FORMAT = "mbolt.plan"
@@ -34,9 +35,7 @@ class Plan:
     @property
     def pos(self) -> np.ndarray:
         """pos[l, e] = position of original expert e."""
-        out = np.empty_like(self.perm)
-        out[np.arange(self.n_layers)[:, None], self.perm] = np.arange(self.n_experts)[None, :]
-        return out
+        return inverse_perm(self.perm)
 
     def to_dict(self) -> dict:
         groups = self.meta.get("groups") or [None] * self.n_layers
@@ -62,15 +61,7 @@ def validate_plan(plan: Plan, where: str = "plan", n_layers: int | None = None, 
         raise MboltError(f"{where}: plan has {plan.n_layers} layers, model has {n_layers}")
     if n_experts is not None and plan.n_experts != n_experts:
         raise MboltError(f"{where}: plan has {plan.n_experts} experts per layer, model has {n_experts}")
-    if plan.perm.shape != (plan.n_layers, plan.n_experts):
-        raise MboltError(f"{where}: perm table is {plan.perm.shape}, expected "
-                         f"({plan.n_layers}, {plan.n_experts})")
-    ref = np.arange(plan.n_experts)
-    for l in range(plan.n_layers):
-        if not np.array_equal(np.sort(plan.perm[l]), ref):
-            bad = sorted(set(ref.tolist()) ^ set(plan.perm[l].tolist()))[:5]
-            raise MboltError(f"{where}: layer {l}: perm is not a permutation of 0..{plan.n_experts - 1} "
-                             f"(missing or repeated: {bad})")
+    check_perm(plan.perm, plan.n_layers, plan.n_experts, where)
 
 
 def save_plan(path: str | os.PathLike, plan: Plan) -> Path:

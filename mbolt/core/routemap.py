@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.gguf_set import open_model_header, vaddr
+from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import MoeLayer, MoeMap
 
 ROUTE_MAP_VERSION = 1
@@ -80,7 +81,13 @@ class RouteMap:
         }
 
 
+def identity_perm(n_layers: int, n_experts: int) -> np.ndarray:
+    """int32 [n_layers, E]: every layer in stock order."""
+    return np.tile(np.arange(n_experts, dtype=np.int32), (n_layers, 1))
+
+
 def inverse_perm(perm: np.ndarray) -> np.ndarray:
+    """pos[l, e] = position of expert e in perm[l] (the one inverse of a perm table)."""
     perm = np.asarray(perm)
     inv = np.empty_like(perm, dtype=np.int32)
     rows = np.arange(perm.shape[0])[:, None]
@@ -89,7 +96,8 @@ def inverse_perm(perm: np.ndarray) -> np.ndarray:
 
 
 def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> np.ndarray:
-    """Validate an [n_layers, E] array of per-layer permutations; returns it as int32."""
+    """Validate an [n_layers, E] array of per-layer permutations (the one perm rule); returns it
+    as int32. Shape errors name the model's counts; a bad layer names the missing or repeated ids."""
     perm = np.asarray(perm)
     if perm.ndim != 2 or perm.shape[1] != n_experts:
         got = perm.shape[1] if perm.ndim == 2 else f"shape {perm.shape}"
@@ -99,7 +107,10 @@ def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> n
     ok = np.sort(perm, axis=1) == np.arange(n_experts)[None, :]
     bad = np.flatnonzero(~ok.all(axis=1))
     if bad.size:
-        raise MboltError(f"{where}: layer {bad[0]} is not a permutation of 0..{n_experts - 1}")
+        l = int(bad[0])
+        ids = sorted(set(range(n_experts)) ^ set(perm[l].tolist()))[:5]
+        raise MboltError(f"{where}: layer {l} is not a permutation of 0..{n_experts - 1} "
+                         f"(missing or repeated: {ids})")
     return perm.astype(np.int32)
 
 
@@ -119,12 +130,12 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
     """The route map of a GGUF (identity with layout "stock" for a file mbolt did not write)."""
     if isinstance(src, MoeMap):
         return src.route_map
-    header = src if isinstance(src, GGUFHeader) else read_header(src)
+    header = src if isinstance(src, GGUFHeader) else open_model_header(src)
     path = header.path
     n_layers, n_experts = _model_shape(header)
     layout = header.get("mbolt.layout")
     if layout is None:
-        ident = np.tile(np.arange(n_experts, dtype=np.int32), (n_layers, 1))
+        ident = identity_perm(n_layers, n_experts)
         return RouteMap("stock", ident, np.zeros((n_layers, n_experts), np.float32), "stock", header.fingerprint, 0)
     if layout not in LAYOUTS[1:]:
         raise MboltError(f"{path}: unknown mbolt.layout {layout!r}")
@@ -152,17 +163,19 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
 
 
 def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
-    """int64 [E, n_roles, 2]: (absolute start, size) of every expert's slice of every routed
-    weight tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order.
+    """int64 [E, n_roles, 2]: (start, size) of every expert's slice of every routed weight
+    tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order. The start is a
+    virtual offset (core.gguf_set.vaddr: file index << 48 | offset in that file), the plain
+    absolute offset for a one-file model; `split_vaddr` gives (file, offset).
 
-    Works for stock, reorder and packed files (a dense layer gives [E, 0, 2]).
+    Works for stock, reorder and packed files and split sets (a dense layer gives [E, 0, 2]).
     """
     layer = moemap.layers[layer] if isinstance(layer, (int, np.integer)) else layer
     pos = moemap.route_map.pos[layer.index].astype(np.int64)
     weights = layer.weights
     out = np.empty((moemap.n_experts, len(weights), 2), np.int64)
     for r, w in enumerate(weights):
-        out[:, r, 0] = w.data_offset + pos * (w.stride or w.slice_bytes)
+        out[:, r, 0] = vaddr(w.file, w.data_offset) + pos * (w.stride or w.slice_bytes)
         out[:, r, 1] = w.slice_bytes
     return out
 
@@ -187,7 +200,8 @@ def sidecar_dict(moemap: MoeMap) -> dict:
                 {
                     "name": w.name, "role": w.role, "type": w.type, "ne": list(w.ne),
                     "data_offset": w.data_offset, "slice_bytes": w.slice_bytes,
-                    "stride": w.stride or w.slice_bytes, **({"container": w.container} if w.container else {}),
+                    "stride": w.stride or w.slice_bytes, "file": w.file,
+                    **({"container": w.container} if w.container else {}),
                 }
                 for w in layer.weights
             ],
@@ -196,8 +210,9 @@ def sidecar_dict(moemap: MoeMap) -> dict:
         "format": "mbolt.routemap",
         **rm.to_dict(),
         "file": Path(moemap.path).name,
+        "files": [Path(p).name for p in moemap.paths],  # a tensor's "file" indexes this list
         "file_size": h.file_size,
-        "fingerprint": h.fingerprint,
+        "fingerprint": h.fingerprint,  # of the GGUF (or set) this sidecar describes: readers check it
         "arch": moemap.arch,
         "n_used": moemap.n_used,
         "how_to_locate": "slice of original expert e in a tensor of layer l starts at "
@@ -206,8 +221,9 @@ def sidecar_dict(moemap: MoeMap) -> dict:
     }
 
 
-def read_sidecar(path: str | os.PathLike) -> RouteMap:
-    """Read a JSON sidecar back into a RouteMap (validated)."""
+def read_sidecar(path: str | os.PathLike, fingerprint: str | None = None) -> RouteMap:
+    """Read a JSON sidecar back into a RouteMap (validated). With `fingerprint` (the GGUF's),
+    a sidecar written for another file is refused: the GGUF and its sidecar are one unit."""
     from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_range, read_json
 
     p = Path(path)
@@ -215,6 +231,9 @@ def read_sidecar(path: str | os.PathLike) -> RouteMap:
     try:
         if not isinstance(d, dict) or d.get("format", "mbolt.routemap") != "mbolt.routemap":
             raise MboltError(f"{p}: not an mbolt route-map sidecar (no format mbolt.routemap)")
+        if fingerprint is not None and d.get("fingerprint") != fingerprint:
+            raise MboltError(f"{p}: describes another file (fingerprint {str(d.get('fingerprint'))[:12]}, the GGUF "
+                             f"beside it has {fingerprint[:12]}): stale sidecar, rewrite the model")
         n_layers = check_range(d["n_layers"], f"{p}: n_layers", 0, MAX_LAYERS)
         n_experts = check_range(d["n_experts"], f"{p}: n_experts", 1, MAX_EXPERTS)
         perm = np.asarray(d["perm"])

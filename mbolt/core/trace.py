@@ -101,3 +101,43 @@ def split_trace(trace: Trace, *, train_frac: float = 0.5, holdout_domain: str | 
         raise MboltError(f"only {train.n_tokens} training token(s): too few to plan")
     info.update(phase=phase, n_train=train.n_tokens, n_heldout=int(held.sum()))
     return train, (trace.select(held) if held.any() else None), info
+
+
+def merge_traces(traces: list[Trace], names: list[str] | None = None) -> Trace:
+    """One trace from traces of the same model (e.g. `mbolt trace --shard I/N` on many machines).
+
+    Refuses traces of other geometry (layers, experts, k) or of another model (fingerprints
+    differ; an empty fingerprint, from an import, matches any). Sequences are renumbered so
+    that each trace's keep their own ids (trace i's sequences follow trace i-1's), domains
+    follow their sequences; routing weights are kept only if every trace has them."""
+    if not traces:
+        raise MboltError("no traces to merge")
+    names = names or [f"trace {i + 1}" for i in range(len(traces))]
+    first = traces[0]
+    fps = {t.fingerprint for t in traces if t.fingerprint}
+    for t, name in zip(traces, names):
+        if (t.n_layers, t.n_experts, t.k) != (first.n_layers, first.n_experts, first.k):
+            raise MboltError(f"{name}: {t.n_layers} layers x {t.n_experts} experts, k={t.k}; {names[0]} has "
+                             f"{first.n_layers} x {first.n_experts}, k={first.k}: not the same model")
+    if len(fps) > 1:
+        known = [(t.fingerprint, n) for t, n in zip(traces, names) if t.fingerprint]
+        (fa, na), (fb, nb) = known[0], next(x for x in known if x[0] != known[0][0])
+        raise MboltError(f"{nb}: recorded on model {fb[:12]}, {na} on {fa[:12]}: not the same model")
+    seqs, domains, notes = [], {}, []
+    base = 0
+    for t, name in zip(traces, names):
+        s = np.asarray(t.seq, np.int64)
+        seqs.append(s + base)
+        for k, v in t.domains.items():
+            domains[int(k) + base] = v
+        notes += [f"{name}: {n}" for n in t.notes]
+        base += int(max(s.max(initial=-1), max(t.domains, default=-1))) + 1
+    if base > np.iinfo(np.int32).max:
+        raise MboltError(f"merged trace has {base} sequences: too many")
+    weights = None
+    if all(t.weights is not None for t in traces):
+        weights = np.concatenate([t.weights for t in traces])
+    return Trace(first.n_layers, first.n_experts, first.k,
+                 np.concatenate([t.experts for t in traces]), np.concatenate([t.phase for t in traces]),
+                 np.concatenate(seqs).astype(np.int32), np.concatenate([t.pos for t in traces]), weights,
+                 domains, next(iter(fps), ""), notes)

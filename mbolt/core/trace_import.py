@@ -116,6 +116,16 @@ def load_trace(path: str | os.PathLike, fmt: str = "auto", *, n_layers: int | No
     return _import_nuthatch_text(path, data, n_layers, n_experts)
 
 
+def load_traces(paths, fmt: str = "auto", **kw) -> Trace:
+    """Several trace files (e.g. shares traced on different machines) as one trace: each read
+    with `load_trace`, then joined by `core.trace.merge_traces` (same model, sequences renumbered)."""
+    from mbolt.core.trace import merge_traces
+
+    paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
+    traces = [load_trace(p, fmt, **kw) for p in paths]
+    return traces[0] if len(traces) == 1 else merge_traces(traces, [str(p) for p in paths])
+
+
 def _read(path: Path) -> bytes:
     try:
         return path.read_bytes()

@@ -33,6 +33,11 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (F32(1.0) + np.exp(-x))
 
 
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """ggml_sigmoid: 1 / (1 + exp(-x)) in float32 (the sigmoid router of GLM / DeepSeek-V3)."""
+    return F32(1.0) / (F32(1.0) + np.exp(-x))
+
+
 def rope_tables(positions: np.ndarray, n_rot: int, base: float) -> tuple[np.ndarray, np.ndarray]:
     """cos/sin [n_tok, n_rot/2] with llama.cpp's angle recurrence theta_{i+1} = theta_i * base^(-2/n)."""
     theta_scale = F32(np.power(F32(base), F32(-2.0) / F32(n_rot), dtype=F32))

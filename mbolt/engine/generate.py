@@ -1,15 +1,51 @@
-"""Greedy generation with the reference engine (what `mbolt generate` runs)."""
+"""Greedy decoding: the one decode loop (`greedy_decode`) every stage runs, and `generate`
+(what `mbolt generate` runs) on top of it with the reference engine."""
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from mbolt.engine.model import Model, load_model
 from mbolt.engine.tokenizer import Tokenizer
 from mbolt.core.errors import MboltError
+
+
+@dataclass
+class Step:
+    index: int  # 0 = the prefill, i = the forward that fed the i-th generated token
+    fed: list[int]  # the ids this forward consumed
+    out: Any  # what forward returned (logits, or a tuple whose first item is the logits)
+    next_token: int  # the greedy choice from these logits: what the next forward feeds
+
+
+def last_logits(out) -> np.ndarray:
+    """The last position's logits of a forward's result (a tuple's first item; last row of 2-D)."""
+    logits = np.asarray(out[0] if isinstance(out, tuple) else out)
+    return logits[-1] if logits.ndim > 1 else logits
+
+
+def greedy_decode(forward: Callable[[list[int]], Any], prompt_ids: list[int], n_new: int, *,
+                  eos: int | None = None) -> Iterator[Step]:
+    """Prefill `prompt_ids`, then feed back the argmax `n_new` times; yields a Step after every
+    forward (1 + n_new of them, fewer when the greedy token is `eos`: it is not fed).
+
+    forward(ids) runs ids after everything fed so far (the caller owns the cache/context) and
+    returns the last token's logits, or a tuple whose first item is them (the rest, e.g. routing,
+    rides along in Step.out). Stop early by breaking out of the loop."""
+    fed = list(prompt_ids)
+    for i in range(n_new + 1):
+        out = forward(fed)
+        nxt = int(np.argmax(last_logits(out)))
+        yield Step(i, fed, out, nxt)
+        if i == n_new or (eos is not None and nxt == eos):
+            return
+        fed = [nxt]
 
 
 def generate(model: Model | str | os.PathLike, prompt: str, n_tokens: int = 32, *,
@@ -27,17 +63,19 @@ def generate(model: Model | str | os.PathLike, prompt: str, n_tokens: int = 32, 
         raise MboltError("the prompt is empty (no tokens)")
     cache = m.new_cache()
     t0 = time.perf_counter()
-    logits = m.forward(prompt_ids, cache)
-    t1 = time.perf_counter()
+    t1 = None
     out: list[int] = []
-    for i in range(n_tokens):
-        nxt = int(np.argmax(logits))
-        out.append(nxt)
-        if on_token is not None:
-            on_token(i, nxt)
-        if (stop_at_eos and nxt == tok.eos) or i == n_tokens - 1:
+    # n_tokens greedy tokens take n_tokens - 1 forwards after the prefill: the last one is not fed
+    steps = greedy_decode(lambda ids: m.forward(ids, cache), prompt_ids, max(n_tokens - 1, 0),
+                          eos=tok.eos if stop_at_eos else None)
+    for st in steps:
+        if t1 is None:
+            t1 = time.perf_counter()
+        if len(out) == n_tokens:
             break
-        logits = m.forward([nxt], cache)
+        out.append(st.next_token)
+        if on_token is not None:
+            on_token(len(out) - 1, st.next_token)
     t2 = time.perf_counter()
     decode_steps = max(len(out) - 1, 0)  # forwards after the prefill
     return {

@@ -16,7 +16,6 @@ reordered file gives bit-identical logits and the same routing (as original ids)
 
 from __future__ import annotations
 
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +23,13 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, silu, softmax
+from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, sigmoid, silu, softmax
 from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
 from mbolt.engine.source import MmapExpertSource
-from mbolt.core.routemap import RouteMap, read_route_map
+from mbolt.core.routemap import RouteMap
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.gguf_set import open_model_header
+from mbolt.core.header import GGUFHeader, MappedFile
 from mbolt.core.moe_map import MoeMap, moe_map
 
 F32 = np.float32
@@ -93,9 +93,8 @@ class Weights:
 
     def __init__(self, header: GGUFHeader):
         self.header = header
-        with open(header.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self.files = [MappedFile(p) for p in header.paths]  # one map per file (the shards of a split set)
+        self.bufs = [f.buf for f in self.files]
         self._cache: dict[str, tuple[np.ndarray, T]] = {}
 
     def has(self, name: str) -> bool:
@@ -109,7 +108,7 @@ class Weights:
 
     def raw(self, name: str) -> np.ndarray:
         t = self.info(name)
-        return self.buf[t.data_offset: t.data_offset + t.nbytes]
+        return self.bufs[t.file][t.data_offset: t.data_offset + t.nbytes]
 
     def get(self, name: str) -> np.ndarray:
         return self.get_typed(name)[0]
@@ -152,7 +151,8 @@ class Model:
     rope_mode = "neox"  # "neox" (rotate halves) or "norm" (rotate adjacent pairs)
     qk_norm: str | None = None  # "head" (per head, qwen3) or "full" (whole q/k, olmoe)
     norm_topk = False  # renormalise the top-k weights to sum to 1
-    shared_expert = False  # qwen2moe: sigmoid-gated shared expert
+    gating = "softmax"  # router probabilities: "softmax" over the experts or "sigmoid" per expert
+    ffn_norm = "ffn_norm.weight"  # the pre-FFN norm (glm4moe: post_attention_norm.weight)
 
     def __init__(self, path: Path, header: GGUFHeader, mmap_: MoeMap, hp: HParams, routes: RouteMap,
                  route: str, expert_source):
@@ -220,7 +220,7 @@ class Model:
         p = f"blk.{li}."
         h = rms_norm(x, self.w.get(p + "attn_norm.weight"), self.hp.rms_eps)
         x = x + self.attn(li, h, cache, start, positions)
-        h = rms_norm(x, self.w.get(p + "ffn_norm.weight"), self.hp.rms_eps)
+        h = rms_norm(x, self.w.get(p + self.ffn_norm), self.hp.rms_eps)
         return x + self.ffn(li, h)
 
     def lin(self, name: str, x: np.ndarray, bias: str | None = None) -> np.ndarray:
@@ -283,9 +283,10 @@ class Model:
         return logits
 
     def select(self, li: int, logits: np.ndarray) -> Routing:
-        """Softmax in original-id order, top-k by (prob desc, original id asc), weights in rank order."""
+        """Softmax in original-id order (or sigmoid), top-k by (prob + exp_probs_b desc, original id
+        asc), weights in rank order."""
         k = self.hp.n_used
-        probs = softmax(logits)
+        probs = sigmoid(logits) if self.gating == "sigmoid" else softmax(logits)
         sel = probs
         pb = self.w.opt(f"blk.{li}.exp_probs_b.bias")
         if pb is not None:
@@ -362,26 +363,28 @@ class Model:
             self.source.close()
 
 
-def load_model(path: str | os.PathLike, *, route: str = "file", expert_source=None) -> Model:
-    """Open a MoE GGUF for the reference engine (see the module docstring for `route`)."""
+def load_model(path: str | os.PathLike | MoeMap, *, route: str = "file", expert_source=None) -> Model:
+    """Open a MoE GGUF (one file or any shard of a split set; or the model already opened as a
+    MoeMap, not read again) for the reference engine (see the module docstring for `route`)."""
     from mbolt.engine.arch import ARCHS
 
     if route not in ("file", "map"):
         raise MboltError(f"route must be 'file' or 'map', not {route!r}")
-    path = Path(path)
-    header = read_header(path)
+    opened = path if isinstance(path, MoeMap) else None
+    path = Path(opened.path if opened else path)
+    header = opened.header if opened else open_model_header(path)  # one file, or the whole set of a shard
     arch = header.get("general.architecture")
     cls = ARCHS.get(arch)
     if cls is None:
         raise MboltError(f"{path}: architecture {arch!r} is not supported by the reference engine "
                          f"(supported: {', '.join(sorted(ARCHS))}; `mbolt trace --engine llama.cpp` "
                          f"traces any architecture llama.cpp runs)")
-    mm = moe_map(header)
+    mm = opened or moe_map(header)
     tok = header.get("tokenizer.ggml.tokens")
     emb = header.tensor("token_embd.weight")
     if emb is None:
         raise MboltError(f"{path}: missing tensor token_embd.weight")
     n_vocab = int(emb.ne[1]) if len(emb.ne) > 1 else len(tok or [])
     hp = HParams.from_header(header, arch, n_vocab)
-    routes = read_route_map(header)
+    routes = mm.route_map
     return cls(path, header, mm, hp, routes, route, expert_source)

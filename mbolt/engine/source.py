@@ -7,10 +7,11 @@ the file; `engine/store.py` implements the same `fetch` with explicit, merged re
 
 from __future__ import annotations
 
-import mmap
 
 import numpy as np
 
+from mbolt.core.gguf_set import split_vaddr
+from mbolt.core.header import MappedFile
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.routemap import expert_ranges
 
@@ -20,13 +21,12 @@ class MmapExpertSource:
 
     def __init__(self, moemap: MoeMap):
         self.map = moemap
-        with open(moemap.path, "rb") as f:
-            self._mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self._buf = np.frombuffer(self._mm, dtype=np.uint8)
+        self._files = [MappedFile(p) for p in moemap.paths]  # one map per file (the shards of a split set)
+        self._bufs = [f.buf for f in self._files]
         self._ranges: dict[int, np.ndarray] = {}
 
     def ranges(self, layer: int) -> np.ndarray:
-        """int64 [E, n_roles, 2] (absolute start, size) by original id, roles in layer.weights order."""
+        """int64 [E, n_roles, 2] (virtual start, size) by original id, roles in layer.weights order."""
         r = self._ranges.get(layer)
         if r is None:
             r = self._ranges[layer] = expert_ranges(self.map, layer)
@@ -38,12 +38,14 @@ class MmapExpertSource:
         out = {}
         for e in expert_ids:
             e = int(e)
-            out[e] = {role: self._buf[int(s): int(s) + int(n)] for role, (s, n) in zip(roles, r[e])}
+            d = {}
+            for role, (v, n) in zip(roles, r[e]):
+                f, s = split_vaddr(v)
+                d[role] = self._bufs[f][s:s + int(n)]
+            out[e] = d
         return out
 
     def close(self) -> None:
-        self._buf = None
-        try:
-            self._mm.close()
-        except BufferError:  # numpy views still alive; the GC closes it later
-            pass
+        self._bufs = []
+        for f in self._files:
+            f.close()

@@ -16,6 +16,8 @@ Reader options (an A/B "arm" is a file plus these):
   `resident_frac`  the same budget as a share of each layer's experts.
 - `mode="os"`    map the file and let page faults read (layout-blind baseline); counters then
                  come from major faults and /proc/self/io.
+- `on_evict`     called with (layer, expert) when an expert leaves the slot cache (an engine that
+                 reads through the page cache drops that expert's pages then).
 - `drop_pages`   buffered and os modes drop the pages they read (posix_fadvise DONTNEED, after
                  MADV_DONTNEED for the mapping) so the page cache never serves a second read: the
                  slot cache is then the only expert memory, standing for a model larger than RAM.
@@ -42,6 +44,7 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.ranges import merge_ranges
+from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr
 from mbolt.core.routemap import expert_ranges
 
 ALIGN = 4096
@@ -72,6 +75,7 @@ class StoreCounters:
     useful_bytes: int = 0
     io_time: float = 0.0
     compute_time: float = 0.0
+    drop_time: float = 0.0  # time spent dropping read pages (posix_fadvise DONTNEED), outside io_time
     major_faults: int = 0
     device_bytes: int | None = None
 
@@ -82,7 +86,7 @@ class StoreCounters:
 class ExpertStore:
     def __init__(self, path, *, gap: int = 0, io_threads: int = 1, direct: bool = False,
                  cache_slots: int = 0, resident_frac: float | None = None, mode: str = "read",
-                 drop_pages: bool = True, mm: MoeMap | None = None):
+                 drop_pages: bool = True, mm: MoeMap | None = None, on_evict=None):
         if mode not in ("read", "os"):
             raise MboltError(f"store mode must be 'read' or 'os', not {mode!r}")
         if mode == "os" and direct:
@@ -95,6 +99,7 @@ class ExpertStore:
         self.mm = mm or moe_map(self.path)
         self.gap, self.io_threads, self.direct, self.mode = int(gap), int(io_threads), bool(direct), mode
         self.drop_pages = drop_pages
+        self.on_evict = on_evict  # on_evict(layer, expert): an expert left the slot cache
         E = self.mm.n_experts
         if resident_frac is not None:
             if not 0 <= resident_frac <= 1:
@@ -112,16 +117,26 @@ class ExpertStore:
         self._pool = ThreadPoolExecutor(self.io_threads) if self.io_threads > 1 else None
         self._dev0 = proc_read_bytes()
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+        # One descriptor per file: a split set's shards (ranges are virtual offsets, core.gguf_set).
+        self.fds: list[int] = []
+        self._maps: list[mmap.mmap] = []
         try:
-            self.fd = os.open(self.path, flags)
-        except OSError as e:
-            raise MboltError(f"{self.path}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
-        self.file_size = os.fstat(self.fd).st_size
-        self._map = None
-        if mode == "os":
-            self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-        elif not direct:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            for p in self.mm.paths:
+                try:
+                    self.fds.append(os.open(p, flags))
+                except OSError as e:
+                    raise MboltError(f"{p}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
+            self.file_sizes = [os.fstat(fd).st_size for fd in self.fds]
+            if mode == "os":
+                self._maps = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in self.fds]
+            elif not direct:
+                for fd in self.fds:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except BaseException:
+            self.close()
+            raise
+        self.fd = self.fds[0]
+        self.file_size = self.file_sizes[0]
 
     # ---- public ----
 
@@ -151,15 +166,16 @@ class ExpertStore:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+        for m in self._maps:
+            m.close()
+        self._maps = []
         if self._arena is not None:
             self._arena.close()
             self._arena = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
+        for fd in self.fds:
+            os.close(fd)
+        self.fds = []
+        self.fd = -1
 
     def __enter__(self):
         return self
@@ -207,8 +223,23 @@ class ExpertStore:
                     slots[e] = got[e] if want else None
                 slots.move_to_end(e)
             while len(slots) > self.cache_slots:
-                slots.popitem(last=False)
+                gone, _ = slots.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(layer, gone)
         return out
+
+    def reserve(self, experts_per_call: int) -> int:
+        """Allocate the read arena for the largest call of `experts_per_call` misses and touch
+        every page now, so that no timed read pays first-touch page faults (or grows the arena)
+        and every arm starts with the same memory state. Returns the arena size in bytes."""
+        n_ranges = max(int(experts_per_call), 1) * max((r.shape[1] for r in self._ranges.values()), default=1)
+        longest = max((int(r[..., 1].max()) for r in self._ranges.values() if r.size), default=0)
+        need = n_ranges * (longest + 3 * ALIGN + self.merge_gap)  # alignment head, tail, slot
+        self._arena_view(need)
+        self._arena.seek(0)
+        self._arena.write(bytes(len(self._arena)))  # first touch, outside any timed read
+        self._arena.seek(0)
+        return len(self._arena)
 
     def _arena_view(self, size: int) -> memoryview:
         if self._arena is None or len(self._arena) < size:
@@ -252,7 +283,9 @@ class ExpertStore:
         c.bytes += int(lens.sum())
         c.useful_bytes += int(R[..., 1].sum())
         if self.drop_pages and not self.direct:
-            _drop_span(self.fd, int(a.min()), int(b.max()))
+            t1 = time.perf_counter()
+            self._drop(a, b)
+            c.drop_time += time.perf_counter() - t1
         got = {}
         if keep:
             roles = self._roles[layer]
@@ -268,14 +301,23 @@ class ExpertStore:
                 got[e] = d
         return got
 
+    def _drop(self, a: np.ndarray, b: np.ndarray) -> None:
+        """Drop the page-cache span of what was just read, per file."""
+        files = a >> FILE_SHIFT
+        for f in np.unique(files):
+            sel = files == f
+            _drop_span(self.fds[int(f)], int(a[sel].min()) - (int(f) << FILE_SHIFT), int(b[sel].max()) - (int(f) << FILE_SHIFT))
+
     def _pread(self, view, off, n, where):
+        f, off = split_vaddr(off)
+        fd = self.fds[f]
         done = 0
         while done < n:
-            k = os.preadv(self.fd, [view[where + done:where + n]], off + done)
+            k = os.preadv(fd, [view[where + done:where + n]], off + done)
             if k <= 0:
-                if self.direct and off + done >= self.file_size:
+                if self.direct and off + done >= self.file_sizes[f]:
                     break  # aligned tail past the end of the file
-                raise MboltError(f"{self.path}: short read at byte {off + done} (wanted {n - done} more)")
+                raise MboltError(f"{self.mm.paths[f]}: short read at byte {off + done} (wanted {n - done} more)")
             done += k
 
     def _read_os(self, layer, missed, keep):
@@ -286,13 +328,13 @@ class ExpertStore:
         t0 = time.perf_counter()
         roles = self._roles[layer]
         got = {}
-        m = self._map
         sink = 0
         for i, e in enumerate(missed):
             d = {}
             for r, role in enumerate(roles):
                 j = i * len(roles) + r
-                s, n = int(starts[j]), int(sizes[j])
+                f, s = split_vaddr(starts[j])
+                m, n = self._maps[f], int(sizes[j])
                 if keep:
                     d[role] = np.frombuffer(m, dtype=np.uint8, count=n, offset=s).copy()
                 else:
@@ -308,10 +350,16 @@ class ExpertStore:
         c.useful_bytes += int(sizes.sum())
         c.bytes += int(sizes.sum())
         if self.drop_pages:
-            a = int(starts.min()) // DROP_ALIGN * DROP_ALIGN
-            b = min(-(-int((starts + sizes).max()) // DROP_ALIGN) * DROP_ALIGN, self.file_size)
-            m.madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
-            _drop_span(self.fd, a, b)
+            t1 = time.perf_counter()
+            files = starts >> FILE_SHIFT
+            for f in np.unique(files):
+                sel = files == f
+                base = int(f) << FILE_SHIFT
+                a = (int(starts[sel].min()) - base) // DROP_ALIGN * DROP_ALIGN
+                b = min(-(-(int((starts + sizes)[sel].max()) - base) // DROP_ALIGN) * DROP_ALIGN, self.file_sizes[int(f)])
+                self._maps[int(f)].madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
+                _drop_span(self.fds[int(f)], a, b)
+            c.drop_time += time.perf_counter() - t1
         return got
 
 

@@ -1,128 +1,86 @@
-"""Byte-level BPE from a GGUF vocabulary, as llama.cpp's `gpt2` tokenizer model does it.
+r"""Byte-level BPE from a GGUF vocabulary, as llama.cpp's `gpt2` tokenizer model does it.
 
-Text -> pre-tokens (the pattern named by `tokenizer.ggml.pre`: GPT-2's, or the llama3/qwen2
-one) -> bytes mapped to GPT-2's printable characters -> merges applied lowest rank first ->
-token ids. Special tokens in the text are not parsed (like llama_tokenize with
-parse_special=false); a BOS token is prepended when `tokenizer.ggml.add_bos_token` is true.
-The pattern scanners are hand-written (Python's `re` has no \\p{L}); letters and numbers are
-Unicode categories L* and N*.
+Text -> pre-tokens (the pattern named by `tokenizer.ggml.pre`) -> bytes mapped to GPT-2's
+printable characters -> merges applied lowest rank first -> token ids. Special tokens in the
+text are not parsed (like llama_tokenize with parse_special=false); a BOS token is prepended
+when `tokenizer.ggml.add_bos_token` is true.
+
+The pre-tokenizer patterns are llama.cpp's own (src/llama-vocab.cpp, `regex_exprs`), run with
+the `regex` package (Unicode classes \p{L}, \p{N}). As in llama.cpp's unicode_regex_split,
+each pattern of a list splits every piece left by the previous one, and text between matches
+stays a piece of its own.
 """
 
 from __future__ import annotations
 
-import unicodedata
-from functools import lru_cache
+import regex
 
-from mbolt.core.errors import MboltError
+from mbolt.core.errors import MboltError, warn
 from mbolt.core.header import GGUFHeader
 from mbolt.core.vocab import bytes_to_unicode
 
 CONTROL = 3
-_LLAMA3_PRE = {"llama3", "llama-bpe", "llama-v3", "qwen2", "qwen35", "dbrx", "smaug-bpe", "olmo",
-               "deepseek-r1-qwen", "falcon3", "tekken", "gpt-4o", "superbpe", "kimi-k2", "hunyuan"}
+
+# llama.cpp's regex_exprs, verbatim (LLAMA_VOCAB_PRE_TYPE_*)
+_CONTRACTIONS = "(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])"
+PATTERNS = {
+    "gpt2": ["'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)"],
+    "llama3": [_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"],
+    "qwen2": [_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*"
+              "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"],
+    "qwen35": [_CONTRACTIONS + "|[^\\r\\n\\p{L}\\p{N}]?[\\p{L}\\p{M}]+|\\p{N}| ?[^\\s\\p{L}\\p{M}\\p{N}]+[\\r\\n]*"
+               "|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"],
+    "default": ["[\\p{P}\\$\\+<=>\\^~\\|]+",
+                "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)",
+                "\\p{N}+", "[0-9][0-9][0-9]"],
+}
+# tokenizer.ggml.pre -> pattern, as llama_vocab::impl::load maps the names
+PRE_NAMES = {
+    **dict.fromkeys(("gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de", "a.x-4.0",
+                     "mellum", "modern-bert", "jina-v1-en", "jina-v2-code", "roberta-bpe", "exaone4", "olmo",
+                     "mpt", "jais"), "gpt2"),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano", "dbrx", "smaug-bpe"), "llama3"),
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+                     "solar-open"), "qwen2"),
+    "qwen35": "qwen35",
+    "default": "default",
+}
+_COMPILED: dict[str, list] = {}
 
 
-@lru_cache(maxsize=4096)
-def _cls(c: str) -> str:
-    """'L' letter, 'N' number, 'S' whitespace, 'O' other."""
-    if c.isspace():
-        return "S"
-    cat = unicodedata.category(c)[0]
-    return cat if cat in ("L", "N") else "O"
+def pre_tokenizer(pre: str, where: str = "tokenizer") -> str:
+    """The pattern name for a `tokenizer.ggml.pre` value; llama.cpp's "default" (with a warning)
+    for one this tokenizer does not implement."""
+    name = PRE_NAMES.get(pre)
+    if name is None:
+        warn(f"{where}: pre-tokenizer {pre!r} is not implemented by the reference tokenizer; using llama.cpp's "
+             f"default pattern (token ids may differ from llama.cpp's)")
+        name = "default"
+    return name
 
 
-def _contraction(text: str, i: int, ignore_case: bool) -> int:
-    if text[i] != "'":
-        return 0
-    rest = text[i + 1: i + 3]
-    if ignore_case:
-        rest = rest.lower()
-    if rest[:2] in ("re", "ve", "ll"):
-        return 3
-    if rest[:1] in ("s", "t", "m", "d"):
-        return 2
-    return 0
-
-
-def split_gpt2(text: str) -> list[str]:
-    """'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+"""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = _contraction(text, i, False)
-        if c:
-            out.append(text[i:i + c])
-            i += c
-            continue
-        j = i + 1 if text[i] == " " and i + 1 < n and _cls(text[i + 1]) != "S" else i
-        k = _cls(text[j])
-        if k != "S":
-            e = j + 1
-            while e < n and _cls(text[e]) == k:
-                e += 1
-            out.append(text[i:e])
-            i = e
-            continue
-        e = i
-        while e < n and _cls(text[e]) == "S":
-            e += 1
-        if e - i > 1 and e < n:  # \s+(?!\S) leaves the last space to the next word
-            e -= 1
-        out.append(text[i:e])
-        i = e
-    return out
-
-
-def split_llama3(text: str, max_digits: int = 3) -> list[str]:
-    """(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|
-    \\s*[\\r\\n]+|\\s+(?!\\S)|\\s+   (qwen2 uses \\p{N} one digit at a time: max_digits=1)"""
-    out, i, n = [], 0, len(text)
-    while i < n:
-        c = _contraction(text, i, True)
-        if c:
-            out.append(text[i:i + c])
-            i += c
-            continue
-        k = _cls(text[i])
-        # [^\r\n\p{L}\p{N}]?\p{L}+
-        if k == "L" or (text[i] not in "\r\n" and k != "N" and i + 1 < n and _cls(text[i + 1]) == "L"):
-            e = i + 1
-            while e < n and _cls(text[e]) == "L":
-                e += 1
-            out.append(text[i:e])
-            i = e
-            continue
-        if k == "N":
-            e = i + 1
-            while e < n and e - i < max_digits and _cls(text[e]) == "N":
-                e += 1
-            out.append(text[i:e])
-            i = e
-            continue
-        # ' ?[^\s\p{L}\p{N}]+[\r\n]*'
-        j = i + 1 if text[i] == " " and i + 1 < n and _cls(text[i + 1]) == "O" else i
-        if _cls(text[j]) == "O":
-            e = j + 1
-            while e < n and _cls(text[e]) == "O":
-                e += 1
-            while e < n and text[e] in "\r\n":
-                e += 1
-            out.append(text[i:e])
-            i = e
-            continue
-        # whitespace run starting at i
-        e = i
-        while e < n and _cls(text[e]) == "S":
-            e += 1
-        last_nl = max((p for p in range(i, e) if text[p] in "\r\n"), default=-1)
-        if last_nl >= 0:  # \s*[\r\n]+ : up to and including the last newline of the run
-            out.append(text[i:last_nl + 1])
-            i = last_nl + 1
-            continue
-        if e - i > 1 and e < n:
-            e -= 1
-        out.append(text[i:e])
-        i = e
-    return out
+def pre_split(text: str, name: str) -> list[str]:
+    """Pieces of `text` under pattern `name` (a key of PATTERNS), as llama.cpp splits them."""
+    exprs = _COMPILED.get(name)
+    if exprs is None:
+        exprs = _COMPILED[name] = [regex.compile(p) for p in PATTERNS[name]]
+    pieces = [text] if text else []
+    for rx in exprs:
+        out = []
+        for piece in pieces:
+            at = 0
+            for m in rx.finditer(piece):
+                if m.start() > at:
+                    out.append(piece[at:m.start()])  # unmatched text stays a piece
+                if m.end() > m.start():
+                    out.append(m.group())
+                at = m.end()
+            if at < len(piece):
+                out.append(piece[at:])
+        pieces = out
+    return pieces
 
 
 class Tokenizer:
@@ -140,11 +98,10 @@ class Tokenizer:
         self.b2u = bytes_to_unicode()
         self.u2b = {v: k for k, v in self.b2u.items()}
         self._cache: dict[str, list[int]] = {}
-        if pre in _LLAMA3_PRE:
-            self.split = (lambda t: split_llama3(t, 1)) if pre.startswith("qwen") or pre.startswith("deepseek-r1") \
-                else split_llama3
-        else:
-            self.split = split_gpt2
+        self.pattern = pre_tokenizer(pre)
+
+    def split(self, text: str) -> list[str]:
+        return pre_split(text, self.pattern)
 
     @classmethod
     def from_header(cls, h: GGUFHeader) -> "Tokenizer":

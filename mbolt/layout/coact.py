@@ -79,26 +79,42 @@ def coactivation(trace: Trace) -> Coact:
     return Coact(counts, heat, n_tok, np.flatnonzero(n_tok > 0))
 
 
+def modularity_communities(weights: np.ndarray, heat: np.ndarray) -> list[list[int]]:
+    """networkx greedy modularity communities of the graph over the experts with heat > 0, with
+    edge weights weights[i, j] (i < j); every selected expert alone when there is no edge."""
+    import networkx as nx
+    from networkx.algorithms.community import greedy_modularity_communities
+
+    active = [int(i) for i in np.flatnonzero(heat > 0)]
+    g = nx.Graph()
+    g.add_nodes_from(active)
+    iu, ju = np.nonzero(np.triu(weights, 1))
+    g.add_weighted_edges_from((int(i), int(j), float(weights[i, j])) for i, j in zip(iu, ju))
+    if not g.number_of_edges():
+        return [[i] for i in active]
+    return [list(c) for c in greedy_modularity_communities(g, weight="weight")]
+
+
+def order_groups(comms: list[list[int]], heat: np.ndarray) -> list[list[int]]:
+    """Hottest group first (ties: lowest id), hottest expert first within a group; experts in no
+    group follow as singletons."""
+    comms = [sorted(c, key=lambda e: (-heat[e], e)) for c in comms]
+    comms.sort(key=lambda c: (-heat[c].sum(), min(c)))
+    seen = {e for c in comms for e in c}
+    return comms + [[e] for e in range(len(heat)) if e not in seen]
+
+
 def groups(coact: Coact, layer: int, *, method: str = "modularity", seed: int = 0) -> list[list[int]]:
-    """Groups of co-activated experts at one layer, hottest group first, hottest expert first.
+    """Groups of co-activated experts at one layer, ordered by `order_groups`.
 
     "modularity": networkx greedy modularity communities on the P(i,j) graph (what the original
     mbolt used); "spectral": scikit-learn spectral clustering on the lift-weighted affinity.
     Experts never selected form singleton groups at the end.
     """
     heat = coact.heat[layer]
-    E = coact.n_experts
     active = np.flatnonzero(heat > 0)
     if method == "modularity":
-        import networkx as nx
-        from networkx.algorithms.community import greedy_modularity_communities
-
-        P = coact.prob(layer)
-        g = nx.Graph()
-        g.add_nodes_from(int(i) for i in active)
-        iu, ju = np.nonzero(np.triu(P, 1))
-        g.add_weighted_edges_from((int(i), int(j), float(P[i, j])) for i, j in zip(iu, ju))
-        comms = [list(c) for c in greedy_modularity_communities(g, weight="weight")] if g.number_of_edges() else [[int(i)] for i in active]
+        comms = modularity_communities(coact.prob(layer), heat)
     elif method == "spectral":
         from sklearn.cluster import SpectralClustering
 
@@ -111,8 +127,4 @@ def groups(coact: Coact, layer: int, *, method: str = "modularity", seed: int = 
             comms = [[int(active[i]) for i in np.flatnonzero(lab == c)] for c in np.unique(lab)]
     else:
         raise MboltError(f"unknown grouping method {method!r} (modularity, spectral)")
-    comms = [sorted(c, key=lambda e: (-heat[e], e)) for c in comms]
-    comms.sort(key=lambda c: (-heat[c].sum(), c[0]))
-    seen = {e for c in comms for e in c}
-    comms += [[e] for e in range(E) if e not in seen]
-    return comms
+    return order_groups(comms, heat)

@@ -23,6 +23,7 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.ranges import merge_ranges_batched
+from mbolt.core.routemap import inverse_perm
 from mbolt.core.trace import Trace
 
 LAYOUTS = ("reorder", "packed")
@@ -137,9 +138,7 @@ def evaluate(trace: Trace, perm: np.ndarray, geometry: Geometry, gap: int = 0, c
     if N == 0:
         raise MboltError("evaluate: no tokens to evaluate")
     E = trace.n_experts
-    pos = np.empty_like(perm, dtype=np.int64)
-    rows = np.arange(trace.n_layers)[:, None]
-    pos[rows, perm] = np.arange(E)[None, :]
+    pos = inverse_perm(perm).astype(np.int64)
     hits = lru_hits(trace.experts, E, cache_slots) if cache_slots > 0 else None
     reads = np.zeros(trace.n_layers)
     nbytes = np.zeros(trace.n_layers)

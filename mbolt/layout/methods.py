@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.layout.coact import modularity_communities, order_groups
 
 METHODS = ("stock", "heat", "heat-tsp", "mbolt-chain", "tsp")
 
@@ -91,24 +92,8 @@ def _mbolt_chain(C, heat, *, clusters: list[list[int]] | None = None, **_):
 
 
 def _modularity_clusters(C, heat) -> list[list[int]]:
-    import networkx as nx
-    from networkx.algorithms.community import greedy_modularity_communities
-
-    E = len(heat)
-    active = [int(i) for i in np.flatnonzero(heat > 0)]
-    g = nx.Graph()
-    g.add_nodes_from(active)
-    n = max(heat.max(), 1.0)
-    iu, ju = np.nonzero(np.triu(C, 1))
-    g.add_weighted_edges_from((int(i), int(j), float(C[i, j] / n)) for i, j in zip(iu, ju))
-    if g.number_of_edges():
-        comms = [list(c) for c in greedy_modularity_communities(g, weight="weight")]
-    else:
-        comms = [[i] for i in active]
-    comms.sort(key=lambda c: (-heat[c].sum(), min(c)))
-    seen = {e for c in comms for e in c}
-    comms += [[e] for e in range(E) if e not in seen]
-    return comms
+    # weights scaled by the hottest expert's count, as the original mbolt did
+    return order_groups(modularity_communities(C / max(heat.max(), 1.0), heat), heat)
 
 
 # ---------------------------------------------------------------- tsp

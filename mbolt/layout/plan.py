@@ -18,8 +18,9 @@ from mbolt.layout.coact import Coact, coactivation, groups as find_groups
 from mbolt.layout.evaluate import Geometry, evaluate, geometry_preset
 from mbolt.layout.methods import METHODS, order
 from mbolt.core.plan import Plan, save_plan
+from mbolt.core.routemap import identity_perm
 from mbolt.core.trace import Trace, split_trace
-from mbolt.core.trace_import import load_trace
+from mbolt.core.trace_import import load_traces
 
 # ---------------------------------------------------------------- building
 
@@ -28,7 +29,7 @@ def plan_orders(co: Coact, method: str, *, geometry: Geometry | None = None, gap
                 far_credit: float = 1.0, clusters=None, **opts) -> np.ndarray:
     """perm [n_layers, E] for every layer (identity where nothing was recorded)."""
     L, E = co.n_layers, co.n_experts
-    perm = np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    perm = identity_perm(L, E)
     if method == "tsp" and gap > 0 and geometry is not None and "far" not in opts:
         opts["far"] = geometry.far_weights(gap, far_credit)
     for l in co.layers:
@@ -157,7 +158,8 @@ def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 
 
     if gap < 0 or cache_slots < 0:
         raise MboltError("--gap and --cache must be >= 0")
-    trace = load_trace(trace_path)
+    trace = load_traces(trace_path)  # one path, or several traces of one model merged
+    trace_path = ", ".join(map(str, trace_path)) if isinstance(trace_path, (list, tuple)) else trace_path
     if model is not None:
         from mbolt.core.compat import check_compatible
         from mbolt.core.moe_map import moe_map

@@ -32,26 +32,37 @@ def ab_table(result) -> Table:
     cached = any(x["hit_rate"] for x in rows)
     resident = max((x["resident_max"] for x in rows), default=0.0)
     decode = d["mode"] == "decode"  # time to first token means something only when the engine generates
-    cols = ["arm", f"{metric[:-2]} ms\n/token", "x base", "95% CI", "reads\n/token", "MB\n/token", "MB/s",
+    n_rounds = len({r["round"] for r in d["rounds"]})
+    cols = ["arm", f"{metric[:-2]} ms\n/token", "speedup", "95% CI", "reads\n/token", "MB\n/token", "MB/s",
             "tok/s"] + (["TTFT\nms"] if decode else []) + (["hit\nrate"] if cached else [])
-    t = data_table(f"{d['name']}: {d['mode']}, {len({r['round'] for r in d['rounds']})} rounds, {cold}, resident "
-                   f"after eviction <= {pct(resident)}; x base = {d['baseline']} {metric}/token over the arm's, "
-                   "per round", cols)
+    llama = d.get("engine") == "llama.cpp"  # s = share of decode time in the explicit reads
+    cols += ["s", "dev MB\n/token"] if llama else []
+    ci_word = "exact 95% CI of that median" if n_rounds >= 10 else "no CI below 10 rounds"
+    t = data_table(f"{d['name']}: {d['mode']}, {n_rounds} rounds, {cold}, resident after eviction <= "
+                   f"{pct(resident)}; speedup = median over rounds of ({d['baseline']} {metric[:-2]}/token / the "
+                   f"arm's) in the same round ({ci_word}); times are medians over rounds", cols)
     for x in d["summary"]:
         if not x.get("rounds"):
             t.add_row(x["arm"], *["-"] * (len(cols) - 1))
             continue
         sp = x["speedup_vs_baseline_median"]
-        lo, hi = x["speedup_ci95"]
+        ci = x.get("speedup_ci95")
         t.add_row(x["arm"], f"{x[f'{metric}_per_token_ms_median']:.2f}", "-" if sp is None else f"{sp:.2f}",
-                  f"{lo:.2f}-{hi:.2f}", f"{x['reads_per_token']:.1f}", f"{x['mb_per_token']:.2f}",
-                  f"{x['mb_per_s']:.0f}", f"{x['tokens_per_s']:.1f}",
-                  *([f"{x['ttft_ms_median']:.1f}"] if decode else []), *([pct(x["hit_rate"])] if cached else []))
+                  f"{ci[0]:.2f}-{ci[1]:.2f}" if ci else "-", f"{x['reads_per_token']:.1f}", f"{x['mb_per_token']:.2f}",
+                  _opt(x['mb_per_s'], ".0f"), f"{x['tokens_per_s']:.1f}",
+                  *([f"{x['ttft_ms_median']:.1f}"] if decode else []), *([pct(x["hit_rate"])] if cached else []),
+                  *([_opt(x.get("read_share_s"), ".2f"), _opt(x.get("device_bytes_per_token", 0) / 1e6
+                     if x.get("device_bytes_per_token") is not None else None, ".2f")] if llama else []))
     return t
 
 
+def _opt(x, fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
 def prediction_table(rows: list[dict]) -> Table:
-    t = data_table("prediction (probe figures + evaluator) vs measurement",
+    t = data_table("prediction (each arm's route map + probe figures) vs measurement; speedup = median of per-round "
+                   "ratios, predicted on the same rounds' tokens",
                    ["arm", "reads/tok\npred.", "\nmeas.", "ms/tok\npred.", "\nmeas.", "speedup\npred.", "\nmeas.",
                     "\nerror"])
     for r in rows:

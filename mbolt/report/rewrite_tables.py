@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -14,7 +16,9 @@ def reorder_table(r) -> Group:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("source", r.src)
-    t.add_row("output", f"{r.dst} ({human_bytes(r.bytes_written)})")
+    t.add_row("output", f"{r.dst} ({human_bytes(r.bytes_written)}"
+              + (f", set of {len(r.files)} shards: {Path(r.files[0]).name} ... {Path(r.files[-1]).name})"
+                 if len(r.files) > 1 else ")"))
     t.add_row("layout", r.layout + ("  [dim](llama.cpp does not load this layout)[/]" if r.layout == "packed" else ""))
     t.add_row("plan", f"{r.method}{' (identity order)' if r.identity and r.method != 'identity' else ''}, {r.n_moe_layers} MoE layers")
     t.add_row("copy", f"{r.seconds:.2f} s, {r.throughput / 1e9:.2f} GB/s, {r.copy_ops:,} ranges via {r.copy_mode}")
@@ -46,7 +50,10 @@ def verify_table(rep) -> Group:
             dash = lambda v: "-" if v < 0 else str(v)  # noqa: E731
             m.add_row(x.tensor, dash(x.layer), dash(x.position), dash(x.expert), str(x.offset))
         parts.append(m)
+    # each time says what it covers: the byte comparison, each engine run, and the whole verify
+    phases = "".join(f", {name} parity {sec:.1f} s" for name, sec in rep.phase_seconds.items())
     verdict = ("[bold green]verified[/]" if rep.ok else "[bold red]NOT identical[/]") + (
-        f": {rep.out} against {rep.src}, {human_bytes(rep.bytes_compared)} compared in {rep.seconds:.2f} s")
+        f": {rep.out} against {rep.src}; {human_bytes(rep.bytes_compared)} compared byte for byte in "
+        f"{rep.seconds:.2f} s{phases}; verify took {rep.total_seconds:.1f} s")
     parts.append(Text.from_markup(verdict))
     return Group(*parts)

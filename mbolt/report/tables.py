@@ -29,27 +29,99 @@ def human_bytes(n: int) -> str:
     return str(n)
 
 
+def layer_spans(layers) -> str:
+    """'0-2, 5, 7-9' for a sorted list of layer indices."""
+    out, run = [], []
+    for i in layers:
+        if run and i != run[-1] + 1:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+            run = []
+        run.append(i)
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
+
+
+def moe_structure(m: MoeMap) -> list[str]:
+    """One line per structural feature of the model: dense layers, shared experts, fused
+    gate_up, attention kinds, expert weight types (mixes per projection and per layer)."""
+    names = {t.name for t in m.header.tensors}
+
+    def layers_with(suffix: str) -> list[int]:
+        return [i for i in range(m.n_layers) if f"blk.{i}.{suffix}" in names]
+
+    lines = []
+    dense = [layer.index for layer in m.layers if layer.dense]
+    if dense:
+        lines.append(f"dense FFN layers (no routed experts): {layer_spans(dense)}")
+    shared = [layer.index for layer in m.layers if layer.shared]
+    if shared:
+        gated = layers_with("ffn_gate_inp_shexp.weight")
+        lines.append(f"shared expert (ffn_*_shexp, never permuted) in {len(shared)} layers"
+                     + (", sigmoid-gated (ffn_gate_inp_shexp)" if gated else ", ungated"))
+    fused = [layer.index for layer in m.layers if layer.role("gate_up")]
+    if fused:
+        lines.append(f"fused gate_up (ffn_gate_up_exps) in layers {layer_spans(fused)}")
+    extras = {"probs_bias": "exp_probs_b", "router_bias": "router bias", "gate_bias": "per-expert biases"}
+    found = [what for role, what in extras.items() if any(layer.role(role) for layer in m.layers)]
+    if found:
+        lines.append("expert-indexed extras (permuted with the experts): " + ", ".join(found))
+    attn = []
+    ssm = layers_with("ssm_a")
+    if ssm:
+        attn.append(f"linear attention (gated delta net, ssm_*) in layers {layer_spans(ssm)}")
+    if layers_with("attn_kv_a_mqa.weight"):
+        attn.append("MLA (attn_kv_a_mqa, attn_k_b/v_b)")
+    if layers_with("attn_sinks.weight"):
+        attn.append("attention sinks")
+    if attn:
+        lines.append("attention: " + "; ".join(attn))
+    by_role: dict[str, dict[str, list[int]]] = {}
+    for layer in m.moe_layers:
+        for t in layer.weights:
+            by_role.setdefault(t.role, {}).setdefault(t.type, []).append(layer.index)
+    if by_role:
+        parts = []
+        for role, types in by_role.items():
+            if len(types) == 1:
+                parts.append(f"{role} {next(iter(types))}")
+            else:
+                parts.append(f"{role} " + " / ".join(f"{t} (layer{'s' if len(ls) > 1 else ''} {layer_spans(ls)})"
+                                                     for t, ls in types.items()))
+        lines.append("expert weights: " + ", ".join(parts))
+    return lines
+
+
 def moe_map_table(m: MoeMap) -> Group:
     head = Text.assemble(
         (f"{m.path}\n", "bold"),
         f"arch {m.arch}, {m.n_layers} layers ({len(m.moe_layers)} MoE), "
         f"{m.n_experts} experts, {m.n_used} used per token, layout "
         f"{m.header.get('mbolt.layout', 'stock')}, fingerprint {m.fingerprint[:12]}",
+        *([f"\nsplit set of {len(m.paths)} shards (fingerprint of the set): "
+           + ", ".join(f"{i + 1}: {s.path.name} ({len(s.tensors)} tensors, {human_bytes(s.file_size)})"
+                       for i, s in enumerate(m.header.shards))] if m.header.shards else []),
+        *(f"\n  {line}" for line in moe_structure(m)),
     )
     t = Table(show_lines=False, header_style="bold")
     for col in ("blk", "tensor", "role", "type", "slice", "expert 0 at", "4K"):
         t.add_column(col, justify="right" if col in ("blk", "slice", "expert 0 at") else "left",
-                     no_wrap=col in ("tensor", "slice", "expert 0 at"))
+                     no_wrap=True)
     for layer in m.layers:
+        p = f"blk.{layer.index}."
         if layer.dense:
             t.add_row(str(layer.index), "[dim]dense FFN (no routed experts)[/]", "", "", "", "", "")
             continue
         for x in layer.experts:
             role = f"[red]{x.role}[/] ({x.why})" if x.role == "unknown" else x.role
-            t.add_row(str(layer.index), x.name, role, x.type, human_bytes(x.slice_bytes),
-                      f"{x.data_offset:,}", "yes" if x.aligned else "no")
+            at = f"{x.data_offset:,}" + (f" (shard {x.file + 1})" if m.header.shards else "")
+            t.add_row(str(layer.index), x.name.removeprefix(p), role, x.type, human_bytes(x.slice_bytes),
+                      at, "yes" if x.aligned else "no")
         for name in layer.shared:
-            t.add_row(str(layer.index), f"[dim]{name}[/]", "[dim]shared[/]", "", "", "", "")
+            info = m.header.tensor(name)
+            t.add_row(str(layer.index), f"[dim]{name.removeprefix(p)}[/]", "[dim]shared[/]",
+                      f"[dim]{info.type_name}[/]" if info else "", f"[dim]{human_bytes(info.nbytes)}[/]" if info else "",
+                      "", "")
     return Group(head, t)
 
 
@@ -97,6 +169,23 @@ def demo_table(s: dict) -> Group:
         verdict = "within" if abs(aa) <= tol else "[yellow]outside[/]"
         notes.append(f"A/A control: {100 * aa:+.1f}% ({verdict} +-{100 * tol:.0f}%); differences smaller than "
                      "that are noise" + ("" if abs(aa) <= tol else " on this machine right now"))
-    notes.append(f"files in {s['workdir']}; A/B result {ab['result']}; summary {s['workdir']}/demo.json; "
+    notes.append(f"files in {s['workdir']}; A/B result {s['workdir']}/{ab['result']}; summary {s['workdir']}/demo.json; "
                  f"{s['seconds']:.0f} s")
     return Group(head, t, v, Text.from_markup("\n".join(notes)))
+
+
+def demo_next_steps(s: dict) -> Text:
+    """What to run after the demo: the same pipeline on the user's own MoE GGUF (printed with
+    soft wrap, so every command stays one line to copy)."""
+    lines = [
+        f"mbolt report {s['workdir']}/demo.json -o demo.png   (this run as a picture)",
+        "on your own model, MODEL.gguf:",
+        "  mbolt inspect MODEL.gguf",
+        "  mbolt trace MODEL.gguf --engine llama.cpp -o run.mbtrace",
+        "  mbolt plan run.mbtrace --model MODEL.gguf --layout packed -o plan.json --heldout held.mbtrace",
+        "  mbolt reorder MODEL.gguf MODEL.packed.gguf --plan plan.json --layout packed",
+        "  mbolt verify MODEL.gguf MODEL.packed.gguf",
+        "  mbolt probe MODEL.gguf -o probe.json",
+        "  mbolt ab MODEL.gguf MODEL.packed.gguf --replay held.mbtrace --probe probe.json --plan plan.json",
+    ]
+    return Text.assemble(("next:\n", "bold"), "\n".join(lines))

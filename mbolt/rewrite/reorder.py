@@ -35,12 +35,15 @@ from typing import Callable
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from mbolt.core.atomic import atomic_output, clean_stale_parts, write_text_atomic
+from mbolt.core.atomic import check_output, clean_stale_parts
 from mbolt.core.errors import MboltError
-from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info, read_header
+from mbolt.core.gguf_set import (SET_ID_KEY, combine_shards, is_set_key, open_model_header, set_paths,
+                                 split_vaddr, vaddr)
+from mbolt.core.header import _parse, encode_header_start, encode_kv, encode_tensor_info
 from mbolt.core.moe_map import PAGE, WEIGHT_ROLES, MoeMap, moe_map
 from mbolt.core.packed import PACK_PAD_MAX, PackedLayer, PackedRole, packed_kvs, packed_name, slot_stride
-from mbolt.core.routemap import ROUTE_MAP_VERSION, check_perm, is_route_map_key, sidecar_dict, sidecar_path
+from mbolt.core.routemap import (ROUTE_MAP_VERSION, check_perm, identity_perm, is_route_map_key, sidecar_dict,
+                                  sidecar_path)
 
 CHUNK = 64 << 20  # bytes per copy_file_range call (progress granularity)
 SPLIT = 16 << 20  # copy ranges are cut to this size
@@ -60,7 +63,7 @@ class LTensor:
     ne: tuple[int, ...]
     type: GGMLQuantizationType
     nbytes: int
-    data_offset: int  # absolute; for expert-indexed tensors, position 0's slice
+    data_offset: int  # virtual (core.gguf_set.vaddr: file << 48 | offset); expert-indexed: position 0's slice
     layer: int = -1  # >= 0 for expert-indexed tensors
     role: str = ""  # moe_map role of an expert-indexed tensor; "" for a plain tensor
     slice_bytes: int = 0
@@ -87,13 +90,14 @@ def logical_tensors(m: MoeMap) -> list[LTensor]:
     for t in m.header.tensors:
         if t.name in virtual:
             for li, x in virtual[t.name]:
-                out.append(LTensor(x.name, tuple(x.ne), GGMLQuantizationType[x.type], x.nbytes, x.data_offset,
+                out.append(LTensor(x.name, tuple(x.ne), GGMLQuantizationType[x.type], x.nbytes, vaddr(x.file, x.data_offset),
                                    li, x.role, x.slice_bytes, x.stride, x.container))
         elif t.name in experts:
             li, x = experts[t.name]
-            out.append(LTensor(t.name, tuple(t.ne), t.type, t.nbytes, t.data_offset, li, x.role, x.slice_bytes, x.slice_bytes))
+            out.append(LTensor(t.name, tuple(t.ne), t.type, t.nbytes, vaddr(t.file, t.data_offset), li, x.role,
+                               x.slice_bytes, x.slice_bytes))
         else:
-            out.append(LTensor(t.name, tuple(t.ne), t.type, t.nbytes, t.data_offset))
+            out.append(LTensor(t.name, tuple(t.ne), t.type, t.nbytes, vaddr(t.file, t.data_offset)))
     return out
 
 
@@ -131,8 +135,13 @@ class OutTensor:
     name: str
     ne: tuple[int, ...]
     type: GGMLQuantizationType
-    pieces: list[tuple[int | None, int]]  # (source offset or None for zeros, length), in order
-    offset: int = 0  # relative to the data section, set by _place
+    pieces: list[tuple[int | None, int]]  # (source virtual offset or None for zeros, length), in order
+    offset: int = 0  # relative to the data section of its shard, set by _place
+    file: int = 0  # output shard
+
+    @property
+    def src_file(self) -> int:
+        return next(split_vaddr(s)[0] for s, _ in self.pieces if s is not None)
 
     @property
     def nbytes(self) -> int:
@@ -156,6 +165,7 @@ class ReorderResult:
     sidecar: str = ""
     fingerprint: str = ""
     source_fingerprint: str = ""
+    files: list[str] = field(default_factory=list)  # the output's files (a set's shards in order)
 
     @property
     def throughput(self) -> float:
@@ -251,11 +261,12 @@ def _place(tensors: list[OutTensor], alignment: int) -> int:
     return rel
 
 
-def _copy_ops(tensors: list[OutTensor], data_start: int) -> list[tuple[int, int, int]]:
-    """(src, dst, length) ranges in output order; contiguous neighbours merged."""
+def _copy_ops(tensors: list[OutTensor], data_start: list[int]) -> list[tuple[int, int, int]]:
+    """(src, dst, length) virtual ranges in output order; contiguous neighbours merged (never
+    across files: virtual offsets of two files are 2^48 apart)."""
     ops: list[list[int]] = []
     for t in tensors:
-        dst = data_start + t.offset
+        dst = vaddr(t.file, data_start[t.file] + t.offset)
         for src, n in t.pieces:
             if src is not None and n:
                 if ops and ops[-1][0] + ops[-1][2] == src and ops[-1][1] + ops[-1][2] == dst:
@@ -279,14 +290,19 @@ def split_ops(ops, most: int) -> list[tuple[int, int, int]]:
 
 
 class _Copier:
-    def __init__(self, fin: int, fout: int, total: int, progress: Progress | None, src_name: str):
-        self.fin, self.fout, self.total, self.progress, self.src_name = fin, fout, total, progress, src_name
+    """Copies virtual ranges between lists of files (the shards of the input and the output)."""
+
+    def __init__(self, fins: list[int], fouts: list[int], total: int, progress: Progress | None, src_names: list[str]):
+        self.fins, self.fouts, self.total, self.progress, self.src_names = fins, fouts, total, progress, src_names
         self.mode = "copy_file_range" if hasattr(os, "copy_file_range") else "buffered"
         self.done = 0
         self._buf = None
         self._last = 0
 
     def copy(self, src: int, dst: int, n: int) -> None:
+        fi, src = split_vaddr(src)
+        fo, dst = split_vaddr(dst)
+        self.fin, self.fout, self.src_name = self.fins[fi], self.fouts[fo], self.src_names[fi]
         while n > 0:
             step = min(n, CHUNK)
             k = self._cfr(src, dst, step) if self.mode == "copy_file_range" else None
@@ -325,8 +341,9 @@ class _Readahead:
     A permuted tensor is read slice by slice in an order the kernel's readahead cannot guess;
     WILLNEED on the upcoming ranges keeps several reads in flight (page cache, not our memory)."""
 
-    def __init__(self, fd: int, ops: list[tuple[int, int, int]], window: int = READAHEAD):
-        self.fd, self.ops, self.window = fd, ops, window
+    def __init__(self, fds: int | list[int], ops: list[tuple[int, int, int]], window: int = READAHEAD):
+        self.fds = [fds] if isinstance(fds, int) else fds  # ops' first field is a virtual offset into these
+        self.ops, self.window = ops, window
         self.next = 0  # first op not advised yet
         self.bytes = 0  # advised bytes not yet copied
         self.ok = hasattr(os, "posix_fadvise")
@@ -338,8 +355,9 @@ class _Readahead:
             self.bytes -= self.ops[i - 1][2]
         while self.next < len(self.ops) and (self.next <= i or self.bytes < self.window):
             s, _, n = self.ops[self.next]
+            f, s = split_vaddr(s)
             try:
-                os.posix_fadvise(self.fd, s, n, os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(self.fds[f], s, n, os.POSIX_FADV_WILLNEED)
             except OSError:
                 self.ok = False
                 return
@@ -403,21 +421,215 @@ def interrupt_on_terminate():
             signal.signal(s, h)
 
 
-def check_paths(src: Path, dst: Path, force: bool) -> None:
-    if not src.is_file():
-        raise MboltError(f"{src}: no such file")
-    if src.resolve() == dst.resolve() or (dst.exists() and os.path.samefile(src, dst)):
-        raise MboltError(f"{dst}: output is the input file; write the rewritten model to a new path")
-    if dst.exists() and not force:
-        raise MboltError(f"{dst}: output exists (use --force to overwrite)")
-    if dst.exists() and dst.is_dir():
-        raise MboltError(f"{dst}: is a directory")
-    if not dst.parent.is_dir():
-        raise MboltError(f"{dst.parent}: output directory does not exist")
+# ---- output shards ----
+
+
+@dataclass
+class SplitSpec:
+    """How the output is cut into shards: like the input (default), one file, or by limits."""
+    no_split: bool = False
+    max_tensors: int = 0  # 0 = no limit
+    max_size: int = 0  # bytes of tensor data per shard; 0 = no limit
+
+    def check(self) -> None:
+        if self.max_tensors < 0 or self.max_size < 0:
+            raise MboltError("--split-max-tensors and --split-max-size must be >= 0")
+        if self.no_split and (self.max_tensors or self.max_size):
+            raise MboltError("--no-split cannot be combined with --split-max-tensors/--split-max-size")
+
+
+def parse_size(text: str | None) -> int:
+    """'4G', '500M', '4096' -> bytes (binary units, as gguf-split's --split-max-size)."""
+    if not text:
+        return 0
+    t = str(text).strip().upper().rstrip("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+    try:
+        n = int(float(t[:-1] if t[-1:] in "KMGT" else t) * mult)
+    except ValueError:
+        raise MboltError(f"--split-max-size: {text!r} is not a size (e.g. 4G, 500M)") from None
+    if n <= 0:
+        raise MboltError(f"--split-max-size must be positive, got {text!r}")
+    return n
+
+
+def assign_shards(tensors: list[OutTensor], spec: SplitSpec, n_in: int) -> int:
+    """Set every output tensor's shard (in order, none empty); returns the number of shards.
+    A tensor is never cut, so a packed layer's blob never straddles shards."""
+    if spec.max_tensors or spec.max_size:
+        shard, count, size = 0, 0, 0
+        for t in tensors:
+            if count and ((spec.max_tensors and count >= spec.max_tensors)
+                          or (spec.max_size and size + t.nbytes > spec.max_size)):
+                shard, count, size = shard + 1, 0, 0
+            t.file = shard
+            count, size = count + 1, size + t.nbytes
+        return shard + 1
+    if spec.no_split or n_in <= 1:
+        for t in tensors:
+            t.file = 0
+        return 1
+    # the input's assignment: a tensor goes where its (first) source bytes are; renumbered so
+    # that no shard is empty (a packed blob gathers a layer's weights into one shard)
+    used = sorted({t.src_file for t in tensors})
+    index = {f: i for i, f in enumerate(used)}
+    last = 0
+    for t in tensors:
+        t.file = max(last, index[t.src_file])  # keep shards in tensor order
+        last = t.file
+    return len(used)
+
+
+def _split_kvs(no: int, count: int, n_tensors: int, set_id: str) -> list[bytes]:
+    return [
+        encode_kv("split.no", GGUFValueType.UINT16, no),
+        encode_kv("split.count", GGUFValueType.UINT16, count),
+        encode_kv("split.tensors.count", GGUFValueType.INT32, n_tensors),
+        encode_kv(SET_ID_KEY, GGUFValueType.STRING, set_id),
+    ]
+
+
+def _headers(m: MoeMap, tensors: list[OutTensor], n_shards: int, model_kvs: list[bytes], A: int,
+             version: int) -> tuple[list[bytes], list[int]]:
+    """The header bytes of every output shard and the data start of each. Shard 1 carries the
+    model's metadata and the route map; every shard of a set carries the split keys, a set id
+    (readers refuse shards with different ids: a mix of two runs) and general.alignment."""
+    by_shard = [[t for t in tensors if t.file == i] for i in range(n_shards)]
+    set_id = ""
+    if n_shards > 1:
+        import hashlib
+
+        h = hashlib.sha256(b"".join(model_kvs))
+        for t in tensors:
+            h.update(f"{t.name}:{t.file};".encode())
+        set_id = h.hexdigest()[:32]
+    heads, starts = [], []
+    for i, ts in enumerate(by_shard):
+        kvs = list(model_kvs) if i == 0 else [encode_kv("general.alignment", GGUFValueType.UINT32, A)]
+        if n_shards > 1:
+            kvs += _split_kvs(i, n_shards, len(tensors), set_id)
+        _place(ts, A)
+        head = encode_header_start(len(ts), len(kvs), version) + b"".join(kvs) + b"".join(
+            encode_tensor_info(t.name, t.ne, t.type, t.offset) for t in ts)
+        heads.append(head)
+        starts.append(-(-len(head) // A) * A)
+    return heads, starts
+
+
+def _shard_sizes(tensors: list[OutTensor], starts: list[int], A: int) -> list[int]:
+    sizes = list(starts)
+    for t in tensors:
+        sizes[t.file] = max(sizes[t.file], starts[t.file] + t.offset + -(-t.nbytes // A) * A)
+    return sizes
+
+
+# ---- writing a set atomically ----
+
+LOCK_SUFFIX = ".lock"
+JOURNAL_SUFFIX = ".journal"
+
+
+@contextlib.contextmanager
+def output_lock(dst: Path):
+    """Serialise writers of one output: an flock on `.NAME.lock` beside it; a second writer
+    is refused (never waits, never interleaves). The lock file is removed on release."""
+    import fcntl
+
+    lock = dst.with_name(f".{dst.name}{LOCK_SUFFIX}")
+    while True:
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise MboltError(f"{lock}: cannot create the output lock: {e.strerror}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise MboltError(f"{dst}: another mbolt reorder is writing this output (lock {lock.name}); "
+                             "wait for it or write to another path") from None
+        try:  # the holder before us may have removed the file after we opened it: retry on the new one
+            if os.stat(lock).st_ino == os.fstat(fd).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
+        os.close(fd)
+
+
+def recover_interrupted(dst: Path) -> list[Path]:
+    """Remove what a writer of `dst` killed during its final renames left: it journals the set
+    it is renaming into place; shards of that set found here (which readers refuse beside the
+    old ones, their set ids differ) are removed with the shards they were replacing.
+    Call with the output lock held. Returns what was removed."""
+    import json
+
+    removed = []
+    for j in dst.parent.glob(f".{_glob(dst.name)}.*{JOURNAL_SUFFIX}"):
+        try:
+            d = json.loads(j.read_text())
+            paths, set_id = [Path(p) for p in d["paths"]], d["set_id"]
+        except (OSError, ValueError, KeyError, TypeError):
+            paths, set_id = [], None
+        started = False
+        for p in paths:
+            with contextlib.suppress(MboltError, OSError):
+                from mbolt.core.header import read_header
+
+                started |= bool(set_id) and read_header(p).get(SET_ID_KEY) == set_id
+        if started:
+            for p in paths + [Path(x) for x in d.get("sidecar", [])]:
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+                    removed.append(p)
+        with contextlib.suppress(FileNotFoundError):
+            j.unlink()
+            removed.append(j)
+    return removed
+
+
+def _glob(name: str) -> str:
+    import glob
+
+    return glob.escape(name)
+
+
+def _fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _check_outputs(paths: list[Path], side: Path | None, inputs: list, force: bool, protected: set[str]) -> None:
+    """core.atomic.check_output for every output file, plus: an existing shard of the set an
+    input was made from is never replaced (its set fingerprint is protected)."""
+    for p in paths:
+        check_output(p, kind="gguf-mbolt", inputs=inputs, force=force, protected_fingerprints=protected,
+                     what="rewritten model")
+        if p.exists() and protected:
+            try:
+                fp = open_model_header(p).fingerprint
+            except MboltError:
+                fp = ""  # not a readable model or set: check_output decided
+            if fp in protected:
+                raise MboltError(f"{p}: is part of the model an input was made from; refusing to replace it "
+                                 "(write the rewritten model to a new path)")
+    if side is not None and side.exists():
+        check_output(side, kind="json", inputs=inputs, force=True, what="route-map sidecar")
+
+
+# ---- the rewrite ----
 
 
 def reorder(
-    src: str | os.PathLike,
+    src: str | os.PathLike | MoeMap,
     dst: str | os.PathLike,
     perm: np.ndarray | None = None,
     *,
@@ -427,25 +639,31 @@ def reorder(
     force: bool = False,
     progress: Progress | None = None,
     sidecar: bool = True,
+    split: SplitSpec | None = None,
+    inputs: tuple = (),
+    protect: tuple = (),
 ) -> ReorderResult:
-    """Rewrite `src` into `dst` with experts in `perm` order ([n_layers, E] original ids per
-    position; None = identity) and the given layout. `heat` is per position ([n_layers, E])."""
+    """Rewrite `src` (a path, or the model already opened) into `dst` with experts in `perm`
+    order ([n_layers, E] original ids per position; None = identity) and the given layout.
+    `heat` is per position ([n_layers, E]). A split set is written as a set named after `dst`
+    (out.gguf -> out-00001-of-0000N.gguf ...), cut as `split` says. `inputs`: other input
+    files of the command (plan, trace), never written over; `protect`: fingerprints of models
+    they were made from (a plan's or trace's model), never replaced either."""
     t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
+    m = src if isinstance(src, MoeMap) else moe_map(src)
+    src = Path(m.path)
+    dst = Path(dst)
+    split = split or SplitSpec()
+    split.check()
     if layout not in ("reorder", "packed"):
         raise MboltError(f"unknown layout {layout!r} (reorder or packed)")
-    check_paths(src, dst, force)
-    removed = clean_stale_parts(dst)
-    header = read_header(src)
-    m = moe_map(header)
     unknown = m.unknown()
     if unknown:
         u = unknown[0]
         raise MboltError(f"{src}: tensor {u.name} is expert-indexed but mbolt does not know how to permute it "
                          f"({u.why}); refusing to rewrite" + (f" (and {len(unknown) - 1} more)" if len(unknown) > 1 else ""))
-    in_rm = m.route_map
     E, L = m.n_experts, m.n_layers
-    ident = np.tile(np.arange(E, dtype=np.int32), (L, 1))
+    ident = identity_perm(L, E)
     perm = ident.copy() if perm is None else check_perm(perm, L, E, "plan")
     for layer in m.layers:
         if layer.dense:
@@ -455,12 +673,58 @@ def reorder(
         raise MboltError(f"plan heat has shape {heat.shape}, expected ({L}, {E})")
 
     tensors, packed, notes = plan_output(m, perm, layout)
-    with src.open("rb") as f:  # metadata is copied verbatim from the source's header bytes
+    n_shards = assign_shards(tensors, split, len(m.paths))
+    out_paths = set_paths(dst, n_shards)
+    side = sidecar_path(out_paths[0]) if sidecar else None
+    in_paths = [Path(p) for p in m.paths]
+    all_inputs = in_paths + [Path(x) for x in inputs if x is not None]
+    protected = {m.source_fingerprint, m.fingerprint} | {s.fingerprint for s in m.header.shards} | {
+        fp for fp in protect if fp}
+    if dst.is_dir():
+        raise MboltError(f"{dst}: is a directory (give a file path for the rewritten model)")
+    if not dst.parent.is_dir():
+        raise MboltError(f"{dst.parent}: output directory does not exist")
+    stack = contextlib.ExitStack()
+    with stack:
+        stack.enter_context(output_lock(dst))  # one writer per output, from the checks to the renames
+        removed = recover_interrupted(dst)
+        _check_outputs(out_paths, side, all_inputs, force, protected)
+        # another model already written under this name (a set of another shard count, or one
+        # file where a set goes): replaced as a whole with --force, so `verify OUT` is unambiguous
+        others = [p for p in other_outputs(dst) if p not in out_paths]
+        _check_outputs(others, None, all_inputs, force, protected)
+        res = _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side,
+                     in_paths, removed, stack, progress, t0)
+        for p in others:
+            for q in (p, sidecar_path(p)):
+                with contextlib.suppress(FileNotFoundError):
+                    q.unlink()
+                    res.removed_stale.append(str(q))
+        return res
+
+
+def other_outputs(dst: Path) -> list[Path]:
+    """Model files named after `dst`: dst itself and the shards of any set named after it."""
+    import glob
+
+    stem = dst.name[:-5] if dst.name.endswith(".gguf") else dst.name
+    found = sorted(dst.parent.glob(glob.escape(stem) + "-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9].gguf"))
+    return ([dst] if dst.exists() else []) + found
+
+
+def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side, in_paths,
+           removed, stack, progress, t0) -> ReorderResult:
+    in_rm = m.route_map
+    src = Path(m.path)
+    n_shards = len(out_paths)
+
+    header = m.header
+    with src.open("rb") as f:  # metadata is copied verbatim from shard 1's header bytes
         head_src = f.read(header.header_size)
     A = max(header.alignment, PAGE)  # every tensor (so every expert tensor) starts 4 KiB aligned
     kv_bytes = []
     for k, kv in header.kv.items():
-        if is_route_map_key(k):
+        if is_route_map_key(k) or is_set_key(k):
             continue
         if k == "general.alignment":
             kv_bytes.append(encode_kv(k, kv.type, A))
@@ -471,62 +735,108 @@ def reorder(
     if "general.alignment" not in header.kv:
         kv_bytes.append(encode_kv("general.alignment", GGUFValueType.UINT32, A))
     kv_bytes += route_map_kvs(layout, perm, heat, method, in_rm.source_fingerprint, packed)
-    infos_len = sum(len(encode_tensor_info(t.name, t.ne, t.type, 0)) for t in tensors)
-    prefix = encode_header_start(len(tensors), len(kv_bytes), header.version)
-    head_len = len(prefix) + sum(map(len, kv_bytes)) + infos_len
-    data_start = -(-head_len // A) * A
-    data_size = _place(tensors, A)
-    head = prefix + b"".join(kv_bytes) + b"".join(encode_tensor_info(t.name, t.ne, t.type, t.offset) for t in tensors)
-    assert len(head) == head_len
-    total = data_start + data_size
+    heads, starts = _headers(m, tensors, n_shards, kv_bytes, A, header.version)
+    sizes = _shard_sizes(tensors, starts, A)
+    total = sum(sizes)
+    # the output's header, parsed from the bytes about to be written: fingerprint and sidecar
+    # are known before anything is renamed into place
+    out_shards = [_parse(h, p, size) for h, p, size in zip(heads, out_paths, sizes)]
+    out_header = combine_shards(out_shards) if n_shards > 1 else out_shards[0]
+    out_map = moe_map(out_header)
 
     free = shutil.disk_usage(dst.parent).free
-    if free < total + (16 << 20):
+    if free < total:
         raise MboltError(f"{dst.parent}: {free / 2**30:.2f} GiB free, the output needs {total / 2**30:.2f} GiB")
-    ops = _copy_ops(tensors, data_start)
+    ops = _copy_ops(tensors, starts)
     n_data = sum(n for _, _, n in ops)
 
-    with interrupt_on_terminate(), open(src, "rb") as fin, atomic_output(dst, force=force) as fo:
-        fd = fo.fileno()
+    with interrupt_on_terminate():
+        for p in out_paths + ([side] if side else []):
+            removed += clean_stale_parts(p)
+        fins = [stack.enter_context(open(p, "rb")) for p in in_paths]
+        for f, s in zip(fins, m.header.shards or [m.header]):
+            if os.fstat(f.fileno()).st_size != s.file_size:
+                raise MboltError(f"{s.path}: file changed size while reading")
+        temps: list[Path] = []
+        renamed: list[Path] = []
+
+        def cleanup():
+            for t in temps:
+                if t not in renamed:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(t)
+        stack.callback(cleanup)
+        fouts = []
+        import tempfile
+
+        for p in out_paths:
+            fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.{os.getpid()}.", suffix=".part", dir=p.parent)
+            temps.append(Path(tmp))
+            fouts.append(fd)
+            stack.callback(os.close, fd)
         umask = os.umask(0)
         os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
         try:
-            os.posix_fallocate(fd, 0, total)
-        except OSError:
-            os.ftruncate(fd, total)
-        w = 0
-        while w < len(head):
-            w += os.pwrite(fd, head[w:], w)
-        copier = _Copier(fin.fileno(), fd, n_data, progress, str(src))
-        if os.fstat(fin.fileno()).st_size != header.file_size:
-            raise MboltError(f"{src}: file changed size while reading")
-        ahead = _Readahead(fin.fileno(), ops)
-        flush = _Writeback(fd)
-        for i, (s, d, n) in enumerate(ops):
-            ahead.advance(i)
-            copier.copy(s, d, n)
-            flush.wrote(d + n)
-        os.ftruncate(fd, total)  # zero padding beyond the last tensor (fallocate already sized it)
-    out_header = read_header(dst)
-    out_map = moe_map(out_header)
-    side = ""
-    if sidecar:
-        import json
+            for fd, head, size in zip(fouts, heads, sizes):
+                os.fchmod(fd, 0o666 & ~umask)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise
+                    os.ftruncate(fd, size)
+                w = 0
+                while w < len(head):
+                    w += os.pwrite(fd, head[w:], w)
+            copier = _Copier([f.fileno() for f in fins], fouts, n_data, progress, [str(p) for p in in_paths])
+            ahead = _Readahead([f.fileno() for f in fins], ops)
+            flush = [_Writeback(fd) for fd in fouts]
+            for i, (s, d, n) in enumerate(ops):
+                ahead.advance(i)
+                copier.copy(s, d, n)
+                f_out, end = split_vaddr(d + n)
+                flush[f_out].wrote(end)
+            for fd, size in zip(fouts, sizes):
+                os.ftruncate(fd, size)  # zero padding beyond the last tensor (fallocate already sized it)
+                os.fsync(fd)
+            side_tmp = None
+            if side is not None:
+                import json
 
-        sp = sidecar_path(dst)
-        write_text_atomic(sp, json.dumps(sidecar_dict(out_map), indent=1) + "\n")
-        side = str(sp)
+                fd, tmp = tempfile.mkstemp(prefix=f".{side.name}.{os.getpid()}.", suffix=".part", dir=side.parent)
+                temps.append(Path(tmp))
+                side_tmp = Path(tmp)
+                with os.fdopen(fd, "w") as f:
+                    os.fchmod(f.fileno(), 0o666 & ~umask)
+                    f.write(json.dumps(sidecar_dict(out_map), indent=1) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+        except OSError as e:
+            raise MboltError(f"{dst}: cannot write the output: {e.strerror}") from None
+        # Renames: the sidecar first (beside the old GGUF it is refused: its fingerprint is the
+        # new one's), then the shards last to first. A kill in between leaves shards of two set
+        # ids (every reader refuses the mix) and a journal: the next run removes them.
+        journal = None
+        if n_shards > 1:
+            import json
+
+            journal = dst.with_name(f".{dst.name}.{os.getpid()}{JOURNAL_SUFFIX}")
+            journal.write_text(json.dumps({"set_id": out_header.get(SET_ID_KEY), "paths": [str(p) for p in out_paths],
+                                           "sidecar": [str(side)] if side else []}))
+        if side_tmp is not None:
+            os.replace(side_tmp, side)
+            renamed.append(side_tmp)
+        for tmp, p in reversed(list(zip(temps, out_paths))):
+            os.replace(tmp, p)
+            renamed.append(tmp)
+        _fsync_dir(dst.parent)
+        if journal is not None:
+            journal.unlink()
     return ReorderResult(
-        str(src), str(dst), layout, method, total, time.perf_counter() - t0, len(ops), copier.mode,
-        bool((perm == ident).all()), len(m.moe_layers), notes, [str(p) for p in removed], side,
-        out_header.fingerprint, in_rm.source_fingerprint,
+        str(src), str(out_paths[0]), layout, method, total, time.perf_counter() - t0, len(ops), copier.mode,
+        bool((perm == ident).all()), len(m.moe_layers), notes, [str(p) for p in removed], str(side or ""),
+        out_header.fingerprint, in_rm.source_fingerprint, [str(p) for p in out_paths],
     )
-
-
-def identity_perm(path: str | os.PathLike) -> np.ndarray:
-    m = moe_map(path)
-    return np.tile(np.arange(m.n_experts, dtype=np.int32), (m.n_layers, 1))
 
 
 def reorder_file(
@@ -534,19 +844,22 @@ def reorder_file(
     dst: str | os.PathLike,
     *,
     plan: str | os.PathLike | None = None,
-    trace: str | os.PathLike | None = None,
+    trace: str | os.PathLike | list | None = None,
     identity: bool = False,
     layout: str = "reorder",
     force: bool = False,
     progress: Progress | None = None,
+    split: SplitSpec | None = None,
 ) -> ReorderResult:
-    """`mbolt reorder`: the perm comes from a plan file, a trace (planned inline with the
-    default method) or the identity (a control for the whole pipeline)."""
-    given = [name for name, v in (("--plan", plan), ("--trace", trace), ("--identity", identity)) if v]
+    """`mbolt reorder`: the perm comes from a plan file, traces (merged, then planned inline
+    with the default method) or the identity (a control for the whole pipeline). The model
+    is opened once and handed down."""
+    traces = [] if trace is None else ([trace] if isinstance(trace, (str, os.PathLike)) else list(trace))
+    given = [name for name, v in (("--plan", plan), ("--trace", traces), ("--identity", identity)) if v]
     if len(given) != 1:
         raise MboltError("give exactly one of --plan, --trace or --identity" + (f" (got {' and '.join(given)})" if given else ""))
-    check_paths(Path(src), Path(dst), force)
     m = moe_map(src)
+    made_from: tuple = ()
     if identity:
         perm, heat, method = None, None, "identity"
     else:
@@ -557,14 +870,15 @@ def reorder_file(
             p = load_plan(plan)
             check_compatible(p, m, str(plan))
         else:
-            from mbolt.core.trace_import import load_trace
+            from mbolt.core.trace_import import load_traces
             from mbolt.layout.plan import make_plan
 
-            tr = load_trace(trace)
-            check_compatible(tr, m, str(trace))
+            tr = load_traces(traces)
+            check_compatible(tr, m, ", ".join(map(str, traces)))
             p = make_plan(tr)
+        made_from = (p.meta.get("fingerprint", ""),)  # the model the plan or trace was made on
         perm, method = p.perm, p.method
         rows = np.arange(p.n_layers)[:, None]
         heat = np.asarray(p.heat, np.float32)[rows, p.perm]  # plan heat is per original id; the map's per position
-    return reorder(src, dst, perm, heat=heat, method=method, layout=layout, force=force, progress=progress)
-
+    return reorder(m, dst, perm, heat=heat, method=method, layout=layout, force=force, progress=progress,
+                   split=split, inputs=(plan, *traces), protect=made_from)

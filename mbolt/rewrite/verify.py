@@ -8,6 +8,13 @@ Checks, each reported by name:
   data        every byte of every tensor (no sampling): plain tensors whole, expert-indexed
               tensors slice by slice, source slice of original expert e against the output
               slice at pos[e]; read in bounded chunks and compared in place
+  padding     every other byte of the output's data sections is zero: the alignment padding
+              after each header, between tensors, inside packed slots and at each file's end
+Together these cover every byte of the output: header bytes are the key/value pairs (compared
+raw; the route map, general.alignment and the split keys are checked by "route map"/"header")
+and the tensor infos (names, types, shapes compared; offsets are where the data is read).
+Either side may be one file or a split set (given by any shard): a difference names the
+output shard and the tensor.
   routing     (optional) the reference engine on both files: every routing decision maps
               through the permutation and the logits are bit-identical
   llama.cpp   (optional, reorder layout) both files in llama.cpp: same greedy tokens,
@@ -26,8 +33,10 @@ from typing import Callable
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.header import GGUFHeader, read_header
+from mbolt.core.gguf_set import is_set_key, resolve_model_path, split_vaddr
+from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import moe_map
+from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
 from mbolt.core.routemap import RouteMap, is_route_map_key, read_sidecar, sidecar_path
 
@@ -55,11 +64,13 @@ class Mismatch:
     position: int  # position in the output (-1 for a plain tensor)
     expert: int  # original expert id (-1 for a plain tensor)
     offset: int  # first differing byte inside the slice (or tensor)
+    file: str = ""  # the output file (shard) holding it
 
     def __str__(self) -> str:
+        where = f"{Path(self.file).name}: " if self.file else ""
         if self.layer < 0:
-            return f"{self.tensor}: bytes differ from byte {self.offset}"
-        return (f"{self.tensor}: layer {self.layer}, expert {self.expert} at position {self.position}: "
+            return f"{where}{self.tensor}: bytes differ from byte {self.offset}"
+        return (f"{where}{self.tensor}: layer {self.layer}, expert {self.expert} at position {self.position}: "
                 f"bytes differ from byte {self.offset} of the slice")
 
 
@@ -72,7 +83,9 @@ class VerifyReport:
     mismatches: list[Mismatch] = field(default_factory=list)
     n_mismatches: int = 0
     bytes_compared: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0  # headers, metadata and the byte comparison (what the benchmark times)
+    total_seconds: float = 0.0  # all of verify, engine parity included
+    phase_seconds: dict = field(default_factory=dict)  # "routing", "llama.cpp": each parity run
     parity: dict | None = None
     llama: dict | None = None
 
@@ -90,6 +103,7 @@ class VerifyReport:
             "checks": [c.__dict__ for c in self.checks],
             "n_mismatches": self.n_mismatches, "mismatches": [m.__dict__ | {"message": str(m)} for m in self.mismatches],
             "bytes_compared": self.bytes_compared, "seconds": self.seconds,
+            "total_seconds": self.total_seconds, "phase_seconds": self.phase_seconds,
             "throughput_bytes_s": 2 * self.bytes_compared / self.seconds if self.seconds else 0.0,
             "parity": self.parity, "llama": self.llama,
         }
@@ -107,7 +121,7 @@ def _kv_raw(h: GGUFHeader) -> dict[str, bytes]:
 def compare_metadata(a: GGUFHeader, b: GGUFHeader) -> list[str]:
     """Keys whose raw bytes differ (missing, extra or changed), ignoring mbolt.* and alignment."""
     def keep(k: str) -> bool:
-        return not is_route_map_key(k) and k not in IGNORED_KEYS
+        return not is_route_map_key(k) and not is_set_key(k) and k not in IGNORED_KEYS
 
     ra, rb = _kv_raw(a), _kv_raw(b)
     problems = []
@@ -181,19 +195,21 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 class _PreadPair:
-    """Chunks of both files read into two reusable buffers (bounded memory, clean errors)."""
+    """Chunks of both models read into two reusable buffers (bounded memory, clean errors).
+    Offsets are virtual (core.gguf_set.vaddr) into the lists of files `fa` and `fb`."""
 
-    def __init__(self, fa: int, fb: int, paths):
+    def __init__(self, fa: list[int], fb: list[int], paths):
         self.fa, self.fb, self.paths = fa, fb, paths
         self.bufa, self.bufb = bytearray(BUF), bytearray(BUF)
         self.na, self.nb = np.frombuffer(self.bufa, np.uint8), np.frombuffer(self.bufb, np.uint8)
         self.mva, self.mvb = memoryview(self.bufa), memoryview(self.bufb)
 
     def get(self, s0: int, o0: int, k: int):
-        ra = os.preadv(self.fa, [self.mva[:k]], s0)
-        rb = os.preadv(self.fb, [self.mvb[:k]], o0)
+        (fa, s0), (fb, o0) = split_vaddr(s0), split_vaddr(o0)
+        ra = os.preadv(self.fa[fa], [self.mva[:k]], s0)
+        rb = os.preadv(self.fb[fb], [self.mvb[:k]], o0)
         if ra != k or rb != k:
-            raise MboltError(f"{self.paths[0] if ra != k else self.paths[1]}: short read at byte "
+            raise MboltError(f"{self.paths[0][fa] if ra != k else self.paths[1][fb]}: short read at byte "
                              f"{(s0 if ra != k else o0) + min(ra, rb)} (file truncated while verifying?)")
         return self.na[:k], self.nb[:k]
 
@@ -205,37 +221,39 @@ class _PreadPair:
 
 
 class _MmapPair:
-    """Both files mapped and compared in place (no copy: as fast as reading them once).
+    """Both models mapped (one map per file) and compared in place (no copy: as fast as reading
+    them once). Offsets are virtual (core.gguf_set.vaddr).
 
     Mapped pages count in RSS, so every RELEASE bytes the pages compared so far are dropped
-    from the mapping (MADV_DONTNEED; they stay in the page cache): memory stays bounded."""
+    from the mappings (MADV_DONTNEED; they stay in the page cache): memory stays bounded."""
 
-    def __init__(self, fa: int, fb: int, paths):
+    def __init__(self, fa: list[int], fb: list[int], paths):
         import mmap
 
         self.mmap = mmap
-        self.ma = mmap.mmap(fa, 0, access=mmap.ACCESS_READ)
-        self.mb = mmap.mmap(fb, 0, access=mmap.ACCESS_READ)
+        self.ma = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in fa]
+        self.mb = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in fb]
         if hasattr(mmap, "MADV_SEQUENTIAL"):
-            self.mb.madvise(mmap.MADV_SEQUENTIAL)  # the output is read in order
-        self.A, self.B = np.frombuffer(self.ma, np.uint8), np.frombuffer(self.mb, np.uint8)
+            for m in self.mb:
+                m.madvise(mmap.MADV_SEQUENTIAL)  # the output is read in order
+        self.A = [np.frombuffer(m, np.uint8) for m in self.ma]
+        self.B = [np.frombuffer(m, np.uint8) for m in self.mb]
         self.paths = paths
-        self._reset()
-
-    def _reset(self):
-        self.lo_a = self.lo_b = 1 << 62
-        self.hi_a = self.hi_b = 0
+        self.spans: dict[tuple[int, int], list[int]] = {}  # (side, file) -> [lo, hi] compared since release
         self.since = 0
 
     def get(self, s0: int, o0: int, k: int):
-        if s0 + k > len(self.A) or o0 + k > len(self.B):
-            bad = self.paths[0] if s0 + k > len(self.A) else self.paths[1]
+        (fa, s0), (fb, o0) = split_vaddr(s0), split_vaddr(o0)
+        if s0 + k > len(self.A[fa]) or o0 + k > len(self.B[fb]):
+            bad = self.paths[0][fa] if s0 + k > len(self.A[fa]) else self.paths[1][fb]
             raise MboltError(f"{bad}: shorter than its header says (file truncated while verifying?)")
-        return self.A[s0:s0 + k], self.B[o0:o0 + k]
+        return self.A[fa][s0:s0 + k], self.B[fb][o0:o0 + k]
 
     def done(self, s0: int, o0: int, k: int) -> None:
-        self.lo_a, self.hi_a = min(self.lo_a, s0), max(self.hi_a, s0 + k)
-        self.lo_b, self.hi_b = min(self.lo_b, o0), max(self.hi_b, o0 + k)
+        for side, v in ((0, s0), (1, o0)):
+            f, off = split_vaddr(v)
+            span = self.spans.setdefault((side, f), [off, off + k])
+            span[0], span[1] = min(span[0], off), max(span[1], off + k)
         self.since += k
         if self.since >= RELEASE:
             self.release()
@@ -243,24 +261,26 @@ class _MmapPair:
     def release(self) -> None:
         if not hasattr(self.mmap, "MADV_DONTNEED") or self.since == 0:
             return
-        for m, lo, hi in ((self.ma, self.lo_a, self.hi_a), (self.mb, self.lo_b, self.hi_b)):
+        for (side, f), (lo, hi) in self.spans.items():
+            m = (self.ma, self.mb)[side][f]
             lo = max(0, lo - MARGIN)
             lo -= lo % PAGE
             hi = min(len(m), hi + MARGIN + (-hi) % PAGE)
             if hi > lo:
                 m.madvise(self.mmap.MADV_DONTNEED, lo, hi - lo)
-        self._reset()
+        self.spans = {}
+        self.since = 0
 
     def close(self) -> None:
         self.A = self.B = None
-        for m in (self.ma, self.mb):
+        for m in self.ma + self.mb:
             try:
                 m.close()
             except BufferError:  # a view still alive (an exception in flight): the GC closes it
                 pass
 
 
-def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress: Progress | None,
+def compare_data(src_paths: list, out_paths: list, jobs: _Jobs, report: VerifyReport, progress: Progress | None,
                  reader: str = "mmap") -> None:
     total = int(jobs.n.sum())
     done = last = 0
@@ -272,10 +292,16 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
     job_out_end = jobs.out + jobs.n
     groups = [(int(jobs.src[a]), int(jobs.out[a]), int(job_out_end[b - 1] - jobs.out[a])) for a, b in zip(starts, ends)]
     chunks = split_ops(groups, BUF)
-    fa, fb = os.open(src_path, os.O_RDONLY), os.open(out_path, os.O_RDONLY)
+    fa, fb = [], []
     pair = None
     try:
-        pair = (_MmapPair if reader == "mmap" else _PreadPair)(fa, fb, (src_path, out_path))
+        for paths, fds in ((src_paths, fa), (out_paths, fb)):
+            for p in paths:
+                try:
+                    fds.append(os.open(p, os.O_RDONLY))
+                except OSError as e:
+                    raise MboltError(f"{p}: cannot open: {e.strerror}") from None
+        pair = (_MmapPair if reader == "mmap" else _PreadPair)(fa, fb, (src_paths, out_paths))
         # the output is read in order (kernel readahead works); source slices come permuted
         ahead = _Readahead(fa, chunks)
         ahead_out = _Readahead(fb, [(o, s, k) for s, o, k in chunks]) if reader == "mmap" else None
@@ -293,7 +319,7 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
                     bad_out = o0 + at + int(diff[0])
                     j = int(np.searchsorted(job_out_end, bad_out, side="right"))
                     if j != last_bad:  # a slice spanning chunks is reported once
-                        _record(jobs, j, int(bad_out - jobs.out[j]), report)
+                        _record(jobs, j, int(bad_out - jobs.out[j]), report, out_paths)
                         last_bad = j
                     at = int(job_out_end[j] - o0)  # one report per slice: resume after this job
             del a, b
@@ -305,8 +331,8 @@ def compare_data(src_path, out_path, jobs: _Jobs, report: VerifyReport, progress
     finally:
         if pair is not None:
             pair.close()
-        os.close(fa)
-        os.close(fb)
+        for fd in fa + fb:
+            os.close(fd)
     report.bytes_compared = total
     if progress:
         progress(total, total)
@@ -333,37 +359,65 @@ def check_sidecar(out: Path, oh: GGUFHeader, rm: RouteMap) -> tuple[bool | None,
     return (not problems), ("; ".join(problems) or f"{sp.name} matches the route map")
 
 
-def check_packed_padding(om, out_rm: RouteMap, report: VerifyReport) -> int:
-    """Packed slots may end in padding (to keep slots 4 KiB aligned): it must be zeros."""
+def padding_ranges(om) -> list[tuple]:
+    """(file, start, length, what, layer, position, expert, offset of start in its slot) of every byte of the output that is neither header nor
+    tensor data: alignment padding after each header, between tensors and at each file's end,
+    and the padding inside packed slots. All of it must be zero."""
+    out = []
+    for f, h in enumerate(om.header.shards or [om.header]):
+        spans = sorted((t.data_offset, t.data_offset + t.nbytes, t.name) for t in h.tensors)
+        at, after = h.header_size, "the header"
+        for a, b, name in spans:
+            if a > at:
+                out.append((f, at, a - at, f"padding after {after}", -1, -1, -1, 0))
+            at, after = max(at, b), name
+        if h.file_size > at:
+            out.append((f, at, h.file_size - at, f"padding after {after}", -1, -1, -1, 0))
+    for layer in om.moe_layers:
+        ws = [w for w in layer.weights if w.container]
+        if not ws:
+            continue
+        stride = ws[0].stride
+        lo = min(w.data_offset for w in ws)
+        used = max(w.data_offset + w.slice_bytes for w in ws) - lo
+        if stride > used:
+            perm = om.route_map.perm[layer.index]
+            out += [(ws[0].file, lo + used + p * stride, stride - used, f"{ws[0].container} (slot padding)",
+                     layer.index, p, int(perm[p]), used) for p in range(om.n_experts)]
+    return out
+
+
+def check_padding(om, report: VerifyReport) -> int:
+    """Every padding byte of the output is zero; returns the bytes checked."""
     checked = 0
-    with open(om.path, "rb") as f:
-        for layer in om.moe_layers:
-            ws = [w for w in layer.weights if w.container]
-            if not ws:
-                continue
-            stride = ws[0].stride
-            used = max(w.data_offset + w.slice_bytes for w in ws) - min(w.data_offset for w in ws)
-            if stride <= used:
-                continue
-            first = min(w.data_offset for w in ws) + used
-            for p in range(om.n_experts):
-                f.seek(first + p * stride)
-                buf = f.read(stride - used)
-                checked += len(buf)
-                if buf.count(0) != len(buf):
-                    report.n_mismatches += 1
-                    if len(report.mismatches) < MAX_LISTED:
-                        at = next(i for i, b in enumerate(buf) if b)
-                        report.mismatches.append(Mismatch(ws[0].container + " (slot padding)", layer.index, p,
-                                                          int(out_rm.perm[layer.index, p]), used + at))
+    for f, path in enumerate(om.paths):
+        with open(path, "rb") as fh:
+            for g, start, n, what, layer, position, expert, base in padding_ranges(om):
+                if g != f:
+                    continue
+                done = 0
+                while done < n:
+                    buf = os.pread(fh.fileno(), min(BUF, n - done), start + done)
+                    if not buf:
+                        raise MboltError(f"{path}: shorter than its header says (truncated?)")
+                    if buf.count(0) != len(buf):
+                        at = done + next(i for i, b in enumerate(buf) if b)
+                        report.n_mismatches += 1
+                        if len(report.mismatches) < MAX_LISTED:
+                            report.mismatches.append(Mismatch(what, layer, position, expert, base + at, str(path)))
+                        break
+                    done += len(buf)
+                checked += n
     return checked
 
 
-def _record(jobs: _Jobs, i: int, offset: int, report: VerifyReport) -> None:
+def _record(jobs: _Jobs, i: int, offset: int, report: VerifyReport, out_paths: list) -> None:
     report.n_mismatches += 1
     if len(report.mismatches) < MAX_LISTED:
         t = int(jobs.tensor[i])
-        report.mismatches.append(Mismatch(jobs.names[t], jobs.layer_of[t], int(jobs.pos[i]), int(jobs.expert[i]), offset))
+        f, _ = split_vaddr(jobs.out[i])
+        report.mismatches.append(Mismatch(jobs.names[t], jobs.layer_of[t], int(jobs.pos[i]), int(jobs.expert[i]), offset,
+                                          str(out_paths[f])))
 
 
 # ---- top level ----
@@ -396,28 +450,37 @@ def verify(
     llama: bool = False,
     progress: Progress | None = None,
     reader: str = "mmap",
+    parity_progress: Progress | None = None,
 ) -> VerifyReport:
-    """Verify `out` (written by `mbolt reorder`) against `src`; returns a report (never raises
-    for a difference; raises MboltError only when `src` itself is unreadable)."""
+    """Verify `out` (written by `mbolt reorder`) against `src`, each one file or a split set
+    (any shard); returns a report (never raises for a difference; raises MboltError when
+    `src` is unreadable or either path does not exist).
+
+    progress(bytes done, bytes total) during the byte comparison; parity_progress(forwards done,
+    forwards total) during the engine parity runs (every prompt: prefill + n_tokens)."""
     t0 = time.perf_counter()
-    src, out = Path(src), Path(out)
+    src, out = resolve_model_path(src), resolve_model_path(out)
+    for p in (src, out):
+        if not p.exists():
+            raise MboltError(f"{p}: no such file")
     report = VerifyReport(str(src), str(out))
-    sh = read_header(src)
-    sm = moe_map(sh)
+    sm = moe_map(src)
+    sh = sm.header
     src_rm = sm.route_map
     try:
-        oh = read_header(out)
-        om = moe_map(oh)
+        om = moe_map(out)
+        oh = om.header
     except MboltError as e:
         report.add("header", False, str(e))
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
-    report.add("header", True, f"{len(sh.tensors)} -> {len(oh.tensors)} tensors")
+    files = lambda h: f" in {len(h.shards)} shards" if h.shards else ""  # noqa: E731
+    report.add("header", True, f"{len(sh.tensors)}{files(sh)} -> {len(oh.tensors)} tensors{files(oh)}")
     try:
         out_rm = om.route_map
     except MboltError as e:
         report.add("route map", False, str(e))
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
     report.layout = out_rm.layout
     problems = []
@@ -430,13 +493,13 @@ def verify(
     dense_moved = [l.index for l in om.layers if l.dense and not (out_rm.perm[l.index] == np.arange(out_rm.n_experts)).all()]
     if dense_moved:
         problems.append(f"dense layer {dense_moved[0]} has a non-identity perm")
-    moved = int(sum((out_rm.perm[l.index] != src_rm.perm[l.index]).sum() for l in om.moe_layers))
+    moved = 0 if problems else int(sum((out_rm.perm[l.index] != src_rm.perm[l.index]).sum() for l in om.moe_layers))
     if report.add("route map", not problems, "; ".join(problems) or
                   f"{out_rm.layout}, method {out_rm.method or '?'}, {moved} expert positions differ from the source") is False:
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
 
-    report.add("sidecar", *check_sidecar(out, oh, out_rm))
+    report.add("sidecar", *check_sidecar(Path(om.path), oh, out_rm))
     meta = compare_metadata(sh, oh)
     report.add("metadata", not meta, "; ".join(meta[:5]) + (f" (+{len(meta) - 5} more)" if len(meta) > 5 else "")
                if meta else f"{sum(not is_route_map_key(k) for k in sh.kv)} keys identical")
@@ -455,31 +518,43 @@ def verify(
             tp.append(f"{t.name}: expert indexing differs")
     report.add("tensors", not tp, "; ".join(tp[:5]) if tp else f"{len(st)} tensors, names/types/shapes identical")
     if tp:
-        report.seconds = time.perf_counter() - t0
+        report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
 
     jobs = _jobs(st, od, src_rm, out_rm)
-    compare_data(src, out, jobs, report, progress, reader)
-    pad = check_packed_padding(om, out_rm, report)
+    compare_data(sm.paths, om.paths, jobs, report, progress, reader)
     n_slices = int((jobs.pos >= 0).sum())
     report.add("data", report.n_mismatches == 0,
                f"{report.n_mismatches} slices/tensors differ" if report.n_mismatches else
                f"{report.bytes_compared:,} bytes identical ({n_slices:,} expert slices, "
-               f"{int((jobs.pos < 0).sum()):,} plain tensors)" + (f"; {pad:,} packed padding bytes zero" if pad else ""))
+               f"{int((jobs.pos < 0).sum()):,} plain tensors)")
+    before = report.n_mismatches
+    pad = check_padding(om, report)
+    report.add("padding", report.n_mismatches == before,
+               f"{report.n_mismatches - before} padding ranges not zero" if report.n_mismatches > before else
+               f"{pad:,} padding bytes zero (alignment after headers and tensors, packed slots, file ends)")
     report.seconds = time.perf_counter() - t0  # the bit-identity part (what the benchmark times)
 
+    n_forwards = len(prompts or BUILTIN_PROMPTS) * (n_tokens + 1)
+    forwards_total = n_forwards * (int(parity) + int(llama and out_rm.layout == "reorder"))
+    forwards = 0
+
+    def step():
+        nonlocal forwards
+        forwards += 1
+        if parity_progress is not None:
+            parity_progress(forwards, forwards_total)
+
     if parity:
+        from mbolt.engine import load_model
         from mbolt.rewrite.parity import routing_parity
 
-        try:
-            from mbolt.engine import load_model
-        except ImportError as e:
-            report.add("routing", None, f"pending: reference engine not available ({e})")
-        else:
-            report.parity = _engine_check(
-                report, "routing", lambda: load_model(src).close(),
-                lambda: routing_parity(src, out, prompts=prompts, n_tokens=n_tokens),
-                "the reference engine cannot run the source")
+        t = time.perf_counter()
+        report.parity = _engine_check(
+            report, "routing", lambda: load_model(src).close(),
+            lambda: routing_parity(src, out, prompts=prompts, n_tokens=n_tokens, on_step=step),
+            "the reference engine cannot run the source")
+        report.phase_seconds["routing"] = time.perf_counter() - t
     if llama:
         from mbolt.rewrite.parity import llama_parity
 
@@ -488,8 +563,11 @@ def verify(
         else:
             from mbolt.trace.llama_backend import LlamaRunner
 
+            t = time.perf_counter()
             report.llama = _engine_check(
                 report, "llama.cpp", lambda: LlamaRunner(src, n_ctx=16, capture=False).close(),
-                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens),
+                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens, on_step=step),
                 "llama.cpp cannot run the source")
+            report.phase_seconds["llama.cpp"] = time.perf_counter() - t
+    report.total_seconds = time.perf_counter() - t0
     return report

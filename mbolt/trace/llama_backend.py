@@ -69,17 +69,29 @@ class LlamaRunner:
     """
 
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, n_threads: int | None = None,
-                 f32_kv: bool = True, capture: bool = True, n_batch: int = 512):
+                 f32_kv: bool = True, capture: bool = True, n_batch: int = 512, on_topk=None,
+                 load_mode: str | None = None, vocab_only: bool = False):
+        """vocab_only: load the tokenizer alone (no tensors, no context): `tokenize` works, `eval` does not."""
         L = self.L = _lib()
         _quiet(L)
         L.llama_backend_init()
-        self.path = Path(path)
+        from mbolt.core.gguf_set import open_model_header
+
+        # llama.cpp opens a split set from its first shard: check the set, hand it shard 1
+        path = self.path = Path(open_model_header(path).path)
         mp = L.llama_model_default_params()
+        mp.vocab_only = vocab_only
+        if load_mode is not None:
+            # "mmap": tensors point into llama.cpp's mapping of the file (what streaming needs)
+            mp.load_mode = {"mmap": L.LLAMA_LOAD_MODE_MMAP, "none": L.LLAMA_LOAD_MODE_NONE}[load_mode]
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise MboltError(f"{path}: llama.cpp could not load the model")
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
+        self.ctx = self.batch = None
+        if vocab_only:
+            return
         cp = L.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
@@ -92,8 +104,13 @@ class LlamaRunner:
             cp.type_v = GGML_TYPE_F32
             cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
         self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of this decode
+        self.capture = capture
+        # on_topk(layer, rows [n, k] int32 positions): called at ffn_moe_topk-N, before layer N's
+        # expert matmuls run (the streaming engine reads the experts there)
+        self.on_topk = on_topk
+        self._cb_error: BaseException | None = None
         self._cb = None
-        if capture:
+        if capture or on_topk is not None:
             self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
             cp.cb_eval = self._cb
             cp.cb_eval_user_data = None
@@ -119,7 +136,15 @@ class LlamaRunner:
             rows = np.empty((n, k), dtype=np.int32)
             for j in range(n):
                 rows[j] = np.ctypeslib.as_array((ctypes.c_int32 * k).from_address(base + j * nb1))
-            self.routing.setdefault(int(m.group(1)), []).append(rows)
+            layer = int(m.group(1))
+            if self.capture:
+                self.routing.setdefault(layer, []).append(rows)
+            if self.on_topk is not None:
+                try:
+                    self.on_topk(layer, rows)
+                except BaseException as e:  # raised again by eval(); an exception cannot cross C
+                    self._cb_error = e
+                    return False
         return True
 
     # ---- use ----
@@ -157,6 +182,9 @@ class LlamaRunner:
             if self.n_past + len(chunk) > self.n_ctx:
                 raise MboltError(f"llama.cpp context of {self.n_ctx} tokens is full")
             rc = L.llama_decode(self.ctx, b)
+            if self._cb_error is not None:
+                err, self._cb_error = self._cb_error, None
+                raise err
             if rc != 0:
                 raise MboltError(f"llama_decode failed with code {rc}")
             for i in range(len(chunk)):

@@ -25,6 +25,7 @@ from mbolt.core.moe_map import moe_map
 from mbolt.core.mbtrace import TraceWriter
 from mbolt.core.prompts import Prompt, read_prompts
 from mbolt.core.trace import DECODE, PREFILL
+from mbolt.engine.generate import greedy_decode
 
 ENGINES = ("reference", "llama.cpp")
 
@@ -118,10 +119,14 @@ def check_part(out: str | os.PathLike, force: bool) -> None:
 
 def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Prompt], out: str | os.PathLike, *,
                   max_new_tokens: int = 16, engine: str = "reference", limit: int | None = None,
-                  route: str = "file", threads: int | None = None, on_progress=None, force: bool = False) -> dict:
+                  route: str = "file", threads: int | None = None, on_progress=None,
+                  shard: tuple[int, int] | None = None, force: bool = False) -> dict:
     """Trace prompts through `model` into `out` (.mbtrace). Returns a summary dict.
 
-    A kept `OUT.part` from an interrupted run is replaced only with `force`.
+    `shard` (i, n), 1-based: trace only prompts i-1, i-1+n, i-1+2n, ... (a deterministic share,
+    for tracing on n machines; `mbolt trace-merge` joins the n traces). Sequence ids stay the
+    prompts' indices in the whole prompt list. A kept `OUT.part` from an interrupted run is
+    replaced only with `force`.
 
     on_progress(done_prompts, total_prompts, tokens_so_far, seconds) once the model is loaded
     (done_prompts = 0) and after every prompt.
@@ -132,12 +137,20 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
         raise MboltError(f"--new-tokens must be >= 0, got {max_new_tokens}")
     check_part(out, force)
     items = read_prompts(prompts, limit) if not isinstance(prompts, list) else prompts[:limit or None]
-    mm = moe_map(model)
-    backend = _Reference(model, route, threads) if engine == "reference" else _Llama(model, route, threads)
+    seqs = list(range(len(items)))
+    if shard is not None:
+        i, n = shard
+        if not 1 <= i <= n:
+            raise MboltError(f"--shard {i}/{n}: expected I/N with 1 <= I <= N")
+        seqs = seqs[i - 1::n]
+        if not seqs:
+            raise MboltError(f"--shard {i}/{n}: no prompts in this share ({len(items)} prompts)")
+    mm = moe_map(model)  # opened once: the reference engine takes it as is
+    backend = _Reference(mm, route, threads) if engine == "reference" else _Llama(mm.path, route, threads)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
     if on_progress is not None:
-        on_progress(0, len(items), 0, 0.0)  # the model loaded: work starts
+        on_progress(0, len(seqs), 0, 0.0)  # the model loaded: work starts
     # The trace appears at `out` only when every prompt is done. An interrupted run keeps what it
     # recorded in OUT.part (the format is crash-safe, so it stays readable) and never leaves a
     # partial file at `out`.
@@ -147,30 +160,30 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
         with TraceWriter(part, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
                          weights=backend.weights, flush_every=64) as w:
             w.add_note(f"mbolt trace --engine {engine} --new-tokens {max_new_tokens} ({Path(model).name})")
-            for seq, p in enumerate(items):
+            if shard is not None:
+                w.add_note(f"share {shard[0]}/{shard[1]} of {len(items)} prompts")
+            for done, seq in enumerate(seqs):
+                p = items[seq]
                 ids = backend.encode(p.text)
                 if not ids:
                     raise MboltError(f"prompt on line {p.line} has no tokens")
                 if p.domain:
                     w.set_domain(seq, p.domain)
                 backend.start()
-                logits, ex, wt = backend.run(ids)
-                n = ex.shape[0]
-                w.extend(PREFILL, seq, np.arange(n), ex, wt)
-                n_prefill += n
-                pos = n
-                for _ in range(max_new_tokens):
-                    nxt = int(np.argmax(logits))
-                    if backend.eos is not None and nxt == backend.eos:
+                pos = 0
+                for st in greedy_decode(backend.run, ids, max_new_tokens, eos=backend.eos):
+                    _, ex, wt = st.out
+                    n = ex.shape[0]
+                    if n == 0:  # llama.cpp's context is full
                         break
-                    logits, ex, wt = backend.run([nxt])
-                    if ex.shape[0] == 0:
-                        break
-                    w.extend(DECODE, seq, np.array([pos]), ex, wt)
-                    pos += 1
-                    n_decode += 1
+                    w.extend(PREFILL if st.index == 0 else DECODE, seq, np.arange(pos, pos + n), ex, wt)
+                    pos += n
+                    if st.index == 0:
+                        n_prefill += n
+                    else:
+                        n_decode += n
                 if on_progress is not None:
-                    on_progress(seq + 1, len(items), n_prefill + n_decode, time.perf_counter() - t0)
+                    on_progress(done + 1, len(seqs), n_prefill + n_decode, time.perf_counter() - t0)
     except BaseException as e:
         if part.exists() and part.stat().st_size > 0 and isinstance(e, KeyboardInterrupt):
             raise MboltError(f"{out}: interrupted; the {n_prefill + n_decode} tokens traced so far are in "
@@ -182,7 +195,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     os.replace(part, out)
     dt = time.perf_counter() - t0
     return {
-        "out": str(out), "engine": engine, "prompts": len(items), "prefill_tokens": n_prefill,
+        "out": str(out), "engine": engine, "prompts": len(seqs), "prefill_tokens": n_prefill,
         "decode_tokens": n_decode, "seconds": dt,
         "tokens_per_s": (n_prefill + n_decode) / dt if dt > 0 else 0.0,
         "n_layers": mm.n_layers, "n_experts": mm.n_experts, "k": mm.n_used,

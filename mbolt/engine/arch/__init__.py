@@ -1,5 +1,6 @@
 """One module per architecture family; each is a small subclass of engine.model.Model."""
 
+from mbolt.engine.arch.glm4moe import Glm4MoE
 from mbolt.engine.arch.mixtral import Mixtral
 from mbolt.engine.arch.olmoe import OLMoE
 from mbolt.engine.arch.qwen2moe import Qwen2MoE
@@ -12,4 +13,5 @@ ARCHS = {
     "qwen2moe": Qwen2MoE,
     "llama": Mixtral,
     "mixtral": Mixtral,
+    "glm4moe": Glm4MoE,
 }

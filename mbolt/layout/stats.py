@@ -1,4 +1,5 @@
-"""`mbolt trace-stats`: what a routing trace looks like, per layer.
+"""`mbolt trace-stats`: what a routing trace looks like, per layer (rendered by
+report.layout_tables.trace_stats_renderables).
 
 * tokens (prefill / decode), sequences, domain tags;
 * heat entropy per layer: H = -sum p_e log2 p_e over the share p_e of routed slots that went to
@@ -120,51 +121,3 @@ def trace_stats(trace: Trace | str | os.PathLike, fmt: str = "auto") -> dict:
         "layers": layers,
         "notes": list(tr.notes),
     }
-
-
-def stats_renderables(s: dict) -> list:
-    """Rich renderables for `mbolt trace-stats` (a header table, the per-layer table, notes)."""
-    from rich import box
-    from rich.table import Table
-
-    def f(x, fmt="{:.3f}"):
-        return "-" if x is None else fmt.format(x)
-
-    head = Table.grid(padding=(0, 2))
-    head.add_column(style="bold")
-    head.add_column()
-    if s["source"]:
-        head.add_row("trace", f"{s['source']} ({s['format']})")
-    head.add_row("shape", f"{s['n_layers']} layers ({s['moe_layers']} routed) x "
-                          f"{s['n_experts']} experts, k={s['k']}"
-                          f"{', with routing weights' if s['weights'] else ''}")
-    t = s["tokens"]
-    head.add_row("tokens", f"{t['total']:,} ({t['prefill']:,} prefill, {t['decode']:,} decode)")
-    tps = s["tokens_per_sequence"]
-    head.add_row("sequences", f"{s['sequences']:,} (tokens each: min {tps['min']}, median "
-                              f"{tps['median']:g}, max {tps['max']})")
-    if s["domains"]:
-        head.add_row("domains", ", ".join(f"{d}: {c}" for d, c in sorted(s["domains"].items())))
-    if s["fingerprint"]:
-        head.add_row("model", s["fingerprint"])
-    sm = s["summary"]
-    head.add_row("mean over layers",
-                 f"entropy {f(sm['entropy_norm_mean'])} of max, lift p50/p90/p99 "
-                 f"{f(sm['lift_p50_mean'], '{:.2f}')}/{f(sm['lift_p90_mean'], '{:.2f}')}/"
-                 f"{f(sm['lift_p99_mean'], '{:.2f}')}, consecutive overlap "
-                 f"{f(sm['overlap_mean'])}")
-
-    tab = Table(title="per layer (H: heat entropy; pairs: co-activated >= 5 times; liftNN: "
-                      "percentiles of their lift; H norm: H / log2 E; overlap: |S_t & S_t+1| / k, decode)",
-                title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
-    for col in ("layer", "tokens", "H bits", "H norm", "pairs", "lift50", "lift90", "lift99",
-                "overlap"):
-        tab.add_column(col, justify="right")
-    for x in s["layers"]:
-        tab.add_row(str(x["layer"]), f"{x['tokens']:,}", f(x["entropy_bits"]),
-                    f(x["entropy_norm"]), str(x["pairs"]), f(x["lift_p50"], "{:.2f}"),
-                    f(x["lift_p90"], "{:.2f}"), f(x["lift_p99"], "{:.2f}"), f(x["overlap"]))
-    out = [head, tab]
-    for note in s["notes"]:
-        out.append(f"[yellow]note:[/] {note}")
-    return out

@@ -1,0 +1,354 @@
+"""llama.cpp as the streaming engine: explicit expert reads from its eval callback, no patch.
+
+llama.cpp's scheduler asks the eval callback about every graph node; for `ffn_moe_topk-N` we
+answer yes, so it computes the graph up to layer N's expert selection, hands us the selected
+ids, and waits for our answer before it runs layer N's expert matmuls. There we map the ids
+(positions in the file) through the file's route map to original experts, take their byte
+ranges (`core.routemap.expert_ranges`), and read them with the expert store's reader
+(`engine.store.ExpertStore.read`: merge_ranges with the arm's merge gap, preadv with its queue
+depth, POSIX_FADV_RANDOM so the kernel adds no readahead). Returning true lets llama.cpp go on;
+its mmap then finds those pages in the page cache.
+
+Cold and bounded memory, standing for a model larger than RAM: after every decode step (or, with
+a per-layer slot budget, when an expert leaves the store's LRU) the expert pages are dropped from
+llama.cpp's mapping (madvise MADV_DONTNEED on the mapped addresses, found in /proc/self/maps) and
+then from the page cache (posix_fadvise DONTNEED; a page still mapped cannot be dropped). Only
+the expert tensors' own pages are dropped, rounded inward to whole pages: a dense page dropped by
+accident comes back through a page fault whose readahead pulls megabytes, experts included.
+`ExpertPages.resident` (mincore: page cache) and `ExpertPages.mapped` (/proc/self/pagemap: this
+process's page tables) prove it; dense weights stay resident.
+
+The `os` arm: the same cold condition without explicit reads (llama.cpp's page faults and the
+kernel's readahead decide what is read); by default without the callback, as users run llama.cpp.
+llama.cpp cannot load the `packed` layout (its tensors are blobs llama.cpp does not know).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from mbolt.bench.pagecache import _lib as _libc, expert_spans, resident_share
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.core.routemap import expert_ranges
+from mbolt.engine.store import ExpertStore, proc_read_bytes
+
+PAGE = mmap.PAGESIZE
+MADV_DONTNEED = 4
+
+
+def check_llama_streamable(mm: MoeMap, path: str) -> None:
+    """llama.cpp loads stock and reorder files; a packed file is refused in one line."""
+    if mm.route_map.layout == "packed":
+        raise MboltError(f"{path}: packed layout: llama.cpp cannot load it (its experts are mbolt blobs); "
+                         "stream the reorder layout instead")
+    if not mm.moe_layers:
+        raise MboltError(f"{path}: no routed expert tensors: nothing to stream")
+
+
+def inward(spans) -> list[tuple[int, int]]:
+    """Byte spans shrunk to the whole pages inside them (pages shared with other tensors are kept)."""
+    out = []
+    for a, b in spans:
+        a2 = -(-int(a) // PAGE) * PAGE
+        b2 = int(b) // PAGE * PAGE
+        if b2 > a2:
+            out.append((a2, b2))
+    return out
+
+
+def file_mappings(path: str) -> list[tuple[int, int, int]]:
+    """(start address, end address, file offset) of every mapping of `path` in this process."""
+    real = os.path.realpath(path)
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            if len(parts) < 6:
+                continue
+            name = parts[5].strip()
+            if name.endswith(" (deleted)") or os.path.realpath(name) != real:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            out.append((lo, hi, int(parts[2], 16)))
+    return out
+
+
+def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Byte spans of every tensor that is not a routed expert tensor."""
+    inside = set(experts)
+    out = []
+    for t in mm.header.tensors:
+        s = (int(t.data_offset), int(t.data_offset) + int(t.nbytes))
+        if not any(a <= s[0] and s[1] <= b for a, b in inside):
+            out.append(s)
+    return out
+
+
+class ExpertPages:
+    """The expert tensors' own pages of one model file, in this process's mappings and the page cache."""
+
+    def __init__(self, path: str, mm: MoeMap):
+        self.path = str(path)
+        self.mm = mm
+        spans = expert_spans(mm)
+        self.spans = inward(spans)
+        self.dense_spans = inward(_dense_spans(mm, spans))
+        self.fd = os.open(self.path, os.O_RDONLY)
+        self.maps: list[tuple[int, int, int]] = []
+        self.lib = _libc()
+        self.lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+    def attach(self) -> None:
+        """Find the engine's mappings of the file (call after the engine mapped it)."""
+        self.maps = file_mappings(self.path)
+        if not self.maps:
+            raise MboltError(f"{self.path}: llama.cpp did not map the file (load mode mmap expected)")
+
+    def _addresses(self, a: int, b: int):
+        for lo, hi, off in self.maps:
+            x, y = max(a, off), min(b, off + hi - lo)
+            if y > x:
+                yield lo + x - off, y - x
+
+    def drop(self, spans=None) -> None:
+        """Unmap the pages from every mapping of the file, then drop them from the page cache."""
+        for a, b in self.spans if spans is None else spans:
+            for addr, n in self._addresses(a, b):
+                if self.lib.madvise(ctypes.c_void_p(addr), n, MADV_DONTNEED) != 0:
+                    raise MboltError(f"{self.path}: madvise(MADV_DONTNEED) failed (errno {ctypes.get_errno()})")
+            os.posix_fadvise(self.fd, a, b - a, os.POSIX_FADV_DONTNEED)
+
+    def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
+        """Whole pages inside the slices of these experts (original ids) of one layer."""
+        R = expert_ranges(self.mm, layer)[np.asarray(list(experts), np.int64)]
+        return inward((int(s), int(s + n)) for s, n in R.reshape(-1, 2))
+
+    def resident(self, spans=None) -> float:
+        """Share of the pages of `spans` (default: the expert spans) in the page cache (mincore)."""
+        return resident_share(self.path, self.spans if spans is None else spans)
+
+    def mapped(self, spans=None) -> float:
+        """Share of the pages of `spans` present in this process's page tables (/proc/self/pagemap)."""
+        spans = self.spans if spans is None else spans
+        present = total = 0
+        with open("/proc/self/pagemap", "rb") as f:
+            for a, b in spans:
+                for addr, n in self._addresses(a, b):
+                    f.seek(addr // PAGE * 8)
+                    v = np.frombuffer(f.read(n // PAGE * 8), dtype=np.uint64)
+                    present += int(((v >> np.uint64(63)) & np.uint64(1)).sum())
+                    total += v.size
+        return present / total if total else 0.0
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+@dataclass
+class StreamRun:
+    """What one generation measured (prefill = the prompt, decode = the generated tokens)."""
+
+    generated: list[list[int]]  # per prompt
+    prefill_s: float = 0.0  # time to first token, summed over prompts
+    decode_s: float = 0.0  # llama_decode wall time of the decode steps (eviction excluded)
+    decode_tokens: int = 0
+    io_s: float = 0.0  # decode: wall time of the explicit reads
+    reads: int = 0  # decode: merged reads (os arm: major faults)
+    ops: int = 0
+    bytes: int = 0
+    useful_bytes: int = 0
+    hits: int = 0
+    misses: int = 0
+    major_faults: int = 0
+    device_bytes: int | None = None  # decode: /proc/self/io read_bytes delta
+    routing: list[dict] = field(default_factory=list)  # per decode step: {layer: positions}
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("routing")
+        return d
+
+
+class LlamaStream:
+    """llama.cpp with mbolt's expert reads and cold, bounded expert memory.
+
+    reads: explicit reads at ffn_moe_topk-N (False: the os arm, page faults read).
+    evict: drop expert pages after every decode step (False: warm, everything stays resident).
+    callback: install the eval callback even without reads (the callback-overhead control).
+    cache_slots: per-layer LRU budget of experts kept resident across steps (0: none).
+    """
+
+    def __init__(self, path, *, reads: bool = True, gap: int = 0, qd: int = 1, cache_slots: int = 0,
+                 evict: bool = True, callback: bool | None = None, n_ctx: int = 512, n_threads: int | None = None,
+                 mm: MoeMap | None = None, record: bool = False):
+        from mbolt.trace.llama_backend import LlamaRunner
+
+        self.path = str(path)
+        self.mm = mm or moe_map(self.path)
+        check_llama_streamable(self.mm, self.path)
+        self.reads, self.evict, self.record = reads, evict, record
+        if cache_slots and cache_slots < self.mm.n_used:
+            raise MboltError(f"--cache-slots {cache_slots} is below the {self.mm.n_used} experts a token uses: "
+                             "give 0 (no cache) or at least that many")
+        self.cache_slots = int(cache_slots) if reads else 0
+        self.perm = self.mm.route_map.perm  # position in the file -> original expert id
+        self._evicted: list[tuple[int, int]] = []
+        self.store = None
+        if reads:
+            self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
+                                     drop_pages=False, on_evict=lambda layer, e: self._evicted.append((layer, e)))
+        self._step: dict[int, np.ndarray] = {}
+        cb = self._on_topk if (reads or record or callback) else None
+        self.pages = ExpertPages(self.path, self.mm)
+        try:
+            self.runner = LlamaRunner(self.path, n_ctx=n_ctx, n_threads=n_threads, capture=False, on_topk=cb,
+                                      load_mode="mmap")
+            self.pages.attach()
+        except BaseException:
+            self.close()
+            raise
+
+    def _on_topk(self, layer: int, rows: np.ndarray) -> None:
+        if layer >= self.perm.shape[0]:
+            return
+        ids = self.perm[layer][np.unique(rows[rows >= 0])]
+        if self.record:
+            self._step[layer] = np.asarray(rows[-1], np.int16)
+        if self.store is not None:
+            self.store.read(layer, ids)
+
+    def drop_experts(self) -> None:
+        """After a step: make the experts cold again (all of them, or those the slot cache let go)."""
+        if not self.evict:
+            return
+        if not self.cache_slots:
+            self.pages.drop()
+            return
+        gone: dict[int, set[int]] = {}
+        for layer, e in self._evicted:
+            gone.setdefault(layer, set()).add(e)
+        self._evicted.clear()
+        for layer, es in gone.items():
+            es -= set(self.store._slots[layer])  # evicted during a prefill, then used again
+            if es:
+                self.pages.drop(self.pages.expert_spans_of(layer, sorted(es)))
+
+    def make_cold(self) -> None:
+        """Before a run: no expert page resident (the slot cache starts empty too)."""
+        if self.store is not None:
+            self.store.clear_cache()
+        self._evicted.clear()
+        self.pages.drop()
+
+    _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
+
+    def _counts(self) -> np.ndarray:
+        c = self.store.counters if self.store is not None else None
+        return np.array([getattr(c, k) if c else 0 for k in self._COUNTED], float)
+
+    def generate(self, prompts: list[list[int]], n_new: int, on_token=None) -> StreamRun:
+        """Greedy decode `n_new` tokens after each prompt; timings and reads of the decode steps only
+        (the prompt's reads count in its time to first token)."""
+        run = StreamRun(generated=[])
+        r = self.runner
+        acc = np.zeros(len(self._COUNTED))
+        dev: int | None = 0
+        for ids in prompts:
+            r.reset()
+            self._step = {}
+            t0 = time.perf_counter()
+            logits = r.eval(list(ids))
+            run.prefill_s += time.perf_counter() - t0
+            self.drop_experts()
+            out = []
+            for i in range(n_new):
+                tok = int(np.argmax(logits))
+                out.append(tok)
+                self._step = {}
+                c0, d0 = self._counts(), proc_read_bytes()
+                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+                t0 = time.perf_counter()
+                logits = r.eval([tok])
+                run.decode_s += time.perf_counter() - t0
+                run.major_faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+                acc += self._counts() - c0
+                d1 = proc_read_bytes()
+                dev = None if (dev is None or d0 is None or d1 is None) else dev + d1 - d0
+                run.decode_tokens += 1
+                if self.record:
+                    run.routing.append(dict(self._step))
+                self.drop_experts()
+                if on_token:
+                    on_token(i, tok)
+            run.generated.append(out)
+        run.device_bytes = dev
+        if self.store is not None:
+            run.io_s = float(acc[0])
+            run.reads, run.ops, run.bytes, run.useful_bytes, run.hits, run.misses = (int(x) for x in acc[1:])
+        else:
+            # os arm: every major fault is one read the kernel issued, readahead included
+            run.reads = run.ops = run.major_faults
+            run.bytes = dev or 0
+        return run
+
+    def detokenize(self, ids: list[int]) -> str:
+        L = self.runner.L
+        out = b""
+        buf = ctypes.create_string_buffer(256)
+        for t in ids:
+            n = L.llama_token_to_piece(self.runner.vocab, int(t), buf, len(buf), 0, False)
+            if n > 0:
+                out += buf.raw[:n]
+        return out.decode("utf-8", errors="replace")
+
+    def close(self) -> None:
+        if getattr(self, "runner", None) is not None:
+            self.runner.close()
+            self.runner = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+        if getattr(self, "pages", None) is not None:
+            self.pages.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def routing_trace(runs: list[StreamRun], mm: MoeMap):
+    """The decode routing llama.cpp computed, as a Trace of ORIGINAL expert ids (for the predictor)."""
+    from mbolt.core.trace import DECODE, Trace
+
+    steps = [s for r in runs for s in r.routing]
+    k = mm.n_used
+    ex = np.full((len(steps), mm.n_layers, k), -1, np.int16)
+    perm = mm.route_map.perm
+    for t, st in enumerate(steps):
+        for layer, pos in st.items():
+            if layer < mm.n_layers:
+                p = np.asarray(pos[:k], np.int64)
+                ex[t, layer, : p.size] = perm[layer][p]
+    n = len(steps)
+    return Trace(n_layers=mm.n_layers, n_experts=mm.n_experts, k=k, experts=ex,
+                 phase=np.full(n, DECODE, np.uint8), seq=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32),
+                 fingerprint=mm.source_fingerprint)
+
+
+def record_routing(path, prompts: list[list[int]], n_new: int, mm: MoeMap | None = None):
+    """Generate once warm (no reads, no eviction) with the callback recording the decode routing;
+    returns it as a Trace (original ids). Greedy and deterministic: every arm routes the same."""
+    with LlamaStream(path, reads=False, evict=False, record=True, mm=mm) as s:
+        return routing_trace([s.generate(prompts, n_new)], s.mm)

@@ -1,0 +1,165 @@
+"""`mbolt predict` and the probe's fit, against counts and formulas computed here by hand.
+
+predict: a synthetic model (stock: gate, up and down in three tensors), a random trace, a plan
+with a known perm and a probe JSON with known t_op and bandwidth. Reads per token are counted
+here independently: per token and layer, the runs of consecutive file positions among the
+selected experts, once per tensor that holds a slice (3 in stock/reorder, 1 packed).
+probe: `fit_law` on timings generated from known (t_op, BW) recovers them.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mbolt.bench.predict import predict
+from mbolt.bench.probe import cost, fit_law
+from mbolt.cli import app
+from mbolt.core.plan import Plan, save_plan
+from mbolt.core.trace import DECODE, Trace
+from mbolt.gguf.synth import SynthConfig, write_synth
+
+L, E, K, HIDDEN, FF = 3, 16, 4, 64, 32
+SLICE = HIDDEN * FF * 4  # one F32 gate, up or down slice
+T_OP, BW = 80e-6, 1.5e9
+
+
+PERM = np.stack([np.random.default_rng(10 + l).permutation(E) for l in range(L)]).astype(np.int32)
+
+
+def _trace(n=40, seed=0) -> Trace:
+    """Even tokens pick K experts adjacent in PERM's order (what a plan learns), odd ones at random."""
+    rng = np.random.default_rng(seed)
+
+    def pick(t, l):
+        if t % 2:
+            return rng.choice(E, K, replace=False)
+        start = rng.integers(0, E - K + 1)
+        return PERM[l][start:start + K]
+
+    ex = np.array([[pick(t, l) for l in range(L)] for t in range(n)], np.int16)
+    return Trace(L, E, K, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32), np.arange(n, dtype=np.int32))
+
+
+def _runs(positions) -> int:
+    p = np.sort(np.asarray(positions))
+    return 1 + int((np.diff(p) != 1).sum())
+
+
+def _reads_per_token(tr: Trace, perm: np.ndarray, regions: int) -> float:
+    pos = np.argsort(perm, axis=1)  # pos[l, e]: where expert e sits
+    total = sum(regions * _runs(pos[l][tr.experts[t, l]]) for t in range(tr.n_tokens) for l in range(L))
+    return total / tr.n_tokens
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("predict")
+    model = d / "model.gguf"
+    write_synth(model, SynthConfig(n_layers=L, n_experts=E, n_used=K, hidden=HIDDEN, expert_ff=FF))
+    perm = PERM
+    plan = save_plan(d / "plan.json", Plan("test", L, E, perm, np.ones((L, E))))
+    fits = {f"{m}_qd{q}": {"mode": m, "qd": q, "t_op_s": T_OP / q, "bw_bytes_s": BW * q}
+            for m in ("buffered", "direct") for q in (1, 4)}
+    probe = d / "probe.json"
+    probe.write_text(json.dumps({"fits": fits, "rows": []}))
+    return model, plan, perm, probe
+
+
+def test_predict_reads_and_times_match_independent_counts(setup):
+    model, plan, perm, probe = setup
+    tr = _trace()
+    d = predict(str(model), str(plan), tr, str(probe))
+    rows = {r["layout"]: r for r in d["rows"]}
+    ident = np.tile(np.arange(E), (L, 1))
+    want = {
+        "stock (this file)": _reads_per_token(tr, ident, 3),
+        "reorder(test)": _reads_per_token(tr, perm, 3),
+        "packed(test)": _reads_per_token(tr, perm, 1),
+        "packed(identity)": _reads_per_token(tr, ident, 1),
+    }
+    assert set(rows) == set(want)
+    for name, reads in want.items():
+        assert rows[name]["reads_per_token"] == pytest.approx(reads), name
+    # the plan's order must matter on this trace, or the test could not tell perms apart
+    assert want["reorder(test)"] < want["stock (this file)"]
+
+    # stock reads exactly the selected slices: L * K experts x 3 slices per token
+    base = rows["stock (this file)"]
+    assert base["bytes_per_token"] == pytest.approx(L * K * 3 * SLICE)
+    assert d["t_op_us"] == pytest.approx(T_OP * 1e6) and d["bw_mb_s"] == pytest.approx(BW / 1e6)
+    t0 = base["reads_per_token"] * T_OP + base["bytes_per_token"] / BW
+    assert base["io_ms_per_token"] == pytest.approx(t0 * 1e3)
+    for name, r in rows.items():
+        t = r["reads_per_token"] * T_OP + r["bytes_per_token"] / BW
+        assert r["io_ms_per_token"] == pytest.approx(t * 1e3), name
+        assert r["g_measured_model"] == pytest.approx(t0 / t), name
+        assert r["speedup"] == pytest.approx(t0 / t), name  # s = 1: the gain itself
+        # the law: g = 1 + saved ops per cold expert * t_op / (expert bytes / BW)
+        saved = (base["reads_per_token"] - r["reads_per_token"]) / (L * K)
+        assert r["g_law"] == pytest.approx(1 + saved * T_OP / (3 * SLICE / BW)), name
+
+
+def test_predict_end_to_end_speedup_with_s(setup):
+    model, plan, _, probe = setup
+    d = predict(str(model), str(plan), _trace(), str(probe), s=0.25)
+    for r in d["rows"]:
+        g = r["g_measured_model"]
+        assert r["speedup"] == pytest.approx(1 / (0.75 + 0.25 / g))
+
+
+def test_predict_cli_json(setup, tmp_path):
+    from mbolt.core.mbtrace import write_trace
+
+    model, plan, _, probe = setup
+    tr = tmp_path / "held.mbtrace"
+    write_trace(tr, _trace())
+    r = CliRunner().invoke(app, ["predict", str(model), "--plan", str(plan), "--trace", str(tr),
+                                 "--probe", str(probe), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["rows"][0]["reads_per_token"] == pytest.approx(_reads_per_token(_trace(), np.tile(np.arange(E), (L, 1)), 3))
+
+
+def _rows(params: dict, sizes, noise=0.0, seed=0) -> list[dict]:
+    """Probe rows as `probe` writes them: median latency per read (a read of QD q overlaps q-1
+    others, so its latency is q times its share of the time)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for (mode, qd), (t_op, bw) in params.items():
+        for size in sizes:
+            per_read = t_op + size / bw
+            lat = qd * per_read * (1 + noise * rng.uniform(-1, 1))
+            rows.append({"mode": mode, "qd": qd, "size": size, "t_op_us": lat * 1e6,
+                         "mb_per_s": size * qd / lat / 1e6})
+    return rows
+
+
+PARAMS = {("buffered", 1): (90e-6, 1.2e9), ("buffered", 4): (30e-6, 2.5e9),
+          ("direct", 1): (60e-6, 1.8e9), ("direct", 4): (20e-6, 3.0e9)}
+SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20)
+
+
+def test_fit_law_recovers_known_t_op_and_bandwidth():
+    fits = fit_law(_rows(PARAMS, SIZES))
+    assert set(fits) == {"buffered_qd1", "buffered_qd4", "direct_qd1", "direct_qd4"}
+    for (mode, qd), (t_op, bw) in PARAMS.items():
+        f = fits[f"{mode}_qd{qd}"]
+        assert f["t_op_s"] == pytest.approx(t_op, rel=1e-6)
+        assert f["bw_bytes_s"] == pytest.approx(bw, rel=1e-6)
+        assert cost({"fits": fits}, mode == "direct", qd) == (f["t_op_s"], f["bw_bytes_s"])
+
+
+def test_fit_law_with_noise_stays_close():
+    fits = fit_law(_rows(PARAMS, SIZES + (128 << 10, 512 << 10), noise=0.02, seed=3))
+    for (mode, qd), (t_op, bw) in PARAMS.items():
+        f = fits[f"{mode}_qd{qd}"]
+        assert f["t_op_s"] == pytest.approx(t_op, rel=0.25)
+        assert f["bw_bytes_s"] == pytest.approx(bw, rel=0.1)
+
+
+def test_cost_picks_the_nearest_measured_queue_depth():
+    fits = fit_law(_rows(PARAMS, SIZES))
+    assert cost({"fits": fits}, False, 3) == pytest.approx(PARAMS[("buffered", 4)])
+    assert cost({"fits": fits}, True, 2) == pytest.approx(PARAMS[("direct", 1)])
