@@ -249,7 +249,12 @@ CASES = [
                                        "nope.gguf")),
     ("reorder-bad-layout", lambda w: (["reorder", str(w / M), str(w / "o.gguf"), "--identity", "--layout", "zip"],
                                       "zip")),
+    ("reorder-swapped-arguments", lambda w: (["reorder", str(w / "packed.gguf"), str(w / M), "--identity", "--force"],
+                                             "is the model an input was made from")),
+    ("reorder-out-is-src", lambda w: (["reorder", str(w / M), str(w / M), "--identity", "--force"], "model.gguf")),
     # ---- verify (its inputs and options) ----
+    ("verify-out-missing", lambda w: (["verify", str(w / M), str(w / "nope.gguf"), "--no-parity"],
+                                      "nope.gguf: no such file")),
     ("verify-src-not-gguf", lambda w: (["verify", str(w / "p.txt"), str(w / "packed.gguf")], "p.txt")),
     ("verify-n-prompts-zero", lambda w: (["verify", str(w / M), str(w / "packed.gguf"), "--n-prompts", "0"],
                                          "--n-prompts")),
