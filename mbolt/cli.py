@@ -12,13 +12,46 @@ import warnings
 from pathlib import Path
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.text import Text
 
 from mbolt.core.atomic import json_default
 from mbolt.core.errors import MboltError
 
+class _OneLineUsageErrors(typer.core.TyperGroup):
+    """Usage errors (a bad option value, a missing argument) are one line and exit 2, like every
+    other user error, instead of click's usage box."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        try:  # typer >= 0.29 vendors click
+            from typer._click import exceptions as click
+        except ImportError:
+            from click import exceptions as click
+
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            rv = super().main(*args, standalone_mode=False, **kwargs)
+        except click.NoArgsIsHelpError as e:
+            from typer import rich_utils
+
+            rich_utils.rich_format_error(e)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            err_console.print(Text.assemble(("error: ", "bold red"), " ".join((e.format_message() + hint).split())),
+                              highlight=False, soft_wrap=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            err_console.print("Aborted.")
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineUsageErrors,
     add_completion=False,
     no_args_is_help=True,
     help="Profile-guided expert layout for MoE GGUF files: trace routing, plan an expert order, "
@@ -42,11 +75,32 @@ def user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except MboltError as e:
-            # The message is the user's file names and bytes: print it literally (no markup, no emoji).
-            err_console.print(Text.assemble(("error: ", "bold red"), str(e)), highlight=False, soft_wrap=True)
-            raise typer.Exit(2)
+            _error_line(str(e))
+        except OSError as e:
+            # no space left, permission denied, a directory where a file is expected...: the
+            # user's problem, named by its file (an OSError without one is a bug: traceback)
+            if e.filename is None:
+                raise
+            _error_line(f"{e.filename}: {e.strerror or e}")
 
     return wrapper
+
+
+def _error_line(message: str):
+    # The message is the user's file names and bytes: print it literally (no markup, no emoji),
+    # on one line whatever the terminal width.
+    err_console.print(Text.assemble(("error: ", "bold red"), " ".join(message.split())), highlight=False,
+                      soft_wrap=True)
+    raise typer.Exit(2)
+
+
+def output(path, kind, *, inputs=(), force=False, protected=(), what="output", make_parent=False):
+    """core.atomic.check_output for a command's output: the one output rule, before any work."""
+    from mbolt.core.atomic import check_output
+
+    return check_output(path, kind=kind, inputs=[i for i in inputs if i is not None], force=force,
+                        protected_fingerprints=tuple(p for p in protected if p), what=what,
+                        make_parent=make_parent)
 
 
 def print_json(obj) -> None:
@@ -100,12 +154,14 @@ def cache_cmd(
     trace: Path = typer.Argument(..., help="A routing trace (.mbtrace, or a file the importers read)."),
     budgets: str = typer.Option("4,8,16", "--cache-slots", help="Expert slots per layer to replay, comma separated."),
     in_sample: bool = typer.Option(False, "--in-sample", help="Pin set from the measured tokens (optimistic)."),
-    pin_share: float = typer.Option(0.75, "--pin-share", help="Share of each layer's slots that are pinned."),
-    train_share: float = typer.Option(0.5, "--train-frac", help="Held-out mode: leading share of tokens that trains."),
+    pin_share: float = typer.Option(0.75, "--pin-share", min=0.0, max=1.0, help="Share of each layer's slots that are pinned."),
+    train_share: float = typer.Option(0.5, "--train-frac", min=0.0, max=1.0,
+                                      help="Held-out mode: leading share of tokens that trains, in (0, 1]."),
     phase: str = typer.Option("decode", "--phase", help="Tokens replayed: decode, prefill or all."),
     nuthatch_lines: bool = typer.Option(False, "--nuthatch-lines",
                                         help="Read a nuthatch text export line by line, as nuthatch's trace_replay did."),
     plot: Path = typer.Option(None, "--plot", help="Also draw the hit-rate curves into this PNG."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an earlier --plot PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
 ):
     """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady) over a trace."""
@@ -117,6 +173,12 @@ def cache_cmd(
         bs = [int(b) for b in budgets.split(",") if b.strip()]
     except ValueError:
         raise MboltError(f"--cache-slots: expected comma-separated integers, got {budgets!r}") from None
+    if not bs or min(bs) < 1:
+        raise MboltError(f"--cache-slots: expected integers >= 1, got {budgets!r}")
+    if not 0.0 < train_share <= 1.0:
+        raise MboltError(f"--train-frac must be in (0, 1], got {train_share}")
+    if plot is not None:
+        output(plot, "png", inputs=[trace], force=force, what="plot")
     t = nuthatch_lines_trace(trace) if nuthatch_lines else load_trace(trace)
     sweep = cache_sweep(t, bs, in_sample=in_sample, pin_share=pin_share, train_share=train_share,
                         phase="all" if nuthatch_lines else phase)
@@ -194,8 +256,8 @@ def synth_cmd(
     if not preset and arch == "deepseek2" and kv_heads is None:  # MLA: one latent kv head
         given["n_kv_heads"] = 1
     cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
-    if out.exists() and not force:
-        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    output(out, "gguf-mbolt", force=force, what="synthetic model")
+    cfg.validate()  # before the progress bar: an error is then the only output
     total = synth_size(cfg)
     if total > 64 << 20 and not as_json:
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -226,27 +288,30 @@ def ab_cmd(
     engine: str = typer.Option("reference", "--engine", help="Decode engine: 'reference' (numpy engine + store) or "
                                "'llama.cpp' (explicit expert reads from llama.cpp's eval callback; os arms: page faults)."),
     prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
-    n_prompts: int = typer.Option(2, "--n-prompts", help="Decode: prompts used."),
-    new_tokens: int = typer.Option(8, "--new-tokens", "-n", help="Decode: tokens generated per prompt."),
-    rounds: int = typer.Option(None, "--rounds", help="Run exactly this many rounds (default: adaptive, see "
+    n_prompts: int = typer.Option(2, "--n-prompts", min=1, help="Decode: prompts used."),
+    new_tokens: int = typer.Option(8, "--new-tokens", "-n", min=1, help="Decode: tokens generated per prompt."),
+    rounds: int = typer.Option(None, "--rounds", min=1, help="Run exactly this many rounds (default: adaptive, see "
                                "--time-budget). Each round runs every arm once, in a seeded balanced order."),
-    min_rounds: int = typer.Option(12, "--min-rounds", help="Adaptive: never stop before this many rounds."),
-    max_rounds: int = typer.Option(400, "--max-rounds", help="Adaptive: stop after this many rounds at most."),
-    time_budget: float = typer.Option(600.0, "--time-budget", help="Adaptive: seconds to spend at most; the run stops "
-                                      "at the end of a balanced block of rounds once another block would overrun it."),
-    precision: float = typer.Option(0.05, "--precision", help="Adaptive: stop once the A/A interval is inside the "
-                                    "tolerance and every treated arm's 95%% interval half-width is at most this "
+    min_rounds: int = typer.Option(12, "--min-rounds", min=1, help="Adaptive: never stop before this many rounds."),
+    max_rounds: int = typer.Option(400, "--max-rounds", min=1, help="Adaptive: stop after this many rounds at most."),
+    time_budget: float = typer.Option(600.0, "--time-budget", min=0.0, help="Adaptive: seconds to spend at most; the "
+                                      "run stops at the end of a balanced block of rounds once another block would "
+                                      "overrun it."),
+    precision: float = typer.Option(0.05, "--precision", min=0.0, help="Adaptive: stop once the A/A interval is inside "
+                                    "the tolerance and every treated arm's 95%% interval half-width is at most this "
                                     "share of its speedup."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the arm orders (recorded in the result)."),
-    qd: int = typer.Option(1, "--qd", help="Default queue depth (reads in flight) for arms."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Seed of the arm orders (recorded in the result)."),
+    qd: int = typer.Option(1, "--qd", min=1, max=1024, help="Default queue depth (reads in flight) for arms."),
     direct: bool = typer.Option(False, "--direct", help="Default: O_DIRECT reads for arms."),
-    gap: int = typer.Option(0, "--gap", help="Default merge gap (bytes)."),
-    cache_slots: int = typer.Option(0, "--cache-slots", help="Default per-layer slot cache."),
-    resident_frac: float = typer.Option(None, "--resident-frac", help="Default slot cache as a share of each layer's experts."),
+    gap: int = typer.Option(0, "--gap", min=0, help="Default merge gap (bytes)."),
+    cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="Default per-layer slot cache."),
+    resident_frac: float = typer.Option(None, "--resident-frac", min=0.0, max=1.0,
+                                        help="Default slot cache as a share of each layer's experts."),
     no_aa: bool = typer.Option(False, "--no-aa", help="Drop the A/A control arm."),
-    threshold: float = typer.Option(0.01, "--threshold", help="Reject a round whose resident share exceeds this."),
-    max_tokens: int = typer.Option(0, "--max-tokens", help="Replay at most this many held-out tokens (0 = all)."),
-    tokens_per_round: int = typer.Option(0, "--tokens-per-round",
+    threshold: float = typer.Option(0.01, "--threshold", min=0.0, max=1.0,
+                                    help="Reject a round whose resident share exceeds this."),
+    max_tokens: int = typer.Option(0, "--max-tokens", min=0, help="Replay at most this many held-out tokens (0 = all)."),
+    tokens_per_round: int = typer.Option(0, "--tokens-per-round", min=0,
                                          help="Replay: each round reads the next slice of this many tokens (0 = all)."),
     name: str = typer.Option("", "--name", help="Result name: results/<name>.json."),
     out_dir: Path = typer.Option(Path("results"), "--out-dir", help="Where the result JSON goes."),
@@ -255,6 +320,7 @@ def ab_cmd(
                                     "speedup (from its own route map) next to the measured one. Default: "
                                     "results/probe.json when it exists."),
     plot: Path = typer.Option(None, "--plot", help="Also draw speedups with CIs and reads/token into this PNG."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an earlier result JSON (and --plot PNG)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
 ):
     """Controlled cold A/B of arms (files + reader options): balanced seeded arm orders, eviction proven, A/A
@@ -290,6 +356,15 @@ def ab_cmd(
         arm_list = [parse_arm(a, i, defaults) for i, a in enumerate(arms)]
     if decode == (replay_trace is not None):
         raise MboltError("choose one mode: --replay TRACE or --decode")
+    if "/" in (name or "") or (name or "").startswith("."):
+        raise MboltError(f"--name {name!r}: a result name, not a path (the result goes to --out-dir)")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MboltError(f"{out_dir}: --out-dir is a file, not a directory")
+    inputs = [a.path for a in arm_list] + [replay_trace, prompts, probe_json, prereg]
+    result_path = output(out_dir / f"{name or 'ab'}.json", "json", inputs=inputs, force=force,
+                         what="result", make_parent=True)
+    if plot is not None:
+        output(plot, "png", inputs=inputs + [result_path], force=force, what="plot")
     trace = None
     prompt_ids = None
     if replay_trace is not None:
@@ -334,7 +409,7 @@ def ab_cmd(
         from mbolt.bench.predict import predict_vs_measured
 
         res.prediction = predict_vs_measured(res, trace, probe_json)
-    out = write_result(out_dir / f"{res.name}.json", res)
+    out = write_result(result_path, res)
     if plot is not None:
         from mbolt.report.plots import plot_ab
 
@@ -414,8 +489,8 @@ def verify_cmd(
                                "path given to reorder)."),
     prompts: Path = typer.Option(None, "--prompts", help="Prompts for routing parity: .jsonl (prompt/text field) "
                                  "or one per line (default: a built-in set)."),
-    n_prompts: int = typer.Option(8, "--n-prompts", help="Use at most this many prompts."),
-    tokens: int = typer.Option(8, "--new-tokens", "-n", help="Greedy tokens generated per prompt."),
+    n_prompts: int = typer.Option(8, "--n-prompts", min=1, help="Use at most this many prompts."),
+    tokens: int = typer.Option(8, "--new-tokens", "-n", min=1, help="Greedy tokens generated per prompt."),
     no_parity: bool = typer.Option(False, "--no-parity", help="Skip the reference-engine routing parity "
                                    "(bit-identity only)."),
     llama: bool = typer.Option(False, "--llama", help="Also load both in llama.cpp (reorder layout): same "
@@ -475,9 +550,9 @@ def import_trace_cmd(
     src: Path = typer.Argument(..., help="MBOLT_TRACE, nuthatch text or NUTHTRC1 trace (auto-detected)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace path."),
     fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text or nuthatch-bin."),
-    n_layers: int = typer.Option(None, "--layers", help="Model layers (when the file implies fewer)."),
-    n_experts: int = typer.Option(None, "--experts", help="Experts per layer (when the file implies fewer)."),
-    prefill_tokens: int = typer.Option(0, "--prefill-tokens", help="NUTHTRC1: leading positions that were the prompt."),
+    n_layers: int = typer.Option(None, "--layers", min=1, max=4096, help="Model layers (when the file implies fewer)."),
+    n_experts: int = typer.Option(None, "--experts", min=1, max=32767, help="Experts per layer (when the file implies fewer)."),
+    prefill_tokens: int = typer.Option(0, "--prefill-tokens", min=0, help="NUTHTRC1: leading positions that were the prompt."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
@@ -485,6 +560,7 @@ def import_trace_cmd(
     from mbolt.core.mbtrace import write_trace
     from mbolt.core.trace_import import detect_format, load_trace
 
+    output(out, "mbtrace", inputs=[src], force=force, what="trace")
     kind = detect_format(src) if fmt == "auto" else fmt
     tr = load_trace(src, kind, n_layers=n_layers, n_experts=n_experts, prefill_tokens=prefill_tokens)
     write_trace(out, tr, force=force)
@@ -506,8 +582,9 @@ def import_trace_cmd(
 def probe_cmd(
     file: Path = typer.Argument(None, help="A model (or any file or directory) on the drive to measure; a temp "
                                 "file is created beside it when it is small or missing (default: the current directory)."),
-    size_mb: int = typer.Option(256, "--size-mb", help="Size of the temp probe file."),
+    size_mb: int = typer.Option(256, "--size-mb", min=1, help="Size of the temp probe file."),
     out: Path = typer.Option(Path("results/probe.json"), "-o", "--out", help="Where the figures go (predict reads them)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite earlier probe figures."),
     as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
 ):
     """Cold random-read cost of a drive: t_op and bandwidth per read size, queue depth, buffered/O_DIRECT."""
@@ -519,6 +596,9 @@ def probe_cmd(
     from mbolt.bench.probe import probe
     from mbolt.report.bench_tables import probe_table
 
+    output(out, "json", inputs=[file], force=force, what="probe figures", make_parent=True)
+    if file is not None and not Path(file).exists():
+        raise MboltError(f"{file}: no such file or directory")
     with Progress(console=err_console, transient=True) as bar:
         task = bar.add_task("probing", total=1.0)
         d = probe(file, size_mb=size_mb, progress=lambda i, n: bar.update(task, completed=i / n))
@@ -540,11 +620,12 @@ def predict_cmd(
     plan: Path = typer.Option(None, "--plan", help="plan.json: predict its reorder and packed layouts."),
     trace: Path = typer.Option(..., "--trace", help="Held-out trace."),
     probe_json: Path = typer.Option(Path("results/probe.json"), "--probe", help="Probe figures (mbolt probe)."),
-    qd: int = typer.Option(1, "--qd", help="Queue depth (reads in flight) of the reader."),
+    qd: int = typer.Option(1, "--qd", min=1, max=1024, help="Queue depth (reads in flight) of the reader."),
     direct: bool = typer.Option(False, "--direct", help="O_DIRECT reader."),
-    gap: int = typer.Option(0, "--gap", help="Merge gap (bytes)."),
-    cache_slots: int = typer.Option(0, "--cache-slots", help="Per-layer LRU slot cache."),
-    s: float = typer.Option(1.0, "--s", help="Share of decode time spent on cold reads (1 = I/O only)."),
+    gap: int = typer.Option(0, "--gap", min=0, help="Merge gap (bytes)."),
+    cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="Per-layer LRU slot cache."),
+    s: float = typer.Option(1.0, "--s", min=0.0, max=1.0, help="Share of decode time spent on cold reads, in (0, 1] "
+                            "(1 = I/O only)."),
     s_from: Path = typer.Option(None, "--s-from", help="Take s from an `ab --engine llama.cpp` result: the read "
                                 "share measured on its first arm with explicit reads."),
     as_json: bool = typer.Option(False, "--json", help="Print the prediction as JSON."),
@@ -559,6 +640,8 @@ def predict_cmd(
         from mbolt.bench.predict import measured_s
 
         s = measured_s(s_from)
+    if not 0 < s <= 1:
+        raise MboltError(f"--s must be in (0, 1], got {s}")
     d = predict(str(model), str(plan) if plan else None, load_trace(trace), str(probe_json), qd=qd, direct=direct,
                 gap=gap, cache_slots=cache_slots, s=s)
     if as_json:
@@ -580,17 +663,17 @@ def generate_cmd(
     model: Path = typer.Argument(..., help="A MoE GGUF (reference engine: qwen3moe, olmoe, mixtral, qwen2moe; "
                                  "llama.cpp: any MoE arch it runs)."),
     prompt: str = typer.Argument(..., help="Prompt text."),
-    n: int = typer.Option(32, "--new-tokens", "-n", help="Tokens to generate (greedy)."),
+    n: int = typer.Option(32, "--new-tokens", "-n", min=1, help="Tokens to generate (greedy)."),
     route: str = typer.Option("file", help="Reference engine, reordered files: 'file' (router rows permuted in the "
                               "file) or 'map'."),
     engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp'."),
     stream: bool = typer.Option(False, "--stream", help="llama.cpp: read the selected experts with mbolt's explicit "
                                 "reads from the eval callback and drop expert pages after every token (cold, bounded "
                                 "memory, as a model larger than RAM)."),
-    cache_slots: int = typer.Option(0, "--cache-slots", help="--stream: experts per layer kept resident (LRU); "
+    cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="--stream: experts per layer kept resident (LRU); "
                                     "0 drops them all after every token."),
-    qd: int = typer.Option(1, "--qd", help="--stream: queue depth (reads in flight)."),
-    gap: int = typer.Option(0, "--gap", help="--stream: merge gap (bytes)."),
+    qd: int = typer.Option(1, "--qd", min=1, max=1024, help="--stream: queue depth (reads in flight)."),
+    gap: int = typer.Option(0, "--gap", min=0, help="--stream: merge gap (bytes)."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
     """Greedy decode with tokens/s: the numpy reference engine, or llama.cpp (with --stream: mbolt's expert reads)."""
@@ -603,6 +686,8 @@ def generate_cmd(
     from mbolt.engine import load_model
     from mbolt.engine.generate import generate
 
+    if route not in ("file", "map"):
+        raise MboltError(f"--route {route!r}: choose file or map")
     m = load_model(model, route=route)
     if as_json:
         print_json(generate(m, prompt, n))
@@ -664,10 +749,10 @@ def trace_cmd(
     prompts: Path = typer.Option(None, "--prompts", "-p", help="Prompts: .jsonl ({\"prompt\", \"source\"} per line) or text "
                                  "(one per line). Default: the 200 Dolly + CodeAlpaca prompts shipped with mbolt."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace file."),
-    max_new_tokens: int = typer.Option(16, "--new-tokens", "-n", help="Greedy decode tokens per prompt."),
+    max_new_tokens: int = typer.Option(16, "--new-tokens", "-n", min=0, help="Greedy decode tokens per prompt."),
     engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp' (eval callback, any llama.cpp arch)."),
-    limit: int = typer.Option(0, "--n-prompts", help="Use at most this many prompts (0 = all)."),
-    threads: int = typer.Option(0, "--threads", help="llama.cpp threads (0 = all cores)."),
+    limit: int = typer.Option(0, "--n-prompts", min=0, help="Use at most this many prompts (0 = all)."),
+    threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp threads (0 = all cores)."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
     shard: str = typer.Option(None, "--shard", help="I/N: trace only the I-th of N deterministic shares of the "
                               "prompts (prompts I, I+N, ...), e.g. on N machines; join with `mbolt trace-merge`."),
@@ -678,27 +763,41 @@ def trace_cmd(
     MODEL may be any shard of a split set."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from mbolt.core.moe_map import moe_map
     from mbolt.core.prompts import read_prompts
-    from mbolt.trace.tracer import trace_prompts
+    from mbolt.trace.tracer import ENGINES, check_part, trace_prompts
 
-    if out.exists() and not force:
-        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    # everything checked before the progress bar starts (an error is then the only output)
+    if engine not in ENGINES:
+        raise MboltError(f"--engine {engine!r}: choose from {', '.join(ENGINES)}")
+    if route not in ("file", "map"):
+        raise MboltError(f"--route {route!r}: choose file or map")
     share = parse_share(shard) if shard else None
+    mm = moe_map(model)
+    output(out, "mbtrace", inputs=[model, prompts], force=force, what="trace",
+           protected=(mm.fingerprint, mm.source_fingerprint))
+    check_part(out, force)
     if prompts is None:
         from mbolt.data import PROMPTS, path
 
         prompts = path(PROMPTS)
     items = read_prompts(prompts, limit or None)
-    with Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console,
-                  transient=as_json) as bar:
-        task = bar.add_task(f"tracing ({engine})", total=len(items), rate="")
+    bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console, transient=as_json)
+    tasks = []
 
-        def progress(done, total, toks, secs):
-            bar.update(task, completed=done, rate=f"{toks} tok, {toks / secs if secs > 0 else 0:.1f} tok/s")
+    def progress(done, total, toks, secs):
+        if not tasks:  # the bar appears once the model has loaded: a load error is the only output
+            bar.start()
+            tasks.append(bar.add_task(f"tracing ({engine})", total=len(items), rate=""))
+        bar.update(tasks[0], completed=done, rate=f"{toks} tok, {toks / secs if secs > 0 else 0:.1f} tok/s")
 
+    try:
         res = trace_prompts(model, items, out, max_new_tokens=max_new_tokens, engine=engine,
-                            route=route, threads=threads or None, on_progress=progress, shard=share)
+                            route=route, threads=threads or None, on_progress=progress, shard=share,
+                            force=force)
+    finally:
+        bar.stop()
     if as_json:
         print_json(res)
     else:
@@ -750,14 +849,15 @@ def plan_cmd(
                                        "several traces of the same model are merged (as `mbolt trace-merge`)."),
     out: Path = typer.Option(None, "-o", "--out", help="Write the plan JSON here."),
     method: str = typer.Option("tsp", "--method", help="stock, heat, heat-tsp, mbolt-chain or tsp."),
-    train_frac: float = typer.Option(0.5, "--train-frac", help="Leading share of tokens to train on (rest held out)."),
+    train_frac: float = typer.Option(0.5, "--train-frac", min=0.0, max=1.0,
+                                     help="Leading share of tokens to train on, in (0, 1] (rest held out)."),
     holdout_domain: str = typer.Option(None, "--holdout-domain", help="Hold out the sequences of this domain instead."),
     phase: str = typer.Option("decode", "--phase", help="decode or all."),
     model: Path = typer.Option(None, "--model", help="GGUF: slice sizes and a trace/model consistency check."),
     geometry: str = typer.Option(None, "--geometry", help="Slice-size preset when no --model (see mbolt.layout.evaluate.PRESETS)."),
     layout: str = typer.Option("reorder", "--layout", help="reorder (three tensors) or packed (gate|up|down per expert)."),
-    gap: int = typer.Option(0, "--gap", help="Merge gap in bytes (the reader reads through holes this small)."),
-    cache: int = typer.Option(0, "--cache-slots", help="Per-layer LRU cache slots when scoring."),
+    gap: int = typer.Option(0, "--gap", min=0, help="Merge gap in bytes (the reader reads through holes this small)."),
+    cache: int = typer.Option(0, "--cache-slots", min=0, help="Per-layer LRU cache slots when scoring."),
     compare: bool = typer.Option(False, "--compare", help="Score every method and the bound."),
     bound: str = typer.Option("auto", "--bound", help="auto, subtour, lp, top2 or none (with --compare)."),
     force: bool = typer.Option(False, "--force", help="Overwrite an existing output (plan and held-out trace)."),
@@ -789,8 +889,8 @@ def plan_cmd(
 def synth_trace_cmd(
     like: Path = typer.Option(..., "--like", help="A published co-activation profile (coactivation_*.json)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace path."),
-    tokens: int = typer.Option(0, "--tokens", help="Tokens to sample (default: the profile's count)."),
-    seed: int = typer.Option(0, "--seed"),
+    tokens: int = typer.Option(0, "--tokens", min=0, help="Tokens to sample (default: the profile's count)."),
+    seed: int = typer.Option(0, "--seed", min=0, help="Random seed."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print the calibration report as JSON."),
 ):
@@ -801,8 +901,7 @@ def synth_trace_cmd(
     from mbolt.report.layout_tables import match_table
     from mbolt.core.mbtrace import write_trace
 
-    if out.exists() and not force:
-        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    output(out, "mbtrace", inputs=[like], force=force, what="trace")
     prof = load_profile(like)
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True) as bar:
@@ -830,9 +929,10 @@ def demo_cmd(
     verify, cold A/B with an A/A control. No downloads."""
     import time
 
-    from mbolt.demo import run_demo
+    from mbolt.demo import check_workdir, run_demo
     from mbolt.report.tables import demo_next_steps, demo_table
 
+    check_workdir(workdir)
     t0 = time.perf_counter()
 
     def progress(step, detail=""):
@@ -855,7 +955,8 @@ def report_cmd(
     src: Path = typer.Argument(..., help="A results JSON (ab, demo, layout, cache) or, with --plan, a trace."),
     out: Path = typer.Option(None, "-o", "--out", help="PNG to write (optional with --json)."),
     plan: Path = typer.Option(None, "--plan", help="Draw SRC's co-activation heatmap before/after this plan."),
-    layer: int = typer.Option(None, "--layer", help="Layer for the heatmap (default: the first MoE layer)."),
+    layer: int = typer.Option(None, "--layer", min=0, help="Layer for the heatmap (default: the first MoE layer)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an earlier PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print what the picture shows (the plotted numbers) as JSON."),
 ):
     """Plot a results file: A/B speedups with CIs, reads/token per method, cache hit-rate curves,
@@ -865,6 +966,7 @@ def report_cmd(
     if out is None and not as_json:
         raise MboltError("report: give -o PNG to draw the picture, or --json to print its numbers")
     if out is not None:
+        output(out, "png", inputs=[src, plan], force=force, what="plot")
         path = plot_heatmap(src, plan, out, layer) if plan is not None else plot(src, out)
         if not as_json:
             console.print(f"wrote {path}")

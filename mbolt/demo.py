@@ -14,6 +14,7 @@ a user sees and what a script reads cannot disagree.
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,23 @@ def demo_prompts(n: int) -> list[dict]:
     return out
 
 
+def check_workdir(workdir: str | Path) -> Path:
+    """The demo writes (and rewrites) its files in `workdir`: a new or empty directory, or one an
+    earlier demo made (it has demo.json). Anything else could hold a user's model.gguf."""
+    wd = Path(workdir)
+    if wd.exists() and not wd.is_dir():
+        raise MboltError(f"{wd}: --workdir is a file, not a directory")
+    if wd.is_dir() and any(wd.iterdir()) and not (wd / "demo.json").is_file():
+        raise MboltError(f"{wd}: --workdir is not empty and not an earlier demo's (no demo.json): "
+                         f"give a new directory")
+    parent = wd.parent if not wd.exists() else wd
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK):
+        raise MboltError(f"{parent}: not writable")
+    return wd
+
+
 def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress=None) -> dict:
     """Run the pipeline in `workdir`; returns the summary (also written to workdir/demo.json).
 
@@ -139,7 +157,8 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
     prompts = demo_prompts(sz.n_prompts)
     step("trace", f"{len(prompts)} prompts x {sz.new_tokens} new tokens, reference engine")
     run_path = wd / "run.mbtrace"
-    trace_info = trace_prompts(model, [_as_prompt(p) for p in prompts], run_path, max_new_tokens=sz.new_tokens)
+    trace_info = trace_prompts(model, [_as_prompt(p) for p in prompts], run_path, max_new_tokens=sz.new_tokens,
+                               force=True)  # the demo owns its workdir (check_workdir)
     trace = read_trace(run_path)
     held_seqs = np.array([s for s in range(len(prompts)) if s % 3 == 2])
     is_held = np.isin(trace.seq, held_seqs)

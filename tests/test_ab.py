@@ -299,7 +299,7 @@ def test_prereg_lock_and_verdict(files, tmp_path, monkeypatch):
     assert v["verdict"] in r.output
     # edited after its first run: refused
     p.write_text(p.read_text().replace("1.2", "1.5"))
-    r = CliRunner().invoke(app, ["ab", "--prereg", str(p), "--out-dir", str(tmp_path)])
+    r = CliRunner().invoke(app, ["ab", "--prereg", str(p), "--out-dir", str(tmp_path), "--force"])
     assert r.exit_code == 2 and "edited after its first run" in r.output
     pr = load_prereg(p)
     with pytest.raises(MboltError):

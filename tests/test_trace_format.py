@@ -244,3 +244,16 @@ def test_torn_domain_record(tmp_path):
     p.write_bytes(data[:-3] + b"\x07" * 40)  # garbage after a torn record is corruption
     with pytest.raises(MboltError, match=r"d\.mbtrace: record 2 at byte \d+: checksum mismatch"):
         read_trace(p)
+
+
+def test_writer_names_the_file_when_the_disk_is_full(tmp_path):
+    """/dev/full fails every write with ENOSPC: the error names the trace, not a bare OSError."""
+    import os
+
+    from mbolt.core.mbtrace import TraceWriter
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    with pytest.raises(MboltError, match="/dev/full: cannot write the trace: No space left on device"):
+        with TraceWriter("/dev/full", 2, 4, 2) as w:
+            w.extend(1, 0, np.arange(4), np.zeros((4, 2, 2), np.int16) + np.array([0, 1]))

@@ -158,5 +158,11 @@ def test_trace_cli_refuses_to_overwrite_without_force(tmp_path, model):
     assert out.read_bytes() == b"precious"
     res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--new-tokens", "1",
                                    "--force"])
-    assert res.exit_code == 0, res.output
-    assert read_trace(out).n_tokens > 0
+    assert res.exit_code == 2 and "not a previous trace" in res.output  # --force replaces only a trace
+    assert out.read_bytes() == b"precious"
+    out.unlink()
+    for force in ([], ["--force"]):  # a first run, then --force over that earlier trace
+        res = CliRunner().invoke(app, ["trace", str(model), "-p", str(prompts), "-o", str(out), "--new-tokens", "1",
+                                       *force])
+        assert res.exit_code == 0, res.output
+        assert read_trace(out).n_tokens > 0

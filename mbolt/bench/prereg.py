@@ -81,25 +81,38 @@ def _expand(s: str) -> str:
 def load_prereg(path: str | os.PathLike) -> Prereg:
     p = Path(path)
     try:
-        raw = tomllib.loads(p.read_text())
+        raw = tomllib.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise MboltError(f"{p}: pre-registration not found") from None
     except OSError as e:
         raise MboltError(f"{p}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise MboltError(f"{p}: not valid TOML (byte {e.start} is not UTF-8)") from None
     except tomllib.TOMLDecodeError as e:
         raise MboltError(f"{p}: not valid TOML ({e})") from None
     need = ("name", "mode", "metric", "baseline", "treatment", "predicted_speedup", "pass_threshold", "arm")
     miss = [k for k in need if k not in raw]
     if miss:
         raise MboltError(f"{p}: missing {', '.join(miss)}")
+    if raw["mode"] not in ("replay", "decode"):
+        raise MboltError(f"{p}: mode {raw['mode']!r} is not replay or decode")
+    if not isinstance(raw["arm"], list) or not raw["arm"]:
+        raise MboltError(f"{p}: arm must be a list of [[arm]] tables")
+    from mbolt.core.checks import check_range
+
     arms = []
     for i, a in enumerate(raw["arm"]):
-        if "file" not in a or "name" not in a:
+        if not isinstance(a, dict) or "file" not in a or "name" not in a:
             raise MboltError(f"{p}: arm {i} needs name and file")
-        arms.append(Arm(name=a["name"], path=_expand(a["file"]), gap=int(a.get("gap", 0)),
-                        io_threads=int(a.get("qd", 1)), direct=bool(a.get("direct", False)),
-                        mode="os" if a.get("os") else "read", cache_slots=int(a.get("cache", 0)),
+        arms.append(Arm(name=str(a["name"]), path=_expand(str(a["file"])),
+                        gap=check_range(a.get("gap", 0), f"{p}: arm {i} gap", 0, 1 << 40),
+                        io_threads=check_range(a.get("qd", 1), f"{p}: arm {i} qd", 1, 1024),
+                        direct=bool(a.get("direct", False)), mode="os" if a.get("os") else "read",
+                        cache_slots=check_range(a.get("cache", 0), f"{p}: arm {i} cache", 0, 1 << 20),
                         warm=bool(a.get("warm", False)), callback=bool(a.get("callback", False))))
+    check_range(raw.get("rounds", 5), f"{p}: rounds", 1, 10_000)
     for k in ("predicted_speedup", "pass_threshold"):
-        if not isinstance(raw[k], (int, float)) or raw[k] != raw[k]:
+        if not isinstance(raw[k], (int, float)) or isinstance(raw[k], bool) or raw[k] != raw[k]:
             raise MboltError(f"{p}: {k} is {raw[k]!r}: write the prediction down before the first run")
     names = [a.name for a in arms]
     for k in ("baseline", "treatment"):

@@ -44,6 +44,11 @@ def _make_file(dirpath: Path, size: int, progress=None) -> Path:
             if progress:
                 progress(written / size)
         os.fsync(fd)
+    except BaseException as e:
+        os.unlink(name)  # never leave the probe file behind
+        if isinstance(e, OSError):
+            raise MboltError(f"{dirpath}: cannot write the {size >> 20} MB probe file: {e.strerror}") from None
+        raise
     finally:
         os.close(fd)
     return Path(name)
@@ -308,17 +313,22 @@ def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=
 
 
 def load_probe(path: str | os.PathLike) -> dict:
-    import json
+    """Probe figures written by `mbolt probe`, validated (every fit has a mode, qd, t_op, BW)."""
+    from mbolt.core.checks import read_json
 
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except OSError:
-        raise MboltError(f"{p}: no probe figures (run `mbolt probe -o {p}` first)") from None
-    except ValueError:
-        raise MboltError(f"{p}: not a probe JSON") from None
-    if "fits" not in d:
+    if not p.exists():
+        raise MboltError(f"{p}: no probe figures (run `mbolt probe -o {p}` first)")
+    d = read_json(p, "probe JSON")
+    if not isinstance(d, dict) or not isinstance(d.get("fits"), dict) or not d["fits"]:
         raise MboltError(f"{p}: not a probe JSON (no fits)")
+    for name, f in d["fits"].items():
+        ok = (isinstance(f, dict) and f.get("mode") in MODES
+              and all(isinstance(f.get(k), (int, float)) and not isinstance(f.get(k), bool)
+                      for k in ("qd", "t_op_s", "bw_bytes_s"))
+              and f["t_op_s"] >= 0 and f["bw_bytes_s"] > 0)
+        if not ok:
+            raise MboltError(f"{p}: fit {name!r} is not mode (buffered|direct), qd, t_op_s >= 0, bw_bytes_s > 0")
     return d
 
 

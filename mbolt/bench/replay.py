@@ -287,16 +287,21 @@ def nuthatch_lines_trace(path: str | Path) -> Trace:
     from mbolt.core.trace_import import nuthatch_text_rows
 
     path = Path(path)
+    from mbolt.core.checks import check_cells
+
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("ascii")
     except OSError as e:
         raise MboltError(f"{path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise MboltError(f"{path}: not a nuthatch text trace (non-ASCII byte at {e.start})") from None
     rows, _ = nuthatch_text_rows(text, str(path))
     if not rows:
         raise MboltError(f"{path}: no records")
     L = max(r[0] for r in rows) + 1
     E = max(max(r[1:]) for r in rows) + 1
     k = max(len(r) - 1 for r in rows)
+    check_cells(f"{path}: lines x layers x k", (len(rows), L, k))
     ex = np.full((len(rows), L, k), -1, dtype=np.int16)
     for t, r in enumerate(rows):
         ex[t, r[0], : len(r) - 1] = r[1:]

@@ -26,10 +26,16 @@ def atomic_output(path: str | os.PathLike, *, force: bool = True, mode: str = "w
     path = Path(path)
     if path.exists() and not force:
         raise MboltError(f"{path}: output exists (use --force to overwrite)")
-    if not path.parent.exists():
+    if path.is_dir():
+        raise MboltError(f"{path}: is a directory, expected an output file path")
+    if not path.parent.is_dir():
         raise MboltError(f"{path.parent}: output directory does not exist")
+    clean_stale_parts(path)  # what a killed earlier writer of this output left behind
     # The pid in the name lets clean_stale_parts() tell a killed writer's leftover from a live one.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".part", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}.", suffix=".part", dir=path.parent)
+    except OSError as e:
+        raise MboltError(f"{path}: cannot create the output: {e.strerror}") from None
     # mkstemp creates 0600; give the output the permissions a plain open() would.
     os.fchmod(fd, 0o666 & ~_umask())
     try:
@@ -38,9 +44,13 @@ def atomic_output(path: str | os.PathLike, *, force: bool = True, mode: str = "w
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
+        if isinstance(e, OSError) and not isinstance(e, MboltError):
+            # a write error (no space left, quota, I/O error) has no file name: name the output
+            where = e.filename if e.filename and e.filename != tmp else path
+            raise MboltError(f"{where}: {e.strerror or e} (nothing was written to {path})") from None
         raise
 
 
@@ -154,13 +164,15 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def check_output(path: str | os.PathLike, *, kind: str | tuple[str, ...], inputs=(), force: bool = False,
-                 protected_fingerprints=(), what: str = "output") -> Path:
+                 protected_fingerprints=(), what: str = "output", make_parent: bool = False) -> Path:
     """Refuse an output path that would lose data; call before any work.
 
     `inputs`: the command's input paths (the output may be none of them). `protected_fingerprints`:
     header fingerprints of files the inputs were made from (a rewritten file's source, a trace's
     model): an existing GGUF with one of them is never replaced. `kind`: what the command
     writes; with `force` an existing file is replaced only if `file_kind` says it is that kind.
+    `make_parent`: the writer creates missing parent directories (then the nearest existing
+    ancestor must be a writable directory).
     """
     path = Path(path)
     kinds = (kind,) if isinstance(kind, str) else tuple(kind)
@@ -169,10 +181,16 @@ def check_output(path: str | os.PathLike, *, kind: str | tuple[str, ...], inputs
             raise MboltError(f"{path}: is an input of this command; write the {what} to a new path")
     if path.is_dir():
         raise MboltError(f"{path}: is a directory (give a file path for the {what})")
-    if not path.parent.is_dir():
-        raise MboltError(f"{path.parent}: output directory does not exist")
-    if not os.access(path.parent, os.W_OK):
-        raise MboltError(f"{path.parent}: output directory is not writable")
+    parent = path.parent
+    if make_parent:  # the writer creates missing directories: check the nearest existing one
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+    if parent.exists() and not parent.is_dir():
+        raise MboltError(f"{parent}: is a file, not a directory (the {what} cannot go under it)")
+    if not parent.is_dir():
+        raise MboltError(f"{parent}: output directory does not exist")
+    if not os.access(parent, os.W_OK):
+        raise MboltError(f"{parent}: output directory is not writable")
     if path.exists() or path.is_symlink():
         found = file_kind(path)
         if found.startswith("gguf") and protected_fingerprints:

@@ -9,6 +9,7 @@ rewriter can write it back unchanged) and names what is wrong when a file is dam
 from __future__ import annotations
 
 import hashlib
+import math
 import mmap
 import os
 import struct
@@ -81,6 +82,13 @@ class GGUFHeader:
         kv = self.kv.get(key)
         return default if kv is None else kv.value
 
+    def get_int(self, key: str, default: int = 0) -> int:
+        """An integer metadata value (MboltError naming the key if it is a string, float, array)."""
+        from mbolt.core.checks import as_int
+
+        kv = self.kv.get(key)
+        return default if kv is None else as_int(kv.value, f"{self.path}: {key}")
+
     def tensor(self, name: str) -> TensorInfo | None:
         return self._by_name.get(name)
 
@@ -120,6 +128,11 @@ class _Cursor:
         if vtype == GGUFValueType.ARRAY:
             sub = self._vtype(self.scalar("<I", what), what)
             n = self.scalar("<Q", what)
+            # every element takes at least one byte (a string at least 8): refuse a count the
+            # rest of the file cannot hold before looping over it
+            if n * (8 if sub == GGUFValueType.STRING else 1) > len(self.buf) - self.pos:
+                raise MboltError(f"{self.path}: corrupt GGUF header ({what}: array of {n} elements "
+                                 f"in {len(self.buf) - self.pos} remaining bytes)")
             if sub == GGUFValueType.STRING:
                 return [self.string(what) for _ in range(n)], sub
             if sub in _NP:
@@ -157,7 +170,7 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
     """Parse and validate a GGUF header; every tensor's data must lie inside the file."""
     path = Path(path)
     if not path.is_file():
-        raise MboltError(f"{path}: no such file")
+        raise MboltError(f"{path}: " + ("is a directory, expected a GGUF file" if path.is_dir() else "no such file"))
     size = path.stat().st_size
     if size < 24:
         raise MboltError(f"{path}: not a GGUF file (only {size} bytes)")
@@ -179,8 +192,12 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         raise MboltError(f"{path}: unsupported GGUF version {version}")
     n_tensors = c.scalar("<Q", "tensor count")
     n_kv = c.scalar("<Q", "metadata count")
+    # a KV pair takes >= 12 bytes, a tensor info >= 24: counts the file cannot hold are damage
     if n_tensors > 10_000_000 or n_kv > 10_000_000:
         raise MboltError(f"{path}: corrupt GGUF header (tensor count {n_tensors}, kv count {n_kv})")
+    if 24 + 12 * n_kv + 24 * n_tensors > size:
+        raise MboltError(f"{path}: truncated GGUF header ({n_kv} metadata pairs and {n_tensors} tensor infos "
+                         f"need at least {24 + 12 * n_kv + 24 * n_tensors} bytes, the file has {size})")
     kv: dict[str, KV] = {}
     for i in range(n_kv):
         start = c.pos
@@ -203,14 +220,21 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         offset = c.scalar("<Q", name)
         infos.append((name, ne, ttype, offset))
     header_size = c.pos
-    alignment = int(kv["general.alignment"].value) if "general.alignment" in kv else 32
-    if alignment <= 0 or alignment & (alignment - 1):
+    alignment = 32
+    if "general.alignment" in kv:
+        from mbolt.core.checks import as_int
+
+        alignment = as_int(kv["general.alignment"].value, f"{path}: general.alignment")
+    if alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 30:
         raise MboltError(f"{path}: invalid general.alignment {alignment}")
     data_offset = -(-header_size // alignment) * alignment
     tensors = []
     for name, ne, ttype, offset in infos:
+        if ttype not in GGML_QUANT_SIZES:
+            raise MboltError(f"{path}: tensor {name} has ggml type {ttype.name} of unknown size")
         block, type_size = GGML_QUANT_SIZES[ttype]
-        n_el = int(np.prod(ne, dtype=np.int64)) if ne else 1
+        # Python ints: an int64 product wraps (ne = (2**32, 2**32) would give 0 bytes)
+        n_el = math.prod(int(x) for x in ne)
         if ne and ne[0] % block:
             raise MboltError(f"{path}: tensor {name} row of {ne[0]} is not a multiple of the {ttype.name} block ({block})")
         nbytes = n_el // block * type_size

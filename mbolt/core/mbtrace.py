@@ -65,6 +65,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.atomic import atomic_output
+from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import DECODE, PREFILL, Trace
 
@@ -116,8 +117,10 @@ def _check_shape(where: str, n_layers: int, n_experts: int, k: int) -> None:
                          f"(got {n_layers}, {n_experts}, {k})")
     if k > n_experts:
         raise MboltError(f"{where}: k={k} is larger than the number of experts ({n_experts})")
-    if n_experts > 32767:
+    if n_experts > MAX_EXPERTS:
         raise MboltError(f"{where}: {n_experts} experts do not fit int16 expert ids")
+    if n_layers > MAX_LAYERS:
+        raise MboltError(f"{where}: {n_layers} layers (at most {MAX_LAYERS} supported: damaged file?)")
 
 
 def validate_experts(where: str, experts: np.ndarray, n_experts: int, first_record: int = 0,
@@ -181,9 +184,7 @@ class TraceWriter:
             self._f = open(self.path, "wb")
         except OSError as e:
             raise MboltError(f"{self.path}: cannot create trace file: {e.strerror}") from None
-        self._f.write(_header_bytes(self.n_layers, self.n_experts, self.k, self.fingerprint,
-                                    self.weights))
-        self._f.flush()
+        self._put(_header_bytes(self.n_layers, self.n_experts, self.k, self.fingerprint, self.weights))
 
     # -- writing --------------------------------------------------------------------------
     def append(self, phase, seq: int, pos: int, experts, weights=None) -> None:
@@ -228,11 +229,11 @@ class TraceWriter:
                                  f"experts {list(experts.shape)}")
             recs["weights"] = w
         _fill_crc(recs)
-        self._f.write(recs.tobytes())
+        self._put(recs.tobytes(), flush=False)
         self.n_records += n
         self._pending += n
         if self._pending >= self.flush_every:
-            self._f.flush()
+            self._put(b"")
             self._pending = 0
 
     def set_domain(self, seq: int, tag: str) -> None:
@@ -245,16 +246,28 @@ class TraceWriter:
     def _write(self, tag: bytes, payload: bytes) -> None:
         if self._f is None:
             raise MboltError(f"{self.path}: trace writer is closed")
-        self._f.write(_frame(tag, payload))
-        self._f.flush()
+        self._put(_frame(tag, payload))
+
+    def _put(self, data: bytes, flush: bool = True) -> None:
+        """Write (and flush) to the trace; a write error (no space left) names the file."""
+        try:
+            self._f.write(data)
+            if flush:
+                self._f.flush()
+        except OSError as e:
+            raise MboltError(f"{self.path}: cannot write the trace: {e.strerror or e}") from None
 
     def close(self) -> None:
         if self._f is None:
             return
         f, self._f = self._f, None
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
+        try:
+            f.flush()
+            os.fsync(f.fileno())
+        except OSError as e:
+            raise MboltError(f"{self.path}: cannot write the trace: {e.strerror or e}") from None
+        finally:
+            f.close()
 
     def __enter__(self) -> "TraceWriter":
         return self

@@ -8,11 +8,13 @@ one contiguous slice at `data_offset + e * slice_bytes`.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.header import GGUFHeader, TensorInfo
@@ -165,7 +167,7 @@ def _is_expertish(suffix: str) -> bool:
 
 def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertTensor]:
     """The routed weight tensors stored inside a packed blob, as virtual tensors with a stride."""
-    from gguf import GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     if pl is None:
         raise MboltError(f"{path}: tensor {blob.name} has no mbolt.packed.* metadata for its layer")
@@ -175,6 +177,10 @@ def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertT
     for r in pl.roles:
         suffix = _BLK.match(r.name).group(2) if _BLK.match(r.name) else r.name
         role = ROLES.get(suffix, "unknown")
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(r.type)]
+        if not r.ne or r.ne[-1] != n_experts or math.prod(r.ne) // block * type_size != r.slice_bytes * n_experts:
+            raise MboltError(f"{path}: packed layout metadata: {r.name} of shape {list(r.ne)} does not match "
+                             f"its slice of {r.slice_bytes} bytes x {n_experts} experts")
         start = blob.data_offset + r.offset
         aligned = start % PAGE == 0 and pl.slot_bytes % PAGE == 0
         out.append(ExpertTensor(
@@ -185,6 +191,25 @@ def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertT
     return out
 
 
+def n_layers_of(header: GGUFHeader) -> int:
+    """Layers of a model: `{arch}.block_count`, or one past the highest blk.N of its tensors when
+    the key is missing. A layer index beyond block_count or MAX_LAYERS is a damaged file (and
+    would make every per-layer loop run that long)."""
+    arch = header.get("general.architecture")
+    block_count = header.get_int(f"{arch}.block_count")
+    if not 0 <= block_count <= MAX_LAYERS:
+        raise MboltError(f"{header.path}: {arch}.block_count is {block_count} (expected 1..{MAX_LAYERS})")
+    top = -1
+    for t in header.tensors:
+        m = _BLK.match(t.name)
+        if m and int(m.group(1)) > top:
+            top = int(m.group(1))
+            if top >= MAX_LAYERS or (block_count and top >= block_count):
+                limit = f"{arch}.block_count is {block_count}" if block_count else f"at most {MAX_LAYERS} layers"
+                raise MboltError(f"{header.path}: tensor {t.name}: layer {top} is out of range ({limit})")
+    return block_count or top + 1
+
+
 def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
     """Build the MoE map of a GGUF file or split set (given any shard); raises MboltError for
     non-MoE or damaged files and incomplete or mixed sets."""
@@ -193,17 +218,18 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
     arch = header.get("general.architecture")
     if not isinstance(arch, str):
         raise MboltError(f"{path}: no general.architecture in the metadata")
-    n_experts = int(header.get(f"{arch}.expert_count", 0) or 0)
-    n_used = int(header.get(f"{arch}.expert_used_count", 0) or 0)
-    n_layers = int(header.get(f"{arch}.block_count", 0) or 0)
+    n_experts = header.get_int(f"{arch}.expert_count")
+    n_used = header.get_int(f"{arch}.expert_used_count")
+    n_layers = n_layers_of(header)
+    if n_experts <= 1:
+        raise MboltError(f"{path}: not a MoE model ({arch}.expert_count is {n_experts or 'missing'})")
+    if n_experts > MAX_EXPERTS:
+        raise MboltError(f"{path}: {arch}.expert_count is {n_experts} (at most {MAX_EXPERTS} supported)")
     by_layer: dict[int, list[TensorInfo]] = {}
     for t in header.tensors:
         m = _BLK.match(t.name)
         if m:
             by_layer.setdefault(int(m.group(1)), []).append(t)
-    if n_experts <= 1:
-        raise MboltError(f"{path}: not a MoE model ({arch}.expert_count is {n_experts or 'missing'})")
-    n_layers = max(n_layers, max(by_layer, default=-1) + 1)
     packed = read_packed(header)
     layers = []
     for i in range(n_layers):

@@ -25,9 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import GGMLQuantizationType
 
+from mbolt.core.checks import MAX_LAYERS
 from mbolt.core.errors import MboltError
 
+_GGML_TYPES = {int(t) for t in GGMLQuantizationType}
 PACKED_SUFFIX = "ffn_exps_packed"
 PAGE = 4096
 PACK_PAD_MAX = 1 / 8  # pad a packed slot to 4 KiB (or 512 B) only if it costs at most this share
@@ -80,9 +83,14 @@ def read_packed(header) -> dict[int, PackedLayer]:
         missing = [k for k, x in v.items() if x is None]
         if missing:
             raise MboltError(f"{path}: packed layout metadata incomplete (missing mbolt.packed.{missing[0]})")
+        for k in ("layers", "slot_bytes", "n_roles", "types", "n_dims", "ne", "offset", "slice_bytes"):
+            if not isinstance(v[k], np.ndarray) or v[k].dtype.kind not in "iu":
+                raise MboltError(f"{path}: packed layout metadata: mbolt.packed.{k} is not an integer array")
+        if not isinstance(v["names"], list):
+            raise MboltError(f"{path}: packed layout metadata: mbolt.packed.names is not a string array")
         layers = np.asarray(v["layers"], np.int64)
         n_roles = np.asarray(v["n_roles"], np.int64)
-        n_entries = int(n_roles.sum())
+        n_entries = sum(int(x) for x in n_roles)  # Python ints: cannot wrap
         if len(v["slot_bytes"]) != len(layers) or len(n_roles) != len(layers):
             raise MboltError(f"{path}: packed layout metadata: per-layer arrays differ in length")
         for k in ("names", "types", "n_dims", "offset", "slice_bytes"):
@@ -94,10 +102,17 @@ def read_packed(header) -> dict[int, PackedLayer]:
         j = 0
         for i, layer in enumerate(layers):
             pl = PackedLayer(int(layer), int(v["slot_bytes"][i]))
+            if not 0 <= pl.layer < MAX_LAYERS or pl.layer in out:
+                raise MboltError(f"{path}: packed layout metadata: layer {pl.layer} is out of range or repeated")
             for _ in range(int(n_roles[i])):
                 nd = int(v["n_dims"][j])
+                name = str(v["names"][j])
+                if not 1 <= nd <= 4:
+                    raise MboltError(f"{path}: packed layout metadata: {name} has {nd} dimensions")
+                if int(v["types"][j]) not in _GGML_TYPES:
+                    raise MboltError(f"{path}: packed layout metadata: {name} has unknown ggml type {int(v['types'][j])}")
                 ne = tuple(int(x) for x in v["ne"][4 * j:4 * j + nd])
-                role = PackedRole(str(v["names"][j]), int(v["types"][j]), ne, int(v["offset"][j]), int(v["slice_bytes"][j]))
+                role = PackedRole(name, int(v["types"][j]), ne, int(v["offset"][j]), int(v["slice_bytes"][j]))
                 if role.offset + role.slice_bytes > pl.slot_bytes:
                     raise MboltError(f"{path}: packed layout metadata: {role.name} ends past its slot in layer {layer}")
                 pl.roles.append(role)

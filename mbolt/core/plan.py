@@ -71,40 +71,46 @@ def save_plan(path: str | os.PathLike, plan: Plan) -> Path:
 
 
 def load_plan(path: str | os.PathLike, n_layers: int | None = None, n_experts: int | None = None) -> Plan:
+    from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_range, read_json
+
     where = str(path)
-    try:
-        d = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise MboltError(f"{where}: plan file not found") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise MboltError(f"{where}: not a readable plan file ({e})") from None
+    d = read_json(path, "plan file")
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise MboltError(f"{where}: not an mbolt plan (format field missing)")
     if d.get("version") != VERSION:
         raise MboltError(f"{where}: unsupported plan version {d.get('version')}")
+    L = check_range(d.get("n_layers"), f"{where}: n_layers", 1, MAX_LAYERS)
+    E = check_range(d.get("n_experts"), f"{where}: n_experts", 1, MAX_EXPERTS)
+    layers = d.get("layers")
+    if not isinstance(layers, list) or len(layers) != L:
+        raise MboltError(f"{where}: header says {L} layers, file has "
+                         f"{len(layers) if isinstance(layers, list) else 'no layer list'}")
     try:
-        L, E = int(d["n_layers"]), int(d["n_experts"])
-        layers = d["layers"]
-        if len(layers) != L:
-            raise MboltError(f"{where}: header says {L} layers, file has {len(layers)}")
         perm = np.zeros((L, E), np.int32)
         heat = np.zeros((L, E))
         groups = []
         for l, rec in enumerate(layers):
-            if int(rec.get("layer", l)) != l:
-                raise MboltError(f"{where}: layer record {l} is labelled layer {rec.get('layer')}")
-            p = np.asarray(rec["perm"])
+            if not isinstance(rec, dict):
+                raise MboltError(f"{where}: layer {l}: record is a {type(rec).__name__}, expected an object")
+            if rec.get("layer", l) != l:
+                raise MboltError(f"{where}: layer record {l} is labelled layer {rec.get('layer')!r}")
+            p = np.asarray(rec.get("perm"))
             if p.shape != (E,) or (p.size and not np.issubdtype(p.dtype, np.integer)):
                 raise MboltError(f"{where}: layer {l}: perm has {p.size} entries, expected {E} integers")
+            if p.size and (p.min() < 0 or p.max() >= E):
+                raise MboltError(f"{where}: layer {l}: perm has an expert id outside 0..{E - 1}")
             perm[l] = p
             h = np.asarray(rec.get("heat", np.zeros(E)), dtype=np.float64)
             if h.shape != (E,):
                 raise MboltError(f"{where}: layer {l}: heat has {h.size} entries, expected {E}")
             heat[l] = h
             groups.append(rec.get("groups"))
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise MboltError(f"{where}: malformed plan ({e!r})") from None
-    meta = dict(d.get("meta") or {})
+    meta = d.get("meta") or {}
+    if not isinstance(meta, dict):
+        raise MboltError(f"{where}: meta is not an object")
+    meta = dict(meta)
     meta["fingerprint"] = d.get("fingerprint", meta.get("fingerprint", ""))
     if any(g is not None for g in groups):
         meta["groups"] = groups

@@ -55,6 +55,8 @@ def read_prompts(path: str | os.PathLike, limit: int | None = None) -> list[Prom
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise MboltError(f"{path}:{i}: invalid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise MboltError(f"{path}:{i}: invalid JSON (nested too deeply)") from None
             if not isinstance(obj, dict):
                 raise MboltError(f"{path}:{i}: expected a JSON object, got {type(obj).__name__}")
             p = obj.get("prompt", obj.get("text"))

@@ -16,7 +16,6 @@ Keys (DESIGN.md; compatible with the original mbolt where they overlap):
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
@@ -116,11 +115,15 @@ def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> n
 
 
 def _model_shape(header: GGUFHeader) -> tuple[int, int]:
+    from mbolt.core.moe_map import n_layers_of
+
+    from mbolt.core.checks import MAX_EXPERTS
+
     arch = header.get("general.architecture")
-    n_experts = int(header.get(f"{arch}.expert_count", 0) or 0)
-    n_layers = int(header.get(f"{arch}.block_count", 0) or 0)
-    blks = [int(m.group(1)) for t in header.tensors if (m := _BLK.match(t.name))]
-    return max(n_layers, max(blks, default=-1) + 1), n_experts
+    n_experts = header.get_int(f"{arch}.expert_count")
+    if not 0 <= n_experts <= MAX_EXPERTS:  # it sizes the route map
+        raise MboltError(f"{header.path}: {arch}.expert_count is {n_experts} (at most {MAX_EXPERTS} supported)")
+    return n_layers_of(header), n_experts
 
 
 def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
@@ -136,24 +139,27 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
         return RouteMap("stock", ident, np.zeros((n_layers, n_experts), np.float32), "stock", header.fingerprint, 0)
     if layout not in LAYOUTS[1:]:
         raise MboltError(f"{path}: unknown mbolt.layout {layout!r}")
-    version = int(header.get("mbolt.version", 0) or 0)
+    version = header.get_int("mbolt.version", 0)
     if version > ROUTE_MAP_VERSION:
         raise MboltError(f"{path}: route map version {version} is newer than this mbolt ({ROUTE_MAP_VERSION})")
-    ml, me = int(header.get("mbolt.n_layers", -1)), int(header.get("mbolt.n_experts", -1))
+    ml, me = header.get_int("mbolt.n_layers", -1), header.get_int("mbolt.n_experts", -1)
     if (ml, me) != (n_layers, n_experts):
         raise MboltError(f"{path}: route map is for {ml} layers x {me} experts, the model has {n_layers} x {n_experts}")
     perm = header.get("mbolt.perm")
-    if perm is None or len(perm) != n_layers * n_experts:
-        raise MboltError(f"{path}: mbolt.perm has {None if perm is None else len(perm)} entries, expected {n_layers * n_experts}")
+    if not isinstance(perm, np.ndarray) or perm.dtype.kind not in "iu" or len(perm) != n_layers * n_experts:
+        got = "missing" if perm is None else (f"{len(perm)} entries" if isinstance(perm, (np.ndarray, list))
+                                              else f"a {type(perm).__name__}")
+        raise MboltError(f"{path}: mbolt.perm is {got}, expected {n_layers * n_experts} integers")
     perm = check_perm(np.asarray(perm).reshape(n_layers, n_experts), n_layers, n_experts, f"{path}: mbolt.perm")
     heat = header.get("mbolt.heat")
-    if heat is None or len(heat) != n_layers * n_experts:
+    if not isinstance(heat, np.ndarray) or heat.dtype.kind not in "iuf" or len(heat) != n_layers * n_experts:
         heat = np.zeros((n_layers, n_experts), np.float32)
     heat = np.asarray(heat, np.float32).reshape(n_layers, n_experts)
     src_fp = header.get("mbolt.source.fingerprint")
     if not isinstance(src_fp, str) or not src_fp:
         raise MboltError(f"{path}: rewritten file without mbolt.source.fingerprint")
-    return RouteMap(layout, perm, heat, str(header.get("mbolt.plan.method", "")), src_fp, version)
+    method = header.get("mbolt.plan.method", "")
+    return RouteMap(layout, perm, heat, method if isinstance(method, str) else "", src_fp, version)
 
 
 def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
@@ -218,16 +224,30 @@ def sidecar_dict(moemap: MoeMap) -> dict:
 def read_sidecar(path: str | os.PathLike, fingerprint: str | None = None) -> RouteMap:
     """Read a JSON sidecar back into a RouteMap (validated). With `fingerprint` (the GGUF's),
     a sidecar written for another file is refused: the GGUF and its sidecar are one unit."""
+    from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_range, read_json
+
     p = Path(path)
+    d = read_json(p, "mbolt route-map sidecar")
     try:
-        d = json.loads(p.read_text())
+        if not isinstance(d, dict) or d.get("format", "mbolt.routemap") != "mbolt.routemap":
+            raise MboltError(f"{p}: not an mbolt route-map sidecar (no format mbolt.routemap)")
         if fingerprint is not None and d.get("fingerprint") != fingerprint:
             raise MboltError(f"{p}: describes another file (fingerprint {str(d.get('fingerprint'))[:12]}, the GGUF "
                              f"beside it has {fingerprint[:12]}): stale sidecar, rewrite the model")
-        perm = np.asarray(d["perm"], np.int64)
-        n_layers, n_experts = int(d["n_layers"]), int(d["n_experts"])
+        n_layers = check_range(d["n_layers"], f"{p}: n_layers", 0, MAX_LAYERS)
+        n_experts = check_range(d["n_experts"], f"{p}: n_experts", 1, MAX_EXPERTS)
+        perm = np.asarray(d["perm"])
+        if perm.dtype.kind not in "iu":
+            raise MboltError(f"{p}: perm is not a table of integers")
         perm = check_perm(perm, n_layers, n_experts, f"{p}: perm")
         heat = np.asarray(d.get("heat") or np.zeros((n_layers, n_experts)), np.float32)
-        return RouteMap(d["layout"], perm, heat, d.get("method", ""), d["source_fingerprint"], int(d.get("version", 0)))
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise MboltError(f"{p}: not a valid mbolt route-map sidecar ({e})") from None
+        if heat.shape != perm.shape:
+            raise MboltError(f"{p}: heat is {heat.shape}, expected {perm.shape}")
+        layout, src_fp = d["layout"], d["source_fingerprint"]
+        if layout not in LAYOUTS or not isinstance(src_fp, str):
+            raise MboltError(f"{p}: layout {layout!r} / source_fingerprint {src_fp!r} not understood")
+        method = d.get("method", "")
+        return RouteMap(layout, perm, heat, method if isinstance(method, str) else "", src_fp,
+                        check_range(d.get("version", 0), f"{p}: version", 0, ROUTE_MAP_VERSION))
+    except (ValueError, KeyError, TypeError, OverflowError) as e:
+        raise MboltError(f"{p}: not a valid mbolt route-map sidecar ({e!r})") from None

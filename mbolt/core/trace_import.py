@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.mbtrace import MAGIC as MBTRACE_MAGIC
 from mbolt.core.mbtrace import read_trace
@@ -62,6 +63,7 @@ NUTH_MAGIC = b"NUTHTRC1"
 NUTH_VERSION = 1
 _NUTH_HEAD = struct.Struct("<8sIIIQ")
 
+MAX_CELLS_IMPORT = 1 << 28
 FORMATS = ("mbtrace", "mbolt", "nuthatch-text", "nuthatch-bin")
 
 
@@ -243,6 +245,10 @@ def _import_mbolt(path: Path, data: bytes, n_layers, n_experts) -> Trace:
 
 def _n_layers(where, layer: np.ndarray, n_layers, loc) -> int:
     L = int(layer.max()) + 1 if len(layer) else 1
+    if L > MAX_LAYERS:
+        r = int(np.argmax(layer))
+        raise MboltError(f"{where}: {loc(r)}: layer {int(layer[r])} is out of range (at most {MAX_LAYERS} "
+                         f"layers: damaged file?)")
     if n_layers is not None:
         if L > n_layers:
             r = int(np.argmax(layer))
@@ -265,7 +271,7 @@ def _assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray
     """
     R = len(layer)
     name = Path(where).name
-    if n_experts > 32767:
+    if n_experts > MAX_EXPERTS:
         raise MboltError(f"{where}: {n_experts} experts do not fit int16 expert ids")
     notes: list[str] = []
     if R == 0:
@@ -279,7 +285,12 @@ def _assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray
     P = len(pass_start)
     T = np.maximum.reduceat(ntok, pass_start)  # tokens per pass
     base = np.concatenate([[0], np.cumsum(T)[:-1]])  # first token index of each pass
-    N = int(T.sum())
+    N = sum(int(t) for t in T)  # Python ints: cannot wrap
+    # tokens x layers x k is what gets allocated: bounded by the expert ids the file holds (a
+    # layer with fewer rows, or dense layers, leave gaps, hence the slack), so a few changed
+    # bytes cannot ask for gigabytes
+    check_cells(f"{where}: tokens x layers x k", (N, n_layers, K),
+                min(MAX_CELLS_IMPORT, 64 * len(ids) + (1 << 20)))
     prefill_pass = T > 1
 
     # --- strided-view export bug ------------------------------------------------------------
@@ -417,6 +428,9 @@ def nuthatch_text_rows(text: str, where: str) -> tuple[list[list[int]], list[int
             raise MboltError(f"{where}: line {i}: a layer and at least one expert id expected")
         if min(vals) < 0:
             raise MboltError(f"{where}: line {i}: negative number in {line.strip()[:60]!r}")
+        if vals[0] >= MAX_LAYERS or max(vals[1:]) > MAX_EXPERTS or len(vals) > MAX_EXPERTS + 1:
+            raise MboltError(f"{where}: line {i}: layer {vals[0]} or an expert id out of range (at most "
+                             f"{MAX_LAYERS} layers, {MAX_EXPERTS} experts): {line.strip()[:60]!r}")
         rows.append(vals)
         linenos.append(i)
     return rows, linenos
@@ -433,6 +447,7 @@ def _import_nuthatch_text(path: Path, data: bytes, n_layers, n_experts) -> Trace
     if not rows:
         raise MboltError(f"{where}: no routing lines")
     K = max(len(r) for r in rows) - 1
+    check_cells(f"{where}: lines x columns", (len(rows), K + 1), 8 * len(data) + 1024)
     M = np.full((len(rows), K + 1), -1, np.int64)
     for i, r in enumerate(rows):
         M[i, :len(r)] = r
@@ -492,6 +507,9 @@ def _import_nuthatch_bin(path: Path, data: bytes, n_layers, n_experts, prefill_t
         raise MboltError(f"{where}: bad NUTHTRC1 magic {magic!r}")
     if version != NUTH_VERSION:
         raise MboltError(f"{where}: unsupported NUTHTRC1 version {version}")
+    if not 1 <= L <= MAX_LAYERS or not 1 <= E <= MAX_EXPERTS:
+        raise MboltError(f"{where}: header says {L} layers x {E} experts (expected 1..{MAX_LAYERS} x "
+                         f"1..{MAX_EXPERTS}: damaged file?)")
     body = data[_NUTH_HEAD.size:]
     nb = len(body) // 4 * 4
     words = np.frombuffer(body[:nb], "<u4")
@@ -550,6 +568,7 @@ def _import_nuthatch_bin(path: Path, data: bytes, n_layers, n_experts, prefill_t
     row_of_uniq[order] = np.arange(len(uniq))
     row = row_of_uniq[inverse]
     N = len(uniq)
+    check_cells(f"{where}: tokens x layers x k", (N, L, K), min(MAX_CELLS_IMPORT, 64 * len(ids) + (1 << 20)))
     experts = np.full((N, L, K), -1, np.int16)
     dup = np.zeros((N, L), np.int32)
     np.add.at(dup, (row, layer), 1)

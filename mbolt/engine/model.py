@@ -59,19 +59,32 @@ class HParams:
             if v is None:
                 raise MboltError(f"{h.path}: missing metadata {arch}.{key}")
             return v
-        hidden = int(g("embedding_length"))
-        n_heads = int(g("attention.head_count"))
-        n_kv = g("attention.head_count_kv", n_heads)
-        n_kv = int(np.asarray(n_kv).reshape(-1)[0])
-        hd = int(g("attention.key_length", hidden // n_heads))
+        from mbolt.core.checks import check_range
+
+        def n(key, default=None, lo=1, hi=1 << 20):
+            v = g(key, default)
+            if isinstance(v, np.ndarray) and v.size:  # per-layer arrays (head_count_kv): the first
+                v = v.reshape(-1)[0]
+            return check_range(v, f"{h.path}: {arch}.{key}", lo, hi)
+
+        def f(key, default):
+            v = g(key, default)
+            if isinstance(v, (bool, str, np.ndarray, list)) or not np.isfinite(v):
+                raise MboltError(f"{h.path}: {arch}.{key} is {v!r:.40}, expected a number")
+            return float(v)
+
+        hidden = n("embedding_length")
+        n_heads = n("attention.head_count", hi=hidden)
+        n_kv = n("attention.head_count_kv", n_heads, hi=n_heads)
+        hd = n("attention.key_length", hidden // n_heads)
         return cls(
-            arch=arch, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
-            n_kv_heads=n_kv, head_dim=hd, n_rot=int(g("rope.dimension_count", hd)),
-            rope_base=float(g("rope.freq_base", 10000.0)),
-            rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)),
-            n_experts=int(g("expert_count")), n_used=int(g("expert_used_count")), n_vocab=n_vocab,
-            weights_scale=float(g("expert_weights_scale", 0.0)),
-            attn_scale=float(g("attention.scale", 0.0)),
+            arch=arch, n_layers=n("block_count", hi=4096), hidden=hidden, n_heads=n_heads,
+            n_kv_heads=n_kv, head_dim=hd, n_rot=n("rope.dimension_count", hd, lo=0, hi=hd),
+            rope_base=f("rope.freq_base", 10000.0),
+            rms_eps=f("attention.layer_norm_rms_epsilon", 1e-6),
+            n_experts=n("expert_count", hi=32767), n_used=n("expert_used_count", hi=32767), n_vocab=n_vocab,
+            weights_scale=f("expert_weights_scale", 0.0),
+            attn_scale=f("attention.scale", 0.0),
         )
 
 

@@ -15,7 +15,6 @@ null control: with `structure="none"` no order should beat `heat` on held-out to
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,14 +40,16 @@ class Profile:
 
 def load_profile(path: str | os.PathLike) -> Profile:
     where = str(path)
+    from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_range, read_json
+
+    d = read_json(path, "co-activation profile")
+    if not isinstance(d, dict):
+        raise MboltError(f"{where}: not a co-activation profile (not a JSON object)")
     try:
-        d = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        raise MboltError(f"{where}: profile not found") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise MboltError(f"{where}: not a readable co-activation profile ({e})") from None
-    try:
-        L, E, k, N = int(d["n_layers"]), int(d["n_expert_per_layer"]), int(d["k"]), int(d["n_decode_tokens"])
+        L = check_range(d["n_layers"], f"{where}: n_layers", 1, MAX_LAYERS)
+        E = check_range(d["n_expert_per_layer"], f"{where}: n_expert_per_layer", 1, MAX_EXPERTS)
+        k = check_range(d["k"], f"{where}: k", 1, E)
+        N = check_range(d["n_decode_tokens"], f"{where}: n_decode_tokens", 1, 1 << 26)
         layers = sorted(d["layers"], key=lambda r: r["layer"])
         if len(layers) != L:
             raise MboltError(f"{where}: {len(layers)} layer records for {L} layers")
@@ -70,7 +71,7 @@ def load_profile(path: str | os.PathLike) -> Profile:
                 have_chain = False
             else:
                 chain[l] = co
-    except (KeyError, TypeError, ValueError) as e:
+    except (KeyError, TypeError, ValueError, OverflowError) as e:
         raise MboltError(f"{where}: malformed co-activation profile ({e!r})") from None
     if k < 1 or k > E:
         raise MboltError(f"{where}: k={k} with {E} experts")

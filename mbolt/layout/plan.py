@@ -171,8 +171,16 @@ def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 
             trace.fingerprint = mm.source_fingerprint
     else:
         geo = geometry_preset(geometry or "unit", layout)
-    if out is not None and Path(out).exists() and not force:
-        raise MboltError(f"{out}: output exists (use --force to overwrite)")
+    # the one output rule, before any work: never the trace, the model, nor the model the
+    # trace was recorded from; --force replaces only an earlier plan / held-out trace
+    from mbolt.core.atomic import check_output
+
+    if out is not None and heldout_out is not None and Path(out).resolve() == Path(heldout_out).resolve():
+        raise MboltError(f"{out}: given both as the plan and as the held-out trace")
+    for o, kind, what in ((out, "plan", "plan"), (heldout_out, "mbtrace", "held-out trace")):
+        if o is not None:
+            check_output(o, kind=kind, inputs=[i for i in (trace_path, model) if i is not None], force=force,
+                         protected_fingerprints=tuple(f for f in (trace.fingerprint,) if f), what=what)
     plan = make_plan(trace, method, train_frac=train_frac, holdout_domain=holdout_domain, phase=phase,
                      geometry=geo, gap=gap)
     if progress:

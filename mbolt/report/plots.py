@@ -55,31 +55,44 @@ def read_result(src: str | Path) -> tuple[str, dict]:
 
     src = Path(src)
     try:
-        d = json.loads(src.read_text())
+        d = json.loads(src.read_text(encoding="utf-8"))
     except OSError as e:
         raise MboltError(f"{src}: {e.strerror}") from None
-    except ValueError:
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise MboltError(f"{src}: not JSON (for a trace, give --plan to draw the co-activation heatmap)") from None
-    kind = kind_of(d)
+    try:
+        kind = kind_of(d) if isinstance(d, dict) else kind_of({})
+    except (MboltError, TypeError, KeyError, IndexError) as e:
+        raise MboltError(f"{src}: {e if isinstance(e, MboltError) else 'unrecognised results file'}") from None
     if kind == "demo":
-        ab = resolve_stored_path(d["ab"]["result"], src)
         try:
+            ab = resolve_stored_path(d["ab"]["result"], src)
             d = json.loads(ab.read_text())
-        except (OSError, ValueError) as e:
-            raise MboltError(f"{src}: its A/B result {ab} is not readable ({e})") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise MboltError(f"{src}: its A/B result is not readable ({e})") from None
         kind = "ab"
     return kind, d
+
+
+def _malformed(src, fn, *args, **kw):
+    """Run a drawing/series function on a results file's content: a results file is user input,
+    so a field missing or of the wrong type is one error naming the file."""
+    try:
+        return fn(*args, **kw)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise MboltError(f"{src}: malformed results file ({type(e).__name__}: {e})") from None
 
 
 def series(src: str | Path) -> dict:
     """What `plot(src, ...)` draws, as data (`mbolt report --json`)."""
     kind, d = read_result(src)
-    return {"kind": kind, "source": str(src), **SERIES[kind](d)}
+    return {"kind": kind, "source": str(src), **_malformed(src, SERIES[kind], d)}
 
 
 def plot(src: str | Path, out: str | Path, **opts) -> Path:
     kind, d = read_result(src)
-    return {"ab": plot_ab, "layout": plot_layout, "cache": plot_cache}[kind](d, out, title=Path(src).name)
+    return _malformed(src, {"ab": plot_ab, "layout": plot_layout, "cache": plot_cache}[kind], d, out,
+                      title=Path(src).name)
 
 
 def ab_series(d: dict) -> dict:

@@ -103,22 +103,39 @@ class _Llama:
         self.r.close()
 
 
+def part_path(out: str | os.PathLike) -> Path:
+    """Where a trace being recorded lives until it is complete (kept when interrupted)."""
+    out = Path(out)
+    return out.with_name(out.name + ".part")
+
+
+def check_part(out: str | os.PathLike, force: bool) -> None:
+    """Refuse to start over a kept OUT.part (an interrupted run's tokens) unless `force`."""
+    part = part_path(out)
+    if part.exists() and not force:
+        raise MboltError(f"{part}: kept from an interrupted trace (a readable trace): move it away, or use "
+                         f"--force to discard it")
+
+
 def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Prompt], out: str | os.PathLike, *,
                   max_new_tokens: int = 16, engine: str = "reference", limit: int | None = None,
                   route: str = "file", threads: int | None = None, on_progress=None,
-                  shard: tuple[int, int] | None = None) -> dict:
+                  shard: tuple[int, int] | None = None, force: bool = False) -> dict:
     """Trace prompts through `model` into `out` (.mbtrace). Returns a summary dict.
 
     `shard` (i, n), 1-based: trace only prompts i-1, i-1+n, i-1+2n, ... (a deterministic share,
     for tracing on n machines; `mbolt trace-merge` joins the n traces). Sequence ids stay the
-    prompts' indices in the whole prompt list.
+    prompts' indices in the whole prompt list. A kept `OUT.part` from an interrupted run is
+    replaced only with `force`.
 
-    on_progress(done_prompts, total_prompts, tokens_so_far, seconds) after every prompt.
+    on_progress(done_prompts, total_prompts, tokens_so_far, seconds) once the model is loaded
+    (done_prompts = 0) and after every prompt.
     """
     if engine not in ENGINES:
         raise MboltError(f"unknown engine {engine!r} (choose from {', '.join(ENGINES)})")
     if max_new_tokens < 0:
         raise MboltError(f"--new-tokens must be >= 0, got {max_new_tokens}")
+    check_part(out, force)
     items = read_prompts(prompts, limit) if not isinstance(prompts, list) else prompts[:limit or None]
     seqs = list(range(len(items)))
     if shard is not None:
@@ -132,11 +149,13 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
     backend = _Reference(mm, route, threads) if engine == "reference" else _Llama(mm.path, route, threads)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
+    if on_progress is not None:
+        on_progress(0, len(seqs), 0, 0.0)  # the model loaded: work starts
     # The trace appears at `out` only when every prompt is done. An interrupted run keeps what it
     # recorded in OUT.part (the format is crash-safe, so it stays readable) and never leaves a
     # partial file at `out`.
     out = Path(out)
-    part = out.with_name(out.name + ".part")
+    part = part_path(out)
     try:
         with TraceWriter(part, mm.n_layers, mm.n_experts, mm.n_used, fingerprint=mm.source_fingerprint,
                          weights=backend.weights, flush_every=64) as w:
