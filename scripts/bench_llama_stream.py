@@ -54,9 +54,9 @@ QDS = (1, 4)
 SLICE_64K = dict(n_layers=16, n_experts=64, n_used=8, hidden=128, expert_ff=128, n_heads=4, n_kv_heads=4,
                  head_dim=32, dense_ff=128, expert_type="F32", structure="planted")
 MODELS = {
-    "s64k": dict(synth=SLICE_64K, train_prompts=24, bench_prompts=2, new_tokens=24, rounds=6),
+    "s64k": dict(synth=SLICE_64K, train_prompts=24, bench_prompts=2, new_tokens=24, rounds=10),
     "q30b8": dict(synth=dict(preset="qwen3-30b-a3b", n_layers=8, fast_random=True, structure="planted"),
-                  train_prompts=12, bench_prompts=2, new_tokens=16, rounds=4),
+                  train_prompts=12, bench_prompts=2, new_tokens=16, rounds=10),
 }
 FAMILIES = "glm4moe,deepseek2,gpt-oss,qwen3next"  # another helper adds these synth archs
 GOALS = {"reads_over_os_min": 2.0, "limit_ratio_max": 1.25, "law_tolerance": 0.10, "callback_overhead_min": 0.9}
