@@ -176,3 +176,22 @@ def test_plan_writes_the_heldout_trace_for_ab(tmp_path, data_dir):
     assert (held.experts == decode.experts[32:]).all()
     res = CliRunner().invoke(app, ["plan", str(src), "--train-frac", "1", "--heldout", str(tmp_path / "h2.mbtrace")])
     assert res.exit_code == 2 and "nothing is held out" in res.output
+
+
+def test_profile_in_the_glm_overlay_shape_reads_as_the_qwen_one(tmp_path):
+    """The GLM-5.2 overlay lists MoE layers by moe_order, counts tokens in profile_rows and has a
+    fifth pair column: the same numbers in that shape give the same profile."""
+    from mbolt.layout.calibrate import load_profile
+
+    qwen = tiny_profile(tmp_path / "coactivation_tiny.json")
+    d = json.loads(qwen.read_text())
+    glm = {"artifact": "glm-shaped", "n_expert_per_layer": d["n_expert_per_layer"], "k": d["k"],
+           "profile_rows": {"used": "decode only", "decode_rows": d["n_decode_tokens"]},
+           "layers": [{"abs_layer": rec["layer"] + 3, "moe_order": rec["layer"], "heat": rec["heat"],
+                       "pairs": [p + [7] for p in rec["pairs"]], "chain_order": rec["chain_order"]}
+                      for rec in reversed(d["layers"])]}
+    (tmp_path / "glm.json").write_text(json.dumps(glm))
+    a, b = load_profile(qwen), load_profile(tmp_path / "glm.json")
+    assert (a.n_layers, a.n_experts, a.k, a.n_tokens) == (b.n_layers, b.n_experts, b.k, b.n_tokens) == (2, 16, 4, 3000)
+    assert np.array_equal(a.heat, b.heat) and all(np.array_equal(x, y) for x, y in zip(a.pairs, b.pairs))
+    assert len(a.pairs[0]) > 0

@@ -230,3 +230,21 @@ def test_an_error_in_the_callback_reaches_the_caller(files):
         with pytest.raises(MboltError, match="stop at layer 0"):
             r.eval(PROMPTS[0])
     assert seen[0] == (0, (len(PROMPTS[0]), 4))  # one row of k=4 positions per prompt token
+
+
+def test_cold_start_keeps_every_dense_page_and_no_expert_page(files):
+    """make_cold after llama.cpp's load (which reads the whole file into large folios): no expert
+    page stays resident, every page holding a dense byte does (norms of 512 B included), so a
+    streamed prefill faults nothing in."""
+    import resource
+
+    from mbolt.bench.llama_stream import LlamaStream
+
+    with LlamaStream(str(files["stock"]), reads=True, cache_slots=8) as s:
+        s.make_cold()
+        assert s.pages.resident() == 0.0
+        assert s.pages.resident(s.pages.dense_tensors) == 1.0
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        s.runner.reset()
+        s.runner.eval(list(PROMPTS[0]))
+        assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0 == 0

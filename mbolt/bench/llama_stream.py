@@ -42,6 +42,7 @@ from mbolt.engine.store import ExpertStore, proc_read_bytes
 
 PAGE = mmap.PAGESIZE
 MADV_DONTNEED = 4
+MADV_NORMAL, MADV_RANDOM = 0, 1
 
 
 def check_llama_streamable(mm: MoeMap, path: str) -> None:
@@ -55,6 +56,19 @@ def check_llama_streamable(mm: MoeMap, path: str) -> None:
         # the eviction and its proof work on one mapping of one file; a set has one per shard
         raise MboltError(f"{path}: a split set of {len(mm.paths)} shards: streaming in llama.cpp reads one-file "
                          "models for now (write one with `mbolt reorder ... --no-split`)")
+
+
+def joined(spans, gap: int = PAGE) -> list[tuple[int, int]]:
+    """Spans closer than `gap` (only alignment padding between them) as one span: the page cache
+    keeps large folios (up to 2 MiB here) that can straddle two adjacent expert tensors, and a
+    range drop removes only folios that lie wholly inside the range."""
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a - out[-1][1] < gap:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
 
 
 def inward(spans) -> list[tuple[int, int]]:
@@ -103,8 +117,9 @@ class ExpertPages:
         self.path = str(path)
         self.mm = mm
         spans = expert_spans(mm)
-        self.spans = inward(spans)
-        self.dense_spans = inward(_dense_spans(mm, spans))
+        self.spans = inward(joined(spans))
+        self.dense_tensors = _dense_spans(mm, spans)  # whole tensors: every page with a dense byte
+        self.dense_spans = inward(self.dense_tensors)
         self.fd = os.open(self.path, os.O_RDONLY)
         self.maps: list[tuple[int, int, int]] = []
         self.lib = _libc()
@@ -129,6 +144,31 @@ class ExpertPages:
                 if self.lib.madvise(ctypes.c_void_p(addr), n, MADV_DONTNEED) != 0:
                     raise MboltError(f"{self.path}: madvise(MADV_DONTNEED) failed (errno {ctypes.get_errno()})")
             os.posix_fadvise(self.fd, a, b - a, os.POSIX_FADV_DONTNEED)
+
+    def _advise(self, advice: int) -> None:
+        for lo, hi, _ in self.maps:
+            if self.lib.madvise(ctypes.c_void_p(lo), hi - lo, advice) != 0:
+                raise MboltError(f"{self.path}: madvise({advice}) failed (errno {ctypes.get_errno()})")
+
+    def reset(self) -> None:
+        """Every page of the file out of the mapping and the page cache, then the dense tensors back
+        as single 4 KiB pages (faulted in under MADV_RANDOM, no readahead). Why: llama.cpp's load
+        reads the whole file into large folios, which straddle the dense/expert boundaries and
+        survive any drop of the expert spans alone; after this, dense and expert pages never share
+        a folio, so dropping the expert spans leaves nothing of them resident and the dense
+        weights resident."""
+        self._advise(MADV_DONTNEED)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        self._advise(MADV_RANDOM)
+        try:
+            for a, b in self.dense_tensors:
+                for addr, n in self._addresses(a, b):
+                    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
+                    # one read per page (the last one too: spans are not page aligned); under
+                    # MADV_RANDOM each fault brings in that page only
+                    int(view[::PAGE].sum()) + int(view[-1])
+        finally:
+            self._advise(MADV_NORMAL)
 
     def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
         """Whole pages inside the slices of these experts (original ids) of one layer."""
@@ -252,7 +292,7 @@ class LlamaStream:
         if self.store is not None:
             self.store.clear_cache()
         self._evicted.clear()
-        self.pages.drop()
+        self.pages.reset()
 
     _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
 

@@ -46,11 +46,15 @@ def load_profile(path: str | os.PathLike) -> Profile:
     if not isinstance(d, dict):
         raise MboltError(f"{where}: not a co-activation profile (not a JSON object)")
     try:
-        L = check_range(d["n_layers"], f"{where}: n_layers", 1, MAX_LAYERS)
+        # The Qwen profiles name n_layers, n_decode_tokens and each record's "layer"; the GLM-5.2
+        # overlay lists MoE layers only ("moe_order"), counts tokens in profile_rows.decode_rows
+        # and adds a fifth pair column (category support), which is not used here.
+        L = check_range(d.get("n_layers", len(d["layers"])), f"{where}: n_layers", 1, MAX_LAYERS)
         E = check_range(d["n_expert_per_layer"], f"{where}: n_expert_per_layer", 1, MAX_EXPERTS)
         k = check_range(d["k"], f"{where}: k", 1, E)
-        N = check_range(d["n_decode_tokens"], f"{where}: n_decode_tokens", 1, 1 << 26)
-        layers = sorted(d["layers"], key=lambda r: r["layer"])
+        n_tok = d["n_decode_tokens"] if "n_decode_tokens" in d else d["profile_rows"]["decode_rows"]
+        N = check_range(n_tok, f"{where}: n_decode_tokens", 1, 1 << 26)
+        layers = sorted(d["layers"], key=lambda r: r["layer"] if "layer" in r else r["moe_order"])
         if len(layers) != L:
             raise MboltError(f"{where}: {len(layers)} layer records for {L} layers")
         heat = np.zeros((L, E))
@@ -62,7 +66,8 @@ def load_profile(path: str | os.PathLike) -> Profile:
             if h.shape != (E,):
                 raise MboltError(f"{where}: layer {l}: heat has {h.size} entries, expected {E}")
             heat[l] = h
-            p = np.asarray(rec.get("pairs") or np.zeros((0, 4)), dtype=np.float64).reshape(-1, 4)
+            raw = rec.get("pairs") or []
+            p = np.asarray([row[:4] for row in raw] or np.zeros((0, 4)), dtype=np.float64).reshape(-1, 4)
             if len(p) and (p[:, :2].min() < 0 or p[:, :2].max() >= E):
                 raise MboltError(f"{where}: layer {l}: pair expert id outside 0..{E - 1}")
             pairs.append(p)
@@ -75,7 +80,7 @@ def load_profile(path: str | os.PathLike) -> Profile:
         raise MboltError(f"{where}: malformed co-activation profile ({e!r})") from None
     if k < 1 or k > E:
         raise MboltError(f"{where}: k={k} with {E} experts")
-    return Profile(str(d.get("model", "")), L, E, k, N, heat, pairs, chain if have_chain else None, where)
+    return Profile(str(d.get("model", d.get("artifact", ""))), L, E, k, N, heat, pairs, chain if have_chain else None, where)
 
 
 # ---------------------------------------------------------------- sampler
