@@ -385,7 +385,10 @@ def main() -> None:
         write_text_atomic(BENCH / "prepare.json", json.dumps({"skipped": skipped}, indent=1) + "\n")
         return
     t0 = time.perf_counter()
-    summary = {"models": {}, "skipped": {}}
+    # models measured in an earlier run keep their entries (each model's result files are its own)
+    old = RESULTS / "llama_stream_summary.json"
+    summary = json.loads(old.read_text()) if old.exists() else {}
+    summary = {"models": summary.get("models", {}), "skipped": {}}
     for n in names:
         if not paths(n)["bench"].exists():
             summary["skipped"][n] = "not prepared (see prepare.json)"

@@ -42,7 +42,7 @@ from mbolt.engine.store import ExpertStore, proc_read_bytes
 
 PAGE = mmap.PAGESIZE
 MADV_DONTNEED = 4
-MADV_NORMAL, MADV_RANDOM = 0, 1
+RESET_CHUNK = 8 << 20  # bytes per read when the dense tensors are brought back
 
 
 def check_llama_streamable(mm: MoeMap, path: str) -> None:
@@ -152,23 +152,27 @@ class ExpertPages:
 
     def reset(self) -> None:
         """Every page of the file out of the mapping and the page cache, then the dense tensors back
-        as single 4 KiB pages (faulted in under MADV_RANDOM, no readahead). Why: llama.cpp's load
-        reads the whole file into large folios, which straddle the dense/expert boundaries and
-        survive any drop of the expert spans alone; after this, dense and expert pages never share
-        a folio, so dropping the expert spans leaves nothing of them resident and the dense
-        weights resident."""
+        as single 4 KiB pages. Why: llama.cpp's load reads the whole file into large folios, which
+        straddle the dense/expert boundaries and survive any drop of the expert spans alone. The
+        dense pages come back through a descriptor with POSIX_FADV_RANDOM (no readahead: the page
+        cache fills exactly the pages asked for, one page per folio), so dense and expert pages
+        never share a folio again: dropping the expert spans then leaves none of them resident
+        and the dense weights resident (llama.cpp maps them back with minor faults)."""
         self._advise(MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        self._advise(MADV_RANDOM)
+        fd = os.open(self.path, os.O_RDONLY)
         try:
-            for a, b in self.dense_tensors:
-                for addr, n in self._addresses(a, b):
-                    view = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(addr))
-                    # one read per page (the last one too: spans are not page aligned); under
-                    # MADV_RANDOM each fault brings in that page only
-                    int(view[::PAGE].sum()) + int(view[-1])
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            buf = bytearray(RESET_CHUNK)
+            for a, b in joined(self.dense_tensors):
+                a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE  # every page holding a dense byte
+                while a < b:
+                    n = os.preadv(fd, [memoryview(buf)[:min(RESET_CHUNK, b - a)]], a)
+                    if n <= 0:
+                        break
+                    a += n
         finally:
-            self._advise(MADV_NORMAL)
+            os.close(fd)
 
     def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
         """Whole pages inside the slices of these experts (original ids) of one layer."""
