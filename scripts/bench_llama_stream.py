@@ -362,7 +362,10 @@ def main() -> None:
     ap.add_argument("--s-assumed", type=float, default=None,
                     help="prepare: s for the law's prediction (default: estimated from one warm decode)")
     ap.add_argument("--quiet-machine", action="store_true", help="record that nothing else ran on the machine")
+    ap.add_argument("--qds", default=",".join(map(str, QDS)), help="queue depths to run (default 1,4)")
     args = ap.parse_args()
+    global QDS
+    QDS = tuple(int(q) for q in args.qds.split(",") if q)
     if args.stage == "smoke":
         smoke()
         return

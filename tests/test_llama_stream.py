@@ -248,3 +248,18 @@ def test_cold_start_keeps_every_dense_page_and_no_expert_page(files):
         s.runner.reset()
         s.runner.eval(list(PROMPTS[0]))
         assert resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0 == 0
+
+
+def test_quantized_experts_are_read_from_the_mapping(tmp_path):
+    """Q4_0 experts: llama.cpp's CPU backend repacks such weights into its own buffers unless told
+    not to; streaming loads without extra buffer types, so the os arm's matmuls fault the mapped
+    expert pages in (a warm copy in anonymous memory would make every arm read for nothing)."""
+    from mbolt.bench.llama_stream import LlamaStream
+
+    path = write_synth(tmp_path / "q4.gguf", SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4,
+                                                         hidden=128, expert_ff=128, n_heads=4, n_kv_heads=2,
+                                                         head_dim=32, expert_type="Q4_0", seed=1))
+    with LlamaStream(str(path), reads=False) as s:
+        s.make_cold()
+        run = s.generate([PROMPTS[0]], 3)
+        assert run.major_faults > 0 and s.pages.resident() == 0.0

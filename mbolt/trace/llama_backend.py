@@ -84,6 +84,11 @@ class LlamaRunner:
         if load_mode is not None:
             # "mmap": tensors point into llama.cpp's mapping of the file (what streaming needs)
             mp.load_mode = {"mmap": L.LLAMA_LOAD_MODE_MMAP, "none": L.LLAMA_LOAD_MODE_NONE}[load_mode]
+            if load_mode == "mmap":
+                # no extra buffer types: the CPU backend would otherwise repack Q4_0/IQ4_NL/...
+                # weights into its own anonymous buffers at load time, so the expert matmuls never
+                # touch the mapped file and streaming would read for nothing
+                mp.use_extra_bufts = False
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise MboltError(f"{path}: llama.cpp could not load the model")
