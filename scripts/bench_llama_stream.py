@@ -355,6 +355,7 @@ def prepare_no_prereg(name: str) -> dict:
 
 
 def main() -> None:
+    global QDS
     ap = argparse.ArgumentParser()
     ap.add_argument("stage", choices=["prepare", "run", "smoke"])
     ap.add_argument("--models", default=",".join(MODELS), help="models (s64k, q30b8)")
@@ -364,7 +365,6 @@ def main() -> None:
     ap.add_argument("--quiet-machine", action="store_true", help="record that nothing else ran on the machine")
     ap.add_argument("--qds", default=",".join(map(str, QDS)), help="queue depths to run (default 1,4)")
     args = ap.parse_args()
-    global QDS
     QDS = tuple(int(q) for q in args.qds.split(",") if q)
     if args.stage == "smoke":
         smoke()
