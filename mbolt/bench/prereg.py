@@ -80,14 +80,11 @@ def _expand(s: str) -> str:
 
 def load_prereg(path: str | os.PathLike) -> Prereg:
     p = Path(path)
+    from mbolt.core.checks import read_text
+
+    text = read_text(p, "pre-registration")
     try:
-        raw = tomllib.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise MboltError(f"{p}: pre-registration not found") from None
-    except OSError as e:
-        raise MboltError(f"{p}: {e.strerror}") from None
-    except UnicodeDecodeError as e:
-        raise MboltError(f"{p}: not valid TOML (byte {e.start} is not UTF-8)") from None
+        raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise MboltError(f"{p}: not valid TOML ({e})") from None
     need = ("name", "mode", "metric", "baseline", "treatment", "predicted_speedup", "pass_threshold", "arm")

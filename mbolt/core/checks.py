@@ -50,12 +50,12 @@ def check_cells(where: str, shape: tuple[int, ...], limit: int = MAX_CELLS) -> N
         raise MboltError(f"{where}: would need {dims} = {n:,} entries (limit {limit:,}): damaged file?")
 
 
-def read_json(path: str | os.PathLike, what: str = "JSON file"):
-    """Parse a JSON file; any failure (missing, unreadable, not UTF-8, not JSON, nested too
-    deep) is one MboltError naming the file."""
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """A UTF-8 text file's contents; missing, a directory, unreadable or not UTF-8 is one
+    MboltError naming the file."""
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        return p.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise MboltError(f"{p}: {what} not found") from None
     except IsADirectoryError:
@@ -64,6 +64,13 @@ def read_json(path: str | os.PathLike, what: str = "JSON file"):
         raise MboltError(f"{p}: cannot read the {what}: {e.strerror}") from None
     except UnicodeDecodeError as e:
         raise MboltError(f"{p}: not a readable {what} (byte {e.start} is not UTF-8)") from None
+
+
+def read_json(path: str | os.PathLike, what: str = "JSON file"):
+    """Parse a JSON file; any failure (missing, unreadable, not UTF-8, not JSON, nested too
+    deep) is one MboltError naming the file."""
+    p = Path(path)
+    text = read_text(p, what)
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
