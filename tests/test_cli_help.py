@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 
-import click
 import pytest
 import typer
 from typer.testing import CliRunner
@@ -16,7 +15,10 @@ NAMES = [name for name, _, _ in COMMANDS]
 
 def _params(name):
     cmd = typer.main.get_command(app).commands[name]
-    return [p for p in cmd.params if isinstance(p, click.Option)]
+    # typer vendors its own click: check the kind, not the class
+    opts = [p for p in cmd.params if p.param_type_name == "option"]
+    assert opts, name  # every command has options: an empty list would make these tests vacuous
+    return opts
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -46,3 +48,17 @@ def test_json_is_a_flag_everywhere():
         for p in _params(name):
             if "--json" in p.opts:
                 assert p.is_flag, name
+
+
+def test_the_demo_suggests_only_options_that_exist():
+    import shlex
+
+    from mbolt.report.tables import demo_next_steps
+
+    text = demo_next_steps({"workdir": "wd"}).plain
+    cmds = [shlex.split(line.split("(")[0])[1:] for line in text.splitlines() if line.strip().startswith("mbolt ")]
+    assert len(cmds) >= 7
+    for args in cmds:
+        known = {o for p in _params(args[0]) for o in p.opts + p.secondary_opts}
+        used = {a for a in args if a.startswith("-")}
+        assert used <= known, (args[0], used - known)

@@ -186,6 +186,6 @@ def demo_next_steps(s: dict) -> Text:
         "  mbolt reorder MODEL.gguf MODEL.packed.gguf --plan plan.json --layout packed",
         "  mbolt verify MODEL.gguf MODEL.packed.gguf",
         "  mbolt probe MODEL.gguf -o probe.json",
-        "  mbolt ab MODEL.gguf MODEL.packed.gguf --replay held.mbtrace --probe probe.json --plan plan.json",
+        "  mbolt ab MODEL.gguf MODEL.packed.gguf --replay held.mbtrace --probe probe.json",
     ]
     return Text.assemble(("next:\n", "bold"), "\n".join(lines))
