@@ -54,6 +54,16 @@ def _make_file(dirpath: Path, size: int, progress=None) -> Path:
     return Path(name)
 
 
+def _open_for_random_reads(path, size: int) -> tuple[int, mmap.mmap]:
+    """A buffered descriptor without kernel readahead and one read buffer, touched before any
+    timing (no first-touch page faults inside a timed read)."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    buf = mmap.mmap(-1, size)
+    buf.write(bytes(size))
+    return fd, buf
+
+
 def _run_config(path: str, size: int, qd: int, direct: bool, n_reads: int, seed: int) -> dict:
     fsize = os.path.getsize(path)
     slots = (fsize - size) // ALIGN
@@ -118,10 +128,7 @@ def _burst_config(path: str, size: int, k: int, n_bursts: int, span: int, seed: 
     # bursts in disjoint windows, so no burst reads a page another burst brought in
     windows = rng.permutation(max(1, (fsize - size) // span))[:n_bursts]
     ev = evict(path)
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    buf = mmap.mmap(-1, size)
-    buf.write(bytes(size))
+    fd, buf = _open_for_random_reads(path, size)
     per_read = []
     try:
         for w in windows:
@@ -204,10 +211,7 @@ def host_cache_probe(dirpath: str | os.PathLike, size_mb: int = 32, size: int = 
         rng = np.random.default_rng(seed)
         grid = np.arange(0, os.path.getsize(path) - size, size + ALIGN, dtype=np.int64)
         offs = rng.choice(grid, size=min(n_reads, len(grid)), replace=False)
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        buf = mmap.mmap(-1, size)
-        buf.write(bytes(size))
+        fd, buf = _open_for_random_reads(path, size)
         passes = []
         try:
             for _ in range(2):
