@@ -106,6 +106,47 @@ def cold(*paths) -> list[dict]:
 ARMS = ["cp", "cp+sync", "gguf-py copy", "reorder", "reorder packed", "read both", "verify"]
 
 
+def timed_arms(cmds: dict, reps: int, log, prepare=None) -> tuple[dict, list]:
+    """Every arm (name -> (command, bytes, input files)) `reps` times per cache state (warm: inputs
+    read once before; cold: inputs evicted, proven by mincore), the arm order alternating between
+    rounds, each arm its own process timed from outside with its peak RSS; `prepare()` runs before
+    every arm. Returns the per-arm medians by cache state and every run."""
+    runs = []
+    names = list(cmds)
+    for mode in ("warm", "cold"):
+        for rep in range(reps):
+            for name in (names if rep % 2 == 0 else names[::-1]):  # alternate the order each round
+                cmd, nbytes, inputs = cmds[name]
+                if prepare:
+                    prepare()
+                if mode == "warm":
+                    run(["cat", *map(str, inputs)])
+                    ev = []
+                else:
+                    ev = cold(*inputs)
+                d = run(cmd)
+                d.update(arm=name, mode=mode, round=rep, bytes=nbytes, throughput_gb_s=nbytes / d["seconds"] / 1e9,
+                         cold_proven=all(e["proven"] for e in ev) if ev else None)
+                runs.append(d)
+                log(f"  {mode:4} r{rep} {name:14} {d['seconds']:7.2f} s  {d['throughput_gb_s']:6.2f} GB/s  "
+                    f"rss {d['peak_rss_mb']:7.1f} MB" + (f"  (in-process {d['internal_seconds']:.2f} s)"
+                                                         if d.get("internal_seconds") else ""))
+    arms = {}
+    for mode in ("warm", "cold"):
+        arms[mode] = {}
+        for name in names:
+            xs = [r for r in runs if r["arm"] == name and r["mode"] == mode]
+            sec = float(np.median([r["seconds"] for r in xs]))
+            arms[mode][name] = {"median_seconds": sec, "seconds": [r["seconds"] for r in xs],
+                                "throughput_gb_s": xs[0]["bytes"] / sec / 1e9, "bytes": xs[0]["bytes"],
+                                "peak_rss_mb": max(r["peak_rss_mb"] for r in xs)}
+            inner = [r["internal_seconds"] for r in xs if r.get("internal_seconds")]
+            if inner:
+                arms[mode][name]["internal_median_seconds"] = float(np.median(inner))
+                arms[mode][name]["internal_throughput_gb_s"] = xs[0]["bytes"] / float(np.median(inner)) / 1e9
+    return arms, runs
+
+
 def bench_size(target_gb: float, tmp: Path, reps: int, log) -> dict:
     per_layer = synth_size(SynthConfig.from_preset(PRESET, n_layers=2, fast_random=True)) - synth_size(
         SynthConfig.from_preset(PRESET, n_layers=1, fast_random=True))
@@ -137,41 +178,14 @@ def bench_size(target_gb: float, tmp: Path, reps: int, log) -> dict:
         "read both": (["cat", str(src), str(out)], size + out_size, [src, out]),
         "verify": ([*MBOLT, "verify", str(src), str(out), "--no-parity", "--json"], size + out_size, [src, out]),
     }
-    runs: list[dict] = []
-    for mode in ("warm", "cold"):
-        for rep in range(reps):
-            for name in (ARMS if rep % 2 == 0 else ARMS[::-1]):  # alternate the order each round
-                cmd, nbytes, inputs = cmds[name]
-                for p in (scratch, Path(str(scratch) + ".mbolt.json")):
-                    p.unlink(missing_ok=True)
-                if mode == "warm":
-                    run(["cat", *map(str, inputs)])
-                    ev = []
-                else:
-                    ev = cold(*inputs)
-                d = run(cmd)
-                d.update(arm=name, mode=mode, round=rep, bytes=nbytes, throughput_gb_s=nbytes / d["seconds"] / 1e9,
-                         cold_proven=all(e["proven"] for e in ev) if ev else None)
-                runs.append(d)
-                log(f"  {mode:4} r{rep} {name:14} {d['seconds']:7.2f} s  {d['throughput_gb_s']:6.2f} GB/s  "
-                    f"rss {d['peak_rss_mb']:7.1f} MB" + (f"  (in-process {d['internal_seconds']:.2f} s)"
-                                                         if d.get("internal_seconds") else ""))
+    def fresh_scratch():
+        for p in (scratch, Path(str(scratch) + ".mbolt.json")):
+            p.unlink(missing_ok=True)
+
+    arms, runs = timed_arms({name: cmds[name] for name in ARMS}, reps, log, prepare=fresh_scratch)
     for p in (scratch, Path(str(scratch) + ".mbolt.json"), out, Path(str(out) + ".mbolt.json"), src):
         p.unlink(missing_ok=True)
 
-    arms = {}
-    for mode in ("warm", "cold"):
-        arms[mode] = {}
-        for name in ARMS:
-            xs = [r for r in runs if r["arm"] == name and r["mode"] == mode]
-            sec = float(np.median([r["seconds"] for r in xs]))
-            arms[mode][name] = {"median_seconds": sec, "seconds": [r["seconds"] for r in xs],
-                                "throughput_gb_s": xs[0]["bytes"] / sec / 1e9, "bytes": xs[0]["bytes"],
-                                "peak_rss_mb": max(r["peak_rss_mb"] for r in xs)}
-            inner = [r["internal_seconds"] for r in xs if r.get("internal_seconds")]
-            if inner:
-                arms[mode][name]["internal_median_seconds"] = float(np.median(inner))
-                arms[mode][name]["internal_throughput_gb_s"] = xs[0]["bytes"] / float(np.median(inner)) / 1e9
     ratios = {}
     for mode in ("warm", "cold"):
         a = arms[mode]

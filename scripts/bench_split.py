@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_rewrite import MBOLT, cold, run  # noqa: E402
+from bench_rewrite import MBOLT, run, timed_arms  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.moe_map import moe_map  # noqa: E402
 from mbolt.core.plan import Plan, save_plan  # noqa: E402
@@ -87,38 +87,6 @@ def model_for_size(base: dict, target_gb: float, preset: str | None) -> SynthCon
     per_ff = (big - small) / ff
     want = int((target_gb * 1e9 - small) / per_ff) + ff if per_ff > 0 else ff
     return cfg(max(32, want // 32 * 32))
-
-
-def timed_arms(cmds: dict, reps: int, log, prepare=None) -> tuple[dict, list]:
-    runs = []
-    names = list(cmds)
-    for mode in ("warm", "cold"):
-        for rep in range(reps):
-            for name in (names if rep % 2 == 0 else names[::-1]):
-                cmd, nbytes, inputs = cmds[name]
-                if prepare:
-                    prepare()
-                if mode == "warm":
-                    run(["cat", *map(str, inputs)])
-                    ev = []
-                else:
-                    ev = cold(*inputs)
-                d = run(cmd)
-                d.update(arm=name, mode=mode, round=rep, bytes=nbytes, throughput_gb_s=nbytes / d["seconds"] / 1e9,
-                         cold_proven=all(e["proven"] for e in ev) if ev else None)
-                runs.append(d)
-                log(f"  {mode:4} r{rep} {name:14} {d['seconds']:7.2f} s  {d['throughput_gb_s']:6.2f} GB/s  "
-                    f"rss {d['peak_rss_mb']:7.1f} MB")
-    arms = {}
-    for mode in ("warm", "cold"):
-        arms[mode] = {}
-        for name in names:
-            xs = [r for r in runs if r["arm"] == name and r["mode"] == mode]
-            sec = float(np.median([r["seconds"] for r in xs]))
-            arms[mode][name] = {"median_seconds": sec, "seconds": [r["seconds"] for r in xs],
-                                "throughput_gb_s": xs[0]["bytes"] / sec / 1e9, "bytes": xs[0]["bytes"],
-                                "peak_rss_mb": max(r["peak_rss_mb"] for r in xs)}
-    return arms, runs
 
 
 def bench_set(target_gb: float, n_shards: int, tmp: Path, reps: int, log) -> dict:
