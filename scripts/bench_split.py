@@ -89,17 +89,23 @@ def model_for_size(base: dict, target_gb: float, preset: str | None) -> SynthCon
     return cfg(max(32, want // 32 * 32))
 
 
+def synth_set(cfg: SynthConfig, src: Path, n_shards: int) -> tuple[Path, list[Path], int]:
+    """Write the model `cfg` and cut it into a set of about `n_shards` shards at `src` (an
+    identity reorder with --split-max-size, the tensors of a layer together as gguf-split keeps
+    them); returns (src, shard paths, bytes of the one-file model)."""
+    one = write_synth(src.with_name(src.stem + ".one.gguf"), cfg)
+    size = one.stat().st_size
+    run([*MBOLT, "reorder", str(one), str(src), "--identity", "--split-max-size", str(-(-size // n_shards) + 1), "--json"])
+    one.unlink()
+    return src, set_files(src), size
+
+
 def bench_set(target_gb: float, n_shards: int, tmp: Path, reps: int, log) -> dict:
     per_layer = synth_size(SynthConfig.from_preset(SET_PRESET, n_layers=2, fast_random=True)) - synth_size(
         SynthConfig.from_preset(SET_PRESET, n_layers=1, fast_random=True))
     n_layers = max(n_shards, round(target_gb * 1e9 / per_layer))
     cfg = SynthConfig.from_preset(SET_PRESET, n_layers=n_layers, fast_random=True, seed=1)
-    one = write_synth(tmp / "one.gguf", cfg)
-    size = one.stat().st_size
-    src = tmp / "set.gguf"
-    run([*MBOLT, "reorder", str(one), str(src), "--identity", "--split-max-size", str(-(-size // n_shards) + 1), "--json"])
-    one.unlink()
-    shards = set_files(src)
+    src, shards, size = synth_set(cfg, tmp / "set.gguf", n_shards)
     log(f"set of {len(shards)} shards, {size / 1e9:.2f} GB ({n_layers} layers)")
     plan = tmp / "plan.json"
     random_plan(plan, n_layers, cfg.n_experts)
@@ -199,12 +205,7 @@ def bench_geometry(preset: str, target_gb: float, n_shards: int, tokens: int, tm
         cfg = model_for_size(dict(FALLBACK, hidden=256), target_gb, None)
     log(f"geometry: {note}; {cfg.n_layers} layers x {cfg.n_experts} experts, hidden {cfg.hidden}, "
         f"expert_ff {cfg.expert_ff}")
-    one = write_synth(tmp / "g1.gguf", cfg)
-    size = one.stat().st_size
-    src = tmp / "g.gguf"
-    run([*MBOLT, "reorder", str(one), str(src), "--identity", "--split-max-size", str(-(-size // n_shards) + 1), "--json"])
-    one.unlink()
-    shards = set_files(src)
+    src, shards, size = synth_set(cfg, tmp / "g.gguf", n_shards)
     m = moe_map(shards[0])
     trace = tmp / "g.mbtrace"
     zipf_trace(trace, m, tokens)
