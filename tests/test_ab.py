@@ -413,6 +413,16 @@ def test_probe_bursts_and_host_cache(tmp_path):
     assert not list(tmp_path.iterdir())  # temp files removed
 
 
+def test_burst_window_grows_with_read_size(tmp_path):
+    """Bursts of 1 MiB reads in a window given as 4 MiB (the default probe's largest size against
+    its default window crashed): the window grows to hold k scattered reads, each a distinct range."""
+    from mbolt.bench.probe import _burst_config, _make_file
+
+    f = _make_file(tmp_path, 64 << 20)
+    r = _burst_config(str(f), 1 << 20, 8, 4, 4 << 20, seed=0)
+    assert (r["size"], r["k"], r["bursts"]) == (1 << 20, 8, 1) and r["cold_proven"] and r["t_op_us"] > 0
+
+
 def test_cost_prefers_burst_figures_for_qd1_buffered(tmp_path):
     from mbolt.bench.probe import cost, load_probe
 

@@ -120,8 +120,10 @@ def _burst_config(path: str, size: int, k: int, n_bursts: int, span: int, seed: 
     stock file (k experts' slices of one tensor, sorted, each its own read). Per burst the wall
     time is divided by k: the per-read cost of scattered reads in a burst."""
     fsize = os.path.getsize(path)
-    span = int(min(span, fsize - size))
     stride = size + ALIGN  # never two reads in the same page or adjacent: each is its own I/O
+    # the window grows with the read size (a stock tensor of 64 experts spans 64 slices): k reads
+    # among at least 4k slots stay scattered, whatever `span` says
+    span = int(min(max(span, 4 * k * stride), fsize - size))
     if span // stride < k:
         raise MboltError(f"{path}: window of {span} B too small for {k} reads of {size} B")
     rng = np.random.default_rng(seed)
