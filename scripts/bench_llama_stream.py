@@ -397,7 +397,8 @@ def main() -> None:
             summary["skipped"][n] = "not prepared (see prepare.json)"
             continue
         got = run_model(n, args.quiet_machine)
-        summary["models"][n] = goals(n, got)
+        # per queue depth: a run of --qds 4 alone keeps the model's earlier qd1 entry
+        summary["models"][n] = {**summary["models"].get(n, {}), **goals(n, got)}
     summary["seconds"] = round(time.perf_counter() - t0, 1)
     write_text_atomic(RESULTS / "llama_stream_summary.json", json.dumps(summary, indent=1, default=str) + "\n")
     log(json.dumps(summary, indent=1, default=str)[:4000])

@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from mbolt.bench.ab import aa_ok  # noqa: E402
 from mbolt.bench.predict import predict_vs_measured  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.mbtrace import read_trace  # noqa: E402
@@ -64,17 +65,17 @@ def main() -> None:
         plain = Path(td) / "probe_random_only.json"
         plain.write_text(json.dumps(without))
         for f in sorted(RESULTS.glob(f"ab_*_{args.tag}.json")):
+            if f.stem.startswith("ab_summary"):
+                continue
             res = json.loads(f.read_text())
-            if res["mode"] != "replay" or not res.get("trace", {}).get("path") or f.stem.startswith("ab_summary"):
+            if res.get("mode") != "replay" or not res.get("trace", {}).get("path"):
                 continue
             held = read_trace(res["trace"]["path"])
             with_b, without_b = errors(res, held, probe_path), errors(res, held, plain)
             out["configs"][f.stem] = {"with_bursts": with_b, "random_reads_only": without_b,
                                       "verdict_with_bursts": verdict(with_b),
                                       "verdict_random_reads_only": verdict(without_b),
-                                      "aa_within_tolerance": all(abs(s["median_of_ratios"] - 1) <= 0.03
-                                                                 for s in res["summary"]
-                                                                 if s["arm"].endswith("(A/A)"))}
+                                      "aa_within_tolerance": aa_ok(res["summary"])}
             print(f.stem, json.dumps({k: out["configs"][f.stem][k] for k in
                                       ("verdict_with_bursts", "verdict_random_reads_only")}), flush=True)
     dst = RESULTS / f"predictor_{args.tag}.json"

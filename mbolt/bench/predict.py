@@ -25,8 +25,10 @@ from mbolt.core.trace import Trace
 
 
 def counts(trace: Trace, perm: np.ndarray, mm: MoeMap, layout: str, gap: int = 0, cache_slots: int = 0,
-           pad: int = 0) -> dict:
-    """Reads, bytes and useful bytes per token of `trace` over a file of this geometry."""
+           pad: int = 0, rewritten: bool = False) -> dict:
+    """Reads, bytes and useful bytes per token of `trace` over a file of this geometry; device
+    bytes with the pages the reads straddle (`rewritten`: an mbolt rewrite of `mm`, whose slices
+    all start on a page, rather than `mm` itself)."""
     geo = geometry_from_model(mm, "packed" if layout == "packed" else "reorder")
     ev = evaluate(trace, perm, geo, gap=max(gap, pad), cache_slots=cache_slots)
     if layout == "packed" and pad:
@@ -34,7 +36,26 @@ def counts(trace: Trace, perm: np.ndarray, mm: MoeMap, layout: str, gap: int = 0
         # positions are farther apart by pad each: every expert merged into a run reads a pad
         miss_experts = ev["useful_bytes_per_token"] / geo.expert_bytes
         ev["bytes_per_token"] = ev["useful_bytes_per_token"] + pad * max(miss_experts - ev["reads_per_token"], 0.0)
+    # The device reads whole pages (buffered: the page cache; O_DIRECT: the store aligns each read):
+    # a read starting inside a page reads one page more. Converters align tensors to 32 B only, so a
+    # stock file's slices straddle pages; mbolt's rewrites start every slice on a page.
+    share = 0.0 if rewritten else unaligned_read_share(mm, layout)
+    ev["device_bytes_per_token"] = ev["bytes_per_token"] + PAGE * ev["reads_per_token"] * share
     return ev
+
+
+PAGE = 4096
+
+
+def unaligned_read_share(mm: MoeMap, layout: str) -> float:
+    """Share of reads that start inside a page: reads spread evenly over a layer's regions (one per
+    role in the reorder layout, the slot in packed), so the share of regions whose slices are not
+    all page aligned, averaged over the MoE layers."""
+    shares = []
+    for layer in mm.moe_layers:
+        ws = layer.weights[:1] if layout == "packed" else layer.weights
+        shares.append(np.mean([not t.aligned or (t.stride or t.slice_bytes) % PAGE != 0 for t in ws]))
+    return float(np.mean(shares)) if shares else 0.0
 
 
 def io_time(reads: float, nbytes: float, t_op: float, bw: float) -> float:
@@ -116,7 +137,7 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
             for name, p in ((f"{lay}({plan.method})", perm), (f"{lay}(identity)", ident)):
                 if lay == "reorder" and p is ident:
                     continue
-                c = counts(trace, p, mm, lay, gap, cache_slots, pad if lay == "packed" else 0)
+                c = counts(trace, p, mm, lay, gap, cache_slots, pad if lay == "packed" else 0, rewritten=True)
                 rows.append({"layout": name, **_timed(c, pr, direct, qd, n_calls)})
     T0 = rows[0]["io_ms_per_token"]
     slice_b = float(sum(w.slice_bytes for w in mm.moe_layers[0].weights))
@@ -139,7 +160,8 @@ def _timed(c: dict, pr: dict, direct: bool, qd: int, n_calls: int) -> dict:
     t_op, bw, opr = reader_cost(pr, direct, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
     return {"reads_per_token": c["reads_per_token"], "bytes_per_token": c["bytes_per_token"],
             "hit_rate": c["hit_rate"], "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "ops_per_token": c["reads_per_token"] * opr,
-            "io_ms_per_token": io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw) * 1e3}
+            "device_bytes_per_token": c["device_bytes_per_token"],
+            "io_ms_per_token": io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw) * 1e3}
 
 
 def _packed_pad(mm: MoeMap) -> int:
@@ -181,7 +203,7 @@ def predict_rounds(arms: list[dict], trace: Trace, probe_d: dict, rounds_of: dic
             c = counts(tr, rm.perm, mm, lay, a["gap"], slots, pad)
             t_op, bw, opr = reader_cost(probe_d, a["direct"], a["io_threads"], c["reads_per_token"] / n,
                                         c["bytes_per_token"] / n)
-            return c, io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw), (t_op, bw)
+            return c, io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw), (t_op, bw)
 
         c_all, T_all, cost_ = timed(trace)
         memo: dict[int, tuple] = {}
@@ -247,6 +269,8 @@ def predict_vs_measured(result, trace: Trace | None, probe_path) -> list[dict]:
                      "meas_reads_per_token": s["reads_per_token"],
                      "pred_bytes_per_token": p["all"]["bytes_per_token"],
                      "meas_bytes_per_token": s["mb_per_token"] * 1e6,
+                     "pred_device_bytes_per_token": p["all"]["device_bytes_per_token"],
+                     "meas_device_bytes_per_token": (s.get("device_mb_per_token") or 0) * 1e6 or None,
                      "pred_ms_per_token": float(np.median(list(p["per_round"].values()))) * 1e3,
                      "meas_ms_per_token": s[f"{metric}_per_token_ms_median"],
                      "pred_speedup": mor, "meas_speedup": meas,
@@ -306,11 +330,12 @@ def predict_llama(result, trace: Trace, probe_path) -> list[dict]:
         c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], a["cache_slots"])
         n = len(mm.moe_layers)
         t_op, bw, opr = reader_cost(pr, False, a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
-        T[a["name"]] = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
+        T[a["name"]] = io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw)
         rows.append({"arm": a["name"], "pred_reads_per_token": c["reads_per_token"],
                      "meas_reads_per_token": summ[a["name"]]["reads_per_token"],
                      "pred_bytes_per_token": c["bytes_per_token"],
                      "meas_bytes_per_token": summ[a["name"]]["mb_per_token"] * 1e6,
+                     "pred_device_bytes_per_token": c["device_bytes_per_token"],
                      "pred_io_ms_per_token": T[a["name"]] * 1e3,
                      "meas_io_ms_per_token": summ[a["name"]]["io_ms_per_token_median"],
                      "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "s": s_ref, "reference": ref["name"]})

@@ -43,7 +43,7 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.core.ranges import merge_ranges
+from mbolt.core.ranges import DROP_ALIGN, drop_cached, merge_ranges
 from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr
 from mbolt.core.routemap import expert_ranges
 
@@ -306,7 +306,7 @@ class ExpertStore:
         files = a >> FILE_SHIFT
         for f in np.unique(files):
             sel = files == f
-            _drop_span(self.fds[int(f)], int(a[sel].min()) - (int(f) << FILE_SHIFT), int(b[sel].max()) - (int(f) << FILE_SHIFT))
+            drop_cached(self.fds[int(f)], int(a[sel].min()) - (int(f) << FILE_SHIFT), int(b[sel].max()) - (int(f) << FILE_SHIFT))
 
     def _pread(self, view, off, n, where):
         f, off = split_vaddr(off)
@@ -358,7 +358,7 @@ class ExpertStore:
                 a = (int(starts[sel].min()) - base) // DROP_ALIGN * DROP_ALIGN
                 b = min(-(-(int((starts + sizes)[sel].max()) - base) // DROP_ALIGN) * DROP_ALIGN, self.file_sizes[int(f)])
                 self._maps[int(f)].madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
-                _drop_span(self.fds[int(f)], a, b)
+                drop_cached(self.fds[int(f)], a, b)
             c.drop_time += time.perf_counter() - t1
         return got
 
@@ -381,14 +381,3 @@ def split_jobs(jobs, qd: int):
             done += piece
         out.append((off + done, n - done, where + done))
     return out
-
-
-# The page cache holds large folios (up to 2 MiB on current kernels): a read brings in whole
-# folios, and DONTNEED only drops folios entirely inside the range. Drop whole 2 MiB blocks.
-DROP_ALIGN = 2 << 20
-
-
-def _drop_span(fd, a, b):
-    a = a // DROP_ALIGN * DROP_ALIGN
-    b = -(-b // DROP_ALIGN) * DROP_ALIGN
-    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
