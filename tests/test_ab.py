@@ -320,6 +320,35 @@ def test_decode_mode_runs(files):
     assert s["rounds"] == 1 and s["reads_per_token"] > 0 and s["ttft_ms_median"] > 0
 
 
+def test_expert_spans_are_the_expert_tensors_gguf_py_reads(files):
+    """The spans every cold proof and drop works on: the routed expert tensors of a stock file and
+    the blobs of a packed one, as gguf-py reads them (a packed file's roles are views into the blob;
+    counting stride x E from each role's own offset ran into the next layer's dense tensors)."""
+    from gguf import GGUFReader
+
+    from mbolt.bench.pagecache import expert_spans
+    from mbolt.core.moe_map import moe_map
+
+    for f, pat in ((files["stock"], r"ffn_(gate|up|down)_exps"), (files["packed"], r"ffn_exps_packed")):
+        want = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes))
+                      for t in GGUFReader(str(f)).tensors if re.search(pat, t.name))
+        assert len(want) == (3 * L if f == files["stock"] else L) and expert_spans(moe_map(str(f))) == want
+
+
+def test_decode_arms_start_with_dense_weights_resident(files):
+    """Decode rounds: experts cold (mincore), the dense weights resident and mapped before the clock,
+    so the engine takes no major fault in the timed part whatever the layout (cold dense weights
+    faulted in with readahead, a cost outside io_s that differed between stock and packed)."""
+    res = run_ab([Arm("stock", str(files["stock"])), Arm("packed", str(files["packed"]))], mode="decode",
+                 prompts=[[1, 2, 3]], n_new=3, rounds=2, host_cache={})
+    assert res.cold and len(res.rounds) == 6
+    for r in res.rounds:
+        assert r.cold_proven and not r.rejected and r.resident_after <= 0.01, r
+        assert r.major_faults == 0, (r.arm, r.major_faults)
+        assert "dense weights resident and mapped" in r.note
+        assert r.misses > 0 and r.device_bytes is not None and r.device_bytes <= r.bytes + 4096 * r.reads
+
+
 def test_law_by_hand():
     from mbolt.bench.predict import law
 

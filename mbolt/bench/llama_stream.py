@@ -26,23 +26,17 @@ llama.cpp cannot load the `packed` layout (its tensors are blobs llama.cpp does 
 from __future__ import annotations
 
 import ctypes
-import mmap
-import os
 import resource
 import time
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mbolt.bench.pagecache import _lib as _libc, expert_spans, resident_share
+from mbolt.bench.pagecache import ExpertPages
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.core.routemap import expert_ranges
 from mbolt.engine.store import ExpertStore, proc_read_bytes
 
-PAGE = mmap.PAGESIZE
-MADV_DONTNEED = 4
-RESET_CHUNK = 8 << 20  # bytes per read when the dense tensors are brought back
 
 
 def check_llama_streamable(mm: MoeMap, path: str) -> None:
@@ -56,150 +50,6 @@ def check_llama_streamable(mm: MoeMap, path: str) -> None:
         # the eviction and its proof work on one mapping of one file; a set has one per shard
         raise MboltError(f"{path}: a split set of {len(mm.paths)} shards: streaming in llama.cpp reads one-file "
                          "models for now (write one with `mbolt reorder ... --no-split`)")
-
-
-def joined(spans, gap: int = PAGE) -> list[tuple[int, int]]:
-    """Spans closer than `gap` (only alignment padding between them) as one span: the page cache
-    keeps large folios (up to 2 MiB here) that can straddle two adjacent expert tensors, and a
-    range drop removes only folios that lie wholly inside the range."""
-    out: list[list[int]] = []
-    for a, b in sorted(spans):
-        if out and a - out[-1][1] < gap:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
-
-
-def inward(spans) -> list[tuple[int, int]]:
-    """Byte spans shrunk to the whole pages inside them (pages shared with other tensors are kept)."""
-    out = []
-    for a, b in spans:
-        a2 = -(-int(a) // PAGE) * PAGE
-        b2 = int(b) // PAGE * PAGE
-        if b2 > a2:
-            out.append((a2, b2))
-    return out
-
-
-def file_mappings(path: str) -> list[tuple[int, int, int]]:
-    """(start address, end address, file offset) of every mapping of `path` in this process."""
-    real = os.path.realpath(path)
-    out = []
-    with open("/proc/self/maps") as f:
-        for line in f:
-            parts = line.split(None, 5)
-            if len(parts) < 6:
-                continue
-            name = parts[5].strip()
-            if name.endswith(" (deleted)") or os.path.realpath(name) != real:
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            out.append((lo, hi, int(parts[2], 16)))
-    return out
-
-
-def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Byte spans of every tensor that is not a routed expert tensor."""
-    inside = set(experts)
-    out = []
-    for t in mm.header.tensors:
-        s = (int(t.data_offset), int(t.data_offset) + int(t.nbytes))
-        if not any(a <= s[0] and s[1] <= b for a, b in inside):
-            out.append(s)
-    return out
-
-
-class ExpertPages:
-    """The expert tensors' own pages of one model file, in this process's mappings and the page cache."""
-
-    def __init__(self, path: str, mm: MoeMap):
-        self.path = str(path)
-        self.mm = mm
-        spans = expert_spans(mm)
-        self.spans = inward(joined(spans))
-        self.dense_tensors = _dense_spans(mm, spans)  # whole tensors: every page with a dense byte
-        self.dense_spans = inward(self.dense_tensors)
-        self.fd = os.open(self.path, os.O_RDONLY)
-        self.maps: list[tuple[int, int, int]] = []
-        self.lib = _libc()
-        self.lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-
-    def attach(self) -> None:
-        """Find the engine's mappings of the file (call after the engine mapped it)."""
-        self.maps = file_mappings(self.path)
-        if not self.maps:
-            raise MboltError(f"{self.path}: llama.cpp did not map the file (load mode mmap expected)")
-
-    def _addresses(self, a: int, b: int):
-        for lo, hi, off in self.maps:
-            x, y = max(a, off), min(b, off + hi - lo)
-            if y > x:
-                yield lo + x - off, y - x
-
-    def drop(self, spans=None) -> None:
-        """Unmap the pages from every mapping of the file, then drop them from the page cache."""
-        for a, b in self.spans if spans is None else spans:
-            for addr, n in self._addresses(a, b):
-                if self.lib.madvise(ctypes.c_void_p(addr), n, MADV_DONTNEED) != 0:
-                    raise MboltError(f"{self.path}: madvise(MADV_DONTNEED) failed (errno {ctypes.get_errno()})")
-            os.posix_fadvise(self.fd, a, b - a, os.POSIX_FADV_DONTNEED)
-
-    def _advise(self, advice: int) -> None:
-        for lo, hi, _ in self.maps:
-            if self.lib.madvise(ctypes.c_void_p(lo), hi - lo, advice) != 0:
-                raise MboltError(f"{self.path}: madvise({advice}) failed (errno {ctypes.get_errno()})")
-
-    def reset(self) -> None:
-        """Every page of the file out of the mapping and the page cache, then the dense tensors back
-        as single 4 KiB pages. Why: llama.cpp's load reads the whole file into large folios, which
-        straddle the dense/expert boundaries and survive any drop of the expert spans alone. The
-        dense pages come back through a descriptor with POSIX_FADV_RANDOM (no readahead: the page
-        cache fills exactly the pages asked for, one page per folio), so dense and expert pages
-        never share a folio again: dropping the expert spans then leaves none of them resident
-        and the dense weights resident (llama.cpp maps them back with minor faults)."""
-        self._advise(MADV_DONTNEED)
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            buf = bytearray(RESET_CHUNK)
-            for a, b in joined(self.dense_tensors):
-                a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE  # every page holding a dense byte
-                while a < b:
-                    n = os.preadv(fd, [memoryview(buf)[:min(RESET_CHUNK, b - a)]], a)
-                    if n <= 0:
-                        break
-                    a += n
-        finally:
-            os.close(fd)
-
-    def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
-        """Whole pages inside the slices of these experts (original ids) of one layer."""
-        R = expert_ranges(self.mm, layer)[np.asarray(list(experts), np.int64)]
-        return inward((int(s), int(s + n)) for s, n in R.reshape(-1, 2))
-
-    def resident(self, spans=None) -> float:
-        """Share of the pages of `spans` (default: the expert spans) in the page cache (mincore)."""
-        return resident_share(self.path, self.spans if spans is None else spans)
-
-    def mapped(self, spans=None) -> float:
-        """Share of the pages of `spans` present in this process's page tables (/proc/self/pagemap)."""
-        spans = self.spans if spans is None else spans
-        present = total = 0
-        with open("/proc/self/pagemap", "rb") as f:
-            for a, b in spans:
-                for addr, n in self._addresses(a, b):
-                    f.seek(addr // PAGE * 8)
-                    v = np.frombuffer(f.read(n // PAGE * 8), dtype=np.uint64)
-                    present += int(((v >> np.uint64(63)) & np.uint64(1)).sum())
-                    total += v.size
-        return present / total if total else 0.0
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 @dataclass
