@@ -72,7 +72,7 @@ def family_spec(fam: str) -> dict:
     (gguf.config.tiny, from the families work) widened to 8 layers x 64 experts, k=8."""
     return dict(synth=dict(tiny=fam, n_layers=8, n_experts=64, n_used=8, hidden=128, expert_ff=128,
                            expert_type="F32", structure="planted"),
-                train_prompts=16, bench_prompts=2, new_tokens=16, rounds=4)
+                train_prompts=16, bench_prompts=2, new_tokens=16, rounds=10)  # >= 10: an interval
 
 
 def synth_config(synth: dict):
@@ -162,7 +162,7 @@ def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
 def predict_config(name: str, qd: int, routing, warm_ms: float | None, s_assumed: float | None) -> dict:
     """Evaluator counts on the bench prompts' routing x probe cost: g of reorder-tsp over
     stock-reads, and the law's speedup at the assumed or estimated s."""
-    from mbolt.bench.predict import counts, end_to_end, io_time, reader_cost
+    from mbolt.bench.predict import counts, end_to_end, store_io
     from mbolt.bench.probe import load_probe
     from mbolt.core.moe_map import moe_map
 
@@ -173,10 +173,9 @@ def predict_config(name: str, qd: int, routing, warm_ms: float | None, s_assumed
         mm = moe_map(a.path)
         rm = mm.route_map
         c = counts(routing, rm.perm, mm, "reorder", 0, 0)
-        n = len(mm.moe_layers)
-        t_op, bw, opr = reader_cost(pr, False, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
-        T[a.name] = io_time(c["reads_per_token"] * opr, c["bytes_per_token"], t_op, bw)
+        T[a.name], t_op, bw, _ = store_io(c, pr, False, qd, len(mm.moe_layers))
         rows[a.name] = {"reads_per_token": c["reads_per_token"], "bytes_per_token": c["bytes_per_token"],
+                        "device_bytes_per_token": c["device_bytes_per_token"],
                         "io_ms_per_token": T[a.name] * 1e3, "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6}
     g = T["stock-reads"] / T["reorder-tsp"]
     if s_assumed is not None:

@@ -38,7 +38,7 @@ def errors(result: dict, held, probe_path: Path) -> dict:
     return {r["arm"]: {"pred": r["pred_speedup"], "meas": r["meas_speedup"], "error": r["speedup_error"],
                        "pred_ratio_of_medians": r["pred_ratio_of_medians"],
                        "meas_ratio_of_medians": r["meas_ratio_of_medians"], "cost_source": r["cost_source"],
-                       "t_op_us": r["t_op_us"]}
+                       "t_op_us": r["t_op_us"], "bw_mb_s": r["bw_mb_s"]}
             for r in rows if r.get("pred_speedup") is not None}
 
 
@@ -50,6 +50,22 @@ def verdict(errs: dict) -> dict:
             "all_within_5pct": all(abs(x) <= 0.05 for x in e),
             "sign_bias": "all under-predicted" if all(x > 0 for x in e) else
                          "all over-predicted" if all(x < 0 for x in e) else "none"}
+
+
+def implied_cost(result: dict) -> dict | None:
+    """The A/B's own read cost: least squares over its arms (same tokens, same rounds) of measured
+    I/O time per token = reads per token x t_op + device bytes per token / BW, next to the probe's
+    figures that priced the prediction."""
+    import numpy as np
+
+    rows = [s for s in result["summary"] if s.get("rounds") and s.get("device_mb_per_token")]
+    if len(rows) < 3 or len({round(s["reads_per_token"]) for s in rows}) < 2:
+        return None
+    A = np.array([[s["reads_per_token"], s["device_mb_per_token"] * 1e6] for s in rows])
+    y = np.array([s["io_ms_per_token_median"] * 1e-3 for s in rows])
+    (t_op, inv_bw), *_ = np.linalg.lstsq(A, y, rcond=None)
+    return {"t_op_us": float(t_op * 1e6), "bw_mb_s": float(1e-6 / inv_bw) if inv_bw > 0 else None,
+            "arms": [s["arm"] for s in rows]}
 
 
 def main() -> None:
@@ -75,9 +91,12 @@ def main() -> None:
             out["configs"][f.stem] = {"with_bursts": with_b, "random_reads_only": without_b,
                                       "verdict_with_bursts": verdict(with_b),
                                       "verdict_random_reads_only": verdict(without_b),
-                                      "aa_within_tolerance": aa_ok(res["summary"])}
+                                      "aa_within_tolerance": aa_ok(res["summary"]),
+                                      "implied_by_the_ab": implied_cost(res),
+                                      "probe_cost": {k: next(iter(with_b.values()))[k] for k in ("t_op_us", "bw_mb_s")}}
             print(f.stem, json.dumps({k: out["configs"][f.stem][k] for k in
-                                      ("verdict_with_bursts", "verdict_random_reads_only")}), flush=True)
+                                      ("verdict_with_bursts", "verdict_random_reads_only", "implied_by_the_ab")}),
+                  flush=True)
     dst = RESULTS / f"predictor_{args.tag}.json"
     write_text_atomic(dst, json.dumps(out, indent=1) + "\n")
     print("wrote", dst)

@@ -62,6 +62,15 @@ def io_time(reads: float, nbytes: float, t_op: float, bw: float) -> float:
     return reads * t_op + nbytes / bw
 
 
+def store_io(c: dict, probe_d: dict, direct: bool, qd: int, n_calls: int) -> tuple[float, float, float, float]:
+    """Predicted seconds per token for the store reading counts `c` (from `counts`) in `n_calls`
+    calls per token (one per MoE layer) with `qd` threads: (seconds, t_op, BW, ops per read).
+    Time = ops x t_op + device bytes / BW (whole pages: what the drive reads)."""
+    n = max(n_calls, 1)
+    t_op, bw, opr = reader_cost(probe_d, direct, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
+    return io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw), t_op, bw, opr
+
+
 def reader_cost(probe_d: dict, direct: bool, qd: int, reads_per_call: float,
                 bytes_per_call: float = 0.0) -> tuple[float, float, float]:
     """(t_op, BW, ops per read) of the store's reader issuing `reads_per_call` merged reads
@@ -156,12 +165,10 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
 
 
 def _timed(c: dict, pr: dict, direct: bool, qd: int, n_calls: int) -> dict:
-    n = max(n_calls, 1)
-    t_op, bw, opr = reader_cost(pr, direct, qd, c["reads_per_token"] / n, c["bytes_per_token"] / n)
+    T, t_op, bw, opr = store_io(c, pr, direct, qd, n_calls)
     return {"reads_per_token": c["reads_per_token"], "bytes_per_token": c["bytes_per_token"],
             "hit_rate": c["hit_rate"], "t_op_us": t_op * 1e6, "bw_mb_s": bw / 1e6, "ops_per_token": c["reads_per_token"] * opr,
-            "device_bytes_per_token": c["device_bytes_per_token"],
-            "io_ms_per_token": io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw) * 1e3}
+            "device_bytes_per_token": c["device_bytes_per_token"], "io_ms_per_token": T * 1e3}
 
 
 def _packed_pad(mm: MoeMap) -> int:
@@ -201,9 +208,8 @@ def predict_rounds(arms: list[dict], trace: Trace, probe_d: dict, rounds_of: dic
 
         def timed(tr: Trace) -> tuple[dict, float, tuple]:
             c = counts(tr, rm.perm, mm, lay, a["gap"], slots, pad)
-            t_op, bw, opr = reader_cost(probe_d, a["direct"], a["io_threads"], c["reads_per_token"] / n,
-                                        c["bytes_per_token"] / n)
-            return c, io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw), (t_op, bw)
+            T, t_op, bw, _ = store_io(c, probe_d, a["direct"], a["io_threads"], n)
+            return c, T, (t_op, bw)
 
         c_all, T_all, cost_ = timed(trace)
         memo: dict[int, tuple] = {}
@@ -328,9 +334,7 @@ def predict_llama(result, trace: Trace, probe_path) -> list[dict]:
         mm = moe_map(a["path"])
         rm = mm.route_map
         c = counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", a["gap"], a["cache_slots"])
-        n = len(mm.moe_layers)
-        t_op, bw, opr = reader_cost(pr, False, a["io_threads"], c["reads_per_token"] / n, c["bytes_per_token"] / n)
-        T[a["name"]] = io_time(c["reads_per_token"] * opr, c["device_bytes_per_token"], t_op, bw)
+        T[a["name"]], t_op, bw, _ = store_io(c, pr, False, a["io_threads"], len(mm.moe_layers))
         rows.append({"arm": a["name"], "pred_reads_per_token": c["reads_per_token"],
                      "meas_reads_per_token": summ[a["name"]]["reads_per_token"],
                      "pred_bytes_per_token": c["bytes_per_token"],
