@@ -437,7 +437,7 @@ def summarise_goals(out: dict) -> dict:
                                                       "met": ref / best[1] >= 2.5,
                                                       "aa_ok": bool(_aa_ok(b1) and _aa_ok(out.get(best[0]))),
                                                       "note": "ratio of medians from different runs (each its own "
-                                                              "alternating rounds)"}
+                                                              "balanced rounds)"}
     aa = {}
     pred = {}
     for k, r in out.items():
