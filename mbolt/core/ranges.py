@@ -3,10 +3,13 @@
 The planner's evaluator, the predictor and the streaming engine all call this, so a layout is
 scored exactly the way it is later read. Two ranges join into one read when the hole between
 them is at most `gap` bytes (the reader reads through the hole); overlapping or touching ranges
-always join.
+always join. Also the one page-cache drop after reads (`drop_cached`), which the store and the
+probe share so that the probe measures reads under the store's conditions.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -67,8 +70,6 @@ DROP_ALIGN = 2 << 20
 def drop_cached(fd: int, a: int, b: int) -> None:
     """Drop bytes [a, b) of a file from the page cache, widened to whole DROP_ALIGN blocks: what a
     streaming reader does after each read so that the next one finds the data cold again."""
-    import os
-
     a = a // DROP_ALIGN * DROP_ALIGN
     b = -(-b // DROP_ALIGN) * DROP_ALIGN
     os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
