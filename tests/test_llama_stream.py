@@ -92,6 +92,42 @@ def test_eviction_after_a_token_leaves_experts_cold_and_dense_resident(files):
         assert run.useful_bytes == run.misses * sum(w.slice_bytes for w in mm.moe_layers[0].weights)
 
 
+def test_split_set_streams_cold_with_the_same_tokens(files, tmp_path):
+    """A set cut by gguf-py's own splitter streams like the one file: the same greedy tokens, and
+    after every token no page of any shard's expert tensors resident (each shard's tensors as
+    gguf-py reads them, the kernel's mincore), the dense pages resident, no page fault."""
+    from gguf import GGUFReader
+
+    from _split_util import split_with_gguf_py
+    from mbolt.bench.llama_stream import LlamaStream
+    from mbolt.bench.pagecache import resident_pages
+
+    shards = split_with_gguf_py(files["stock"], tmp_path / "set.gguf", max_tensors=12)
+    assert len(shards) >= 3
+    with LlamaStream(str(files["stock"]), reads=True) as s:
+        s.make_cold()
+        want = s.generate([PROMPTS[0]], 4)
+    with LlamaStream(str(shards[1]), reads=True) as s:  # any shard names the set
+        assert len(s.pages.files) == len(shards)
+        s.make_cold()
+        run = s.generate([PROMPTS[0]], 4)
+        assert run.generated == want.generated
+        # the same experts read (reads may differ: slices adjacent across a shard boundary never merge)
+        assert run.useful_bytes == want.useful_bytes > 0 and run.reads > 0 and run.major_faults == 0
+        experts = dense = 0
+        for p in shards:
+            res = resident_pages(str(p))
+            exps = [(-(-int(t.data_offset) // 4096) * 4096, (int(t.data_offset) + int(t.n_bytes)) // 4096 * 4096)
+                    for t in GGUFReader(str(p)).tensors if "_exps." in t.name]
+            if exps:
+                experts += 1
+                assert _page_share(str(p), exps, res) == 0.0, p
+            dense += bool(s.pages.files[shards.index(p)].dense_spans)
+        assert experts >= 2 and dense >= 1  # the experts really are spread over shards
+        assert s.pages.resident() == 0.0 and s.pages.mapped() == 0.0
+        assert s.pages.resident(s.pages.dense_spans) == 1.0
+
+
 def test_slot_budget_keeps_cached_experts_resident(files):
     from mbolt.bench.llama_stream import LlamaStream
 

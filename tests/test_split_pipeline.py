@@ -145,8 +145,15 @@ def test_llama_pipeline_on_a_set(setup):
 
 
 @needs_llama
-def test_llama_streaming_refuses_a_set_in_one_line(setup):
+def test_llama_streaming_a_set_gives_the_one_files_tokens(setup):
+    """`generate --engine llama.cpp --stream` on a shard of the set: the same greedy tokens as the
+    one file, experts read explicitly (reads per token > 0) from every shard."""
     d, src, shards, prompts = setup
-    r = cli("generate", shards[0], "hi", "--engine", "llama.cpp", "--stream", "-n", "1")
-    assert r.exit_code == 2 and "split set" in r.output and "--no-split" in r.output, r.output
+    out = {}
+    for name, path in (("file", src), ("set", shards[0])):
+        r = cli("generate", path, "hello there", "--engine", "llama.cpp", "--stream", "-n", "4", "--json")
+        assert r.exit_code == 0, r.output
+        out[name] = json.loads(r.output)
+    assert out["set"]["ids"] == out["file"]["ids"] and len(out["set"]["ids"]) == 4
+    assert out["set"]["reads_per_token"] > 0 and out["set"]["misses"] == out["file"]["misses"] > 0
     assert "Traceback" not in r.output

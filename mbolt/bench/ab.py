@@ -50,7 +50,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.env import environment
-from mbolt.bench.pagecache import ExpertPages, evict_model, expert_resident_share, wait_quiet
+from mbolt.bench.pagecache import ExpertPages, evict_model, wait_quiet
 from mbolt.engine.generate import greedy_decode
 from mbolt.engine.store import ExpertStore
 from mbolt.core.compat import check_compatible
@@ -396,21 +396,17 @@ def cold_start(arm: Arm, mm: MoeMap, threshold: float, experts_only: bool = Fals
     quiet = wait_quiet(arm.path)  # the previous arm's I/O must not overlap this arm
     ev = evict_model(mm, threshold)  # every shard of a split set
     if experts_only and ev.resident_after == ev.resident_after:
-        if len(mm.paths) == 1:
-            pages = ExpertPages(arm.path, mm)
-            try:
-                pages.attach()
-                pages.reset()
-                pages.map_dense()
-                # pages shared with a dense tensor are dense pages now: the proof covers the rest
-                ev.resident_after = pages.resident()
-            finally:
-                pages.close()
-            note = ("decode: dense weights resident and mapped; resident share measured over the pages "
-                    "wholly inside expert tensors")
-        else:
-            ev.resident_after = expert_resident_share(mm)
-            note = "decode: resident share measured over the expert tensors"
+        pages = ExpertPages(arm.path, mm)  # every shard of a split set
+        try:
+            pages.attach()
+            pages.reset()
+            pages.map_dense()
+            # pages shared with a dense tensor are dense pages now: the proof covers the rest
+            ev.resident_after = pages.resident()
+        finally:
+            pages.close()
+        note = ("decode: dense weights resident and mapped; resident share measured over the pages "
+                "wholly inside expert tensors")
         ev.proven = ev.resident_after <= threshold
         ev.note = ev.note or note
     return quiet, ev

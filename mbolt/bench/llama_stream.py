@@ -46,10 +46,6 @@ def check_llama_streamable(mm: MoeMap, path: str) -> None:
                          "stream the reorder layout instead")
     if not mm.moe_layers:
         raise MboltError(f"{path}: no routed expert tensors: nothing to stream")
-    if len(mm.paths) > 1:
-        # the eviction and its proof work on one mapping of one file; a set has one per shard
-        raise MboltError(f"{path}: a split set of {len(mm.paths)} shards: streaming in llama.cpp reads one-file "
-                         "models for now (write one with `mbolt reorder ... --no-split`)")
 
 
 @dataclass

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr, vaddr
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.routemap import expert_ranges
 
@@ -90,19 +91,6 @@ def expert_spans(mm, file: int = 0) -> list[tuple[int, int]]:
             n = (w.stride or w.slice_bytes) * mm.n_experts
             out.add((int(w.data_offset), int(w.data_offset) + int(n)))
     return sorted(out)
-
-
-def expert_resident_share(mm) -> float:
-    """Share of the pages of the expert tensors resident, over every file of the model."""
-    total = resident = 0.0
-    for f, path in enumerate(mm.paths):
-        spans = expert_spans(mm, f)
-        if not spans:
-            continue
-        n = sum(-(-b // PAGE) - a // PAGE for a, b in spans)
-        resident += resident_share(path, spans) * n
-        total += n
-    return resident / total if total else 0.0
 
 
 def evict_model(mm, threshold: float = 0.01) -> Eviction:
@@ -239,26 +227,28 @@ def file_mappings(path: str) -> list[tuple[int, int, int]]:
     return out
 
 
-def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """Byte spans of every tensor that is not a routed expert tensor."""
+def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]], file: int = 0) -> list[tuple[int, int]]:
+    """Byte spans of every tensor of one file of the model that is not a routed expert tensor."""
     inside = set(experts)
     out = []
     for t in mm.header.tensors:
+        if t.file != file:
+            continue
         s = (int(t.data_offset), int(t.data_offset) + int(t.nbytes))
         if not any(a <= s[0] and s[1] <= b for a, b in inside):
             out.append(s)
     return out
 
 
-class ExpertPages:
-    """The expert tensors' own pages of one model file, in this process's mappings and the page cache."""
+class FilePages:
+    """The expert tensors' own pages of one file of a model (a shard of a split set, or the one
+    file), in this process's mappings and the page cache. Offsets are the file's own."""
 
-    def __init__(self, path: str, mm: MoeMap):
-        self.path = str(path)
-        self.mm = mm
-        spans = expert_spans(mm)
+    def __init__(self, mm: MoeMap, file: int = 0):
+        self.path = mm.paths[file]
+        spans = expert_spans(mm, file)
         self.spans = inward(joined(spans))
-        self.dense_tensors = _dense_spans(mm, spans)  # whole tensors: every page with a dense byte
+        self.dense_tensors = _dense_spans(mm, spans, file)  # whole tensors: every page with a dense byte
         self.dense_spans = inward(self.dense_tensors)
         self.fd = os.open(self.path, os.O_RDONLY)
         self.maps: list[tuple[int, int, int]] = []
@@ -324,10 +314,8 @@ class ExpertPages:
             for addr, n in self._addresses(a, b):
                 sink += int(np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))[::PAGE].sum())
 
-    def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
-        """Whole pages inside the slices of these experts (original ids) of one layer."""
-        R = expert_ranges(self.mm, layer)[np.asarray(list(experts), np.int64)]
-        return inward((int(s), int(s + n)) for s, n in R.reshape(-1, 2))
+    def pages(self, spans) -> int:
+        return sum(max(0, (b - a) // PAGE) for a, b in spans)
 
     def resident(self, spans=None) -> float:
         """Share of the pages of `spans` (default: the expert spans) in the page cache (mincore)."""
@@ -350,3 +338,78 @@ class ExpertPages:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class ExpertPages:
+    """The expert tensors' own pages of a model, one file or a split set (a `FilePages` per file),
+    in this process's mappings and the page cache. Spans are the model's virtual offsets
+    (`core.gguf_set`: file << 48 | offset; a one-file model's are its file offsets)."""
+
+    def __init__(self, path: str, mm: MoeMap):
+        self.path = str(path)
+        self.mm = mm
+        self.files: list[FilePages] = []
+        try:
+            for f in range(len(mm.paths)):
+                self.files.append(FilePages(mm, f))
+        except BaseException:
+            self.close()
+            raise
+        self.spans = self._virtual("spans")
+        self.dense_tensors = self._virtual("dense_tensors")
+        self.dense_spans = self._virtual("dense_spans")
+
+    def _virtual(self, name: str) -> list[tuple[int, int]]:
+        return [(vaddr(f, a), vaddr(f, b)) for f, fp in enumerate(self.files) for a, b in getattr(fp, name)]
+
+    def _by_file(self, spans) -> dict[int, list[tuple[int, int]]]:
+        out: dict[int, list[tuple[int, int]]] = {}
+        for a, b in spans:
+            f, x = split_vaddr(int(a))
+            out.setdefault(f, []).append((x, int(b) - (f << FILE_SHIFT)))
+        return out
+
+    def attach(self) -> None:
+        for fp in self.files:
+            fp.attach()
+
+    def drop(self, spans=None) -> None:
+        """Unmap the pages from every mapping of the model's files, then drop them from the page cache."""
+        for f, sp in ([(f, None) for f in range(len(self.files))] if spans is None else self._by_file(spans).items()):
+            self.files[f].drop(sp)
+
+    def reset(self) -> None:
+        for fp in self.files:
+            fp.reset()
+
+    def map_dense(self) -> None:
+        for fp in self.files:
+            fp.map_dense()
+
+    def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
+        """Whole pages inside the slices of these experts (original ids) of one layer."""
+        R = expert_ranges(self.mm, layer)[np.asarray(list(experts), np.int64)]
+        return inward((int(s), int(s + n)) for s, n in R.reshape(-1, 2))
+
+    def _share(self, what: str, spans) -> float:
+        groups = ({f: None for f in range(len(self.files))} if spans is None else self._by_file(spans))
+        num = den = 0.0
+        for f, sp in groups.items():
+            fp = self.files[f]
+            n = fp.pages(fp.spans if sp is None else sp)
+            if n:
+                num += getattr(fp, what)(sp) * n
+                den += n
+        return num / den if den else 0.0
+
+    def resident(self, spans=None) -> float:
+        """Share of the pages of `spans` (default: the expert spans) in the page cache (mincore)."""
+        return self._share("resident", spans)
+
+    def mapped(self, spans=None) -> float:
+        """Share of the pages of `spans` present in this process's page tables (/proc/self/pagemap)."""
+        return self._share("mapped", spans)
+
+    def close(self) -> None:
+        for fp in self.files:
+            fp.close()
