@@ -67,8 +67,8 @@ NOISE_NOTE = "2 shared cores, ~7 other workers running on the machine: timings a
 # stop), with a 10-minute budget
 UNREGISTERED_STOP = dict(min_rounds=24, max_rounds=600, time_budget_s=600, precision=0.03)
 UNREGISTERED_TOKENS_PER_ROUND = 8
-# twice the reads of `mbolt probe`'s default, in 6 interleaved repeats: one default probe's bandwidth
-# varied by +-9% between runs minutes apart (O_DIRECT QD1: 1277-1536 MB/s), this one by +-4%
+# twice the reads of `mbolt probe`'s default, in 6 interleaved repeats: a tighter spread between probes
+# run back to back (scripts/bench_probe_conditions.py -> results/probe_conditions.json)
 PROBE_ARGS = dict(size_mb=256, repeats=6, reads_mb=32)
 
 

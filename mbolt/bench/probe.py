@@ -9,8 +9,8 @@ threads. Per config: median latency per read and throughput. Per (mode, QD): a l
 of time per read = t_op + size / BW over the sizes, the two numbers the slice-size law uses.
 Buffered reads run with POSIX_FADV_RANDOM (no readahead) and drop what they read right after each
 read (a burst: after the burst), outside the timed part, as the store does after each layer: pages
-freed and reused at once make the next read up to ~12% faster than reads into a page cache that
-keeps growing (measured: issue 14), and that is the condition the A/B reads under.
+freed and reused at once make the next read 8-14% faster than reads into a page cache that
+keeps growing (results/probe_conditions.json), and that is the condition the A/B reads under.
 """
 
 from __future__ import annotations
