@@ -28,37 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.bench.env import environment  # noqa: E402
-from mbolt.bench.pagecache import evict  # noqa: E402
-from mbolt.bench.probe import ALIGN, _make_file, _open_for_random_reads, probe  # noqa: E402
+from mbolt.bench.probe import _make_file, _run_config, probe  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
-from mbolt.core.ranges import drop_cached  # noqa: E402
 from bench_ab import PROBE_ARGS  # noqa: E402 (the bench probe: one definition)
 
 SIZES = (64 << 10, 512 << 10, 1 << 20)
 
 
 def reads(path: Path, size: int, n: int, seed: int, drop_each: bool) -> float:
-    """Median latency (us) of `n` cold random buffered reads of `size` bytes at QD1."""
-    fsize = path.stat().st_size
-    rng = np.random.default_rng(seed)
-    offs = rng.choice(np.arange(0, fsize - size, size + ALIGN), size=n, replace=False)
-    ev = evict(path)
-    if not ev.proven:
-        raise SystemExit(f"{path}: eviction not proven ({ev.resident_after:.3f} resident)")
-    fd, buf = _open_for_random_reads(path, size)
-    lat = []
-    try:
-        for off in offs:
-            t = time.perf_counter()
-            os.preadv(fd, [buf], int(off))
-            lat.append(time.perf_counter() - t)
-            if drop_each:
-                drop_cached(fd, int(off), int(off) + size)
-    finally:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-        buf.close()
-    return float(np.median(lat) * 1e6)
+    """Median latency (us) of `n` cold random buffered reads of `size` bytes at QD1 (the probe's own)."""
+    r = _run_config(str(path), size, 1, False, n, seed, drop_each=drop_each)
+    if not r["cold_proven"]:
+        raise SystemExit(f"{path}: eviction not proven ({r['resident_before']:.3f} resident)")
+    return r["t_op_us"]
 
 
 def fits(d: dict) -> dict:

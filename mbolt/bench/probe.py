@@ -68,7 +68,10 @@ def _open_for_random_reads(path, size: int) -> tuple[int, mmap.mmap]:
     return fd, buf
 
 
-def _run_config(path: str, size: int, qd: int, direct: bool, n_reads: int, seed: int) -> dict:
+def _run_config(path: str, size: int, qd: int, direct: bool, n_reads: int, seed: int,
+                drop_each: bool = True) -> dict:
+    """One config's cold random reads. drop_each=False (buffered QD1): leave the pages in the cache
+    until the end, as the probe did before issue 14 (scripts/bench_probe_conditions.py compares)."""
     fsize = os.path.getsize(path)
     slots = (fsize - size) // ALIGN
     if slots < n_reads:
@@ -90,8 +93,9 @@ def _run_config(path: str, size: int, qd: int, direct: bool, n_reads: int, seed:
         lat[i] = time.perf_counter() - t
         if n != size:
             raise MboltError(f"{path}: short read ({n} of {size} B)")
-        if not direct and qd == 1:  # as the store: what was read leaves the page cache before the next
-            # read (at QD > 1 a 2 MiB drop could hit a neighbour's read in flight: dropped at the end)
+        if drop_each and not direct and qd == 1:
+            # as the store: what was read leaves the page cache before the next read (at QD > 1 a
+            # 2 MiB drop could hit a neighbour's read in flight: dropped at the end)
             drop_cached(fd, int(offs[i]), int(offs[i]) + size)
 
     try:
