@@ -290,6 +290,15 @@ def ab_cmd(
     prompts: Path = typer.Option(None, "--prompts", help="Decode: prompts file (.jsonl with a prompt field, or text lines)."),
     n_prompts: int = typer.Option(2, "--n-prompts", min=1, help="Decode: prompts used."),
     new_tokens: int = typer.Option(8, "--new-tokens", "-n", min=1, help="Decode: tokens generated per prompt."),
+    forced: bool = typer.Option(False, "--forced", help="Decode: teacher forcing. Prefill each prompt's first 8 "
+                                "tokens, then feed its next tokens one at a time (routing follows real text, every "
+                                "arm decodes the same tokens). Without --prompts: the built-in text."),
+    ram: str = typer.Option(None, "--ram", help="llama.cpp: run every arm-round as a fresh process inside a memory "
+                            "cgroup of this size (e.g. 2G; v1 or v2, needs root): a real memory limit. os arms are "
+                            "then plain llama.cpp, arms with reads mbolt's runtime with this budget."),
+    readahead_kb: int = typer.Option(None, "--readahead", min=0, help="Set the model's block device read_ahead_kb "
+                                  "(KiB) for the run, restored afterwards (even on error or Ctrl-C). The value in "
+                                  "force is recorded either way."),
     rounds: int = typer.Option(None, "--rounds", min=1, help="Run exactly this many rounds (default: adaptive, see "
                                "--time-budget). Each round runs every arm once, in a seeded balanced order."),
     min_rounds: int = typer.Option(12, "--min-rounds", min=1, help="Adaptive: never stop before this many rounds."),
@@ -317,8 +326,7 @@ def ab_cmd(
     out_dir: Path = typer.Option(Path("results"), "--out-dir", help="Where the result JSON goes."),
     prereg: Path = typer.Option(None, "--prereg", help="Run a pre-registration (prereg/x.toml): arms and rule from the file."),
     probe_json: Path = typer.Option(None, "--probe", help="Probe figures (mbolt probe): print each arm's predicted "
-                                    "speedup (from its own route map) next to the measured one. Default: "
-                                    "results/probe.json when it exists."),
+                                    "speedup (from its own route map) next to the measured one."),
     plot: Path = typer.Option(None, "--plot", help="Also draw speedups with CIs and reads/token into this PNG."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier result JSON (and --plot PNG)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -327,8 +335,11 @@ def ab_cmd(
     control, adaptive number of rounds."""
     from rich.progress import Progress
 
-    from mbolt.bench.ab import StopRule, parse_arm, run_ab, write_result
+    from mbolt.bench.ab import FORCED_PREFILL, StopRule, parse_arm, run_ab, write_result
+    from mbolt.core.memlimit import parse_size, readahead
     from mbolt.report.bench_tables import ab_table
+
+    ram_bytes = parse_size(ram, "--ram") if ram else 0
 
     pr = None
     if prereg is not None:
@@ -378,22 +389,22 @@ def ab_cmd(
     else:
         from mbolt.bench.ab import load_prompt_ids
 
-        prompt_ids = load_prompt_ids(arm_list[0].path, prompts, n_prompts)
+        prompt_ids = load_prompt_ids(arm_list[0].path, prompts, n_prompts, engine=engine,
+                                     forced=FORCED_PREFILL if forced else 0, n_new=new_tokens)
     if pr is not None:
         lock = check_and_lock(pr)
         console.print(f"pre-registration {pr.path}: sha256 {pr.sha256[:16]}, run {lock['runs']} "
                       f"(locked {lock['locked_at']})")
-    if probe_json is None and Path("results/probe.json").exists():
-        probe_json = Path("results/probe.json")
     rule = StopRule(rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, time_budget_s=time_budget,
                     precision=precision)
-    with Progress(console=err_console, transient=True) as bar:
+    with readahead(arm_list[0].path, readahead_kb), Progress(console=err_console, transient=True) as bar:
         task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)) if rounds else None)
         res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", stop=rule,
                      threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
                      progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
                      prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
-                     tokens_per_round=tokens_per_round, seed=seed, engine=engine)
+                     tokens_per_round=tokens_per_round, seed=seed, engine=engine, ram=ram_bytes,
+                     forced=FORCED_PREFILL if forced else 0)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 
@@ -404,7 +415,8 @@ def ab_cmd(
 
         # the law with s measured in this run; counts on the routing llama.cpp computes
         ref = next((a for a in arm_list if a.mode != "os"), arm_list[0])
-        res.prediction = predict_llama(res, record_routing(ref.path, prompt_ids, new_tokens), probe_json)
+        routing = record_routing(ref.path, prompt_ids, new_tokens, forced=FORCED_PREFILL if forced else 0)
+        res.prediction = predict_llama(res, routing, probe_json)
     elif probe_json is not None and trace is not None:
         from mbolt.bench.predict import predict_vs_measured
 

@@ -278,6 +278,7 @@ class RoundResult:
     prev_arm: str | None = None  # the arm that ran just before (carry-over), None for the first run
     drop_s: float = 0.0  # time the store spent dropping the pages it read (outside io_s, inside wall_s)
     generated: list | None = None  # --engine llama.cpp: greedy tokens per prompt (must agree across arms)
+    peak_bytes: int | None = None  # --ram: the memory cgroup's peak charge (page cache included)
 
 
 @dataclass
@@ -328,6 +329,7 @@ class AbResult:
         return d
 
 
+FORCED_PREFILL = 8  # teacher forcing: prompt tokens prefilled before the fed ones (issue 19)
 SPEEDUP_DEFINITION = "median over rounds of (baseline time per token / arm time per token) in the same round"
 
 
@@ -369,6 +371,8 @@ class ArmJob:
     prompts: list | None = None  # decode
     n_new: int = 0
     prev_arm: str | None = None
+    ram: int = 0  # --engine llama.cpp: run the arm as a process inside a memory cgroup of this many bytes
+    forced: int = 0  # teacher forcing: prefill this many tokens of each prompt, then feed its next tokens
 
 
 @contextmanager
@@ -757,7 +761,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
            threshold: float = 0.01, aa: bool = True, name: str = "ab", prompts=None, n_new: int = 16,
            seed: int = 0, progress=None, prereg: dict | None = None, trace_path: str = "",
            tokens_per_round: int = 0, aa_tolerance: float = AA_TOLERANCE, stop: StopRule | None = None,
-           host_cache: dict | None = None, engine: str = "reference") -> AbResult:
+           host_cache: dict | None = None, engine: str = "reference", ram: int = 0, forced: int = 0) -> AbResult:
     """Run every arm once per round, in the orders of `arm_orders(seed)`, until the stop rule says
     so (see the module docstring). `rounds` is a shortcut for StopRule(rounds=rounds).
 
@@ -766,6 +770,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     arm of a round reads the same tokens. 0: every round replays the whole trace.
     `host_cache`: a `probe.host_cache` result to record in the environment (measured when None).
     `engine` "llama.cpp" (decode only): each arm runs in llama.cpp (bench.ab_llama.run_llama_arm).
+    `ram` > 0 (llama.cpp): each arm-round is a fresh process inside a memory cgroup of that many
+    bytes; `forced` > 0: teacher forcing after that many prompt tokens (llama.cpp).
     """
     if len(arms) < 1:
         raise MboltError("ab needs at least one arm")
@@ -800,6 +806,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         runner = run_llama_arm
     elif engine != "reference":
         raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
+    elif ram or forced:
+        raise MboltError("--ram and --forced run arms in llama.cpp: add --engine llama.cpp")
     elif any(a.warm or a.callback for a in arms):
         raise MboltError("arm options warm and callback are for --engine llama.cpp")
     if trace is not None:
@@ -808,6 +816,9 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     perms = {p: m.route_map.perm.tobytes() for p, (m, _) in info.items()}
     env = environment(arms[0].path)
     env["host_cache"] = host_cache if host_cache is not None else host_cache_of(arms[0].path)
+    env["readahead_kb"] = env["block"].get("read_ahead_kb")
+    env["memory_limit_bytes"] = int(ram) if ram else None
+    env["teacher_forced"] = int(forced)
     results: list[RoundResult] = []
     metric = MODE_METRIC.get(mode, "wall_s")
     block = design_block(len(arms))
@@ -826,7 +837,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         tr_r = round_tokens(trace, r, tokens_per_round) if trace is not None else None
         for pos, i in enumerate(order):
             a = arms[i]
-            job = ArmJob(r, pos, threshold, tr_r, prompts, n_new, prev)
+            job = ArmJob(r, pos, threshold, tr_r, prompts, n_new, prev, ram, forced)
             res = runner(a, info[a.path][0], job)
             results.append(res)
             prev = a.name
@@ -915,16 +926,33 @@ def write_result(path: str | os.PathLike, result: AbResult) -> Path:
     return p
 
 
-def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2) -> list[list[int]]:
-    """Token ids of the first `n` prompts (the tracer's prompt files: jsonl or text lines)."""
-    from mbolt.engine.tokenizer import Tokenizer
-    from mbolt.core.header import read_header
+def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2, engine: str = "reference",
+                    forced: int = 0, n_new: int = 0) -> list[list[int]]:
+    """Token ids of the first `n` prompts (the tracer's prompt files: jsonl or text lines).
 
-    from mbolt.core.prompts import prompt_texts
+    engine "llama.cpp": llama.cpp's own tokenizer (every vocabulary it loads; any shard of a set),
+    whole prompts. The reference engine: mbolt's tokenizer, prompts cut to 64 tokens (its decode
+    A/B prefills them; the cut is said in the result's notes by the caller).
+    forced > 0 (teacher forcing): without a prompt file, the built-in text (mbolt/data/kl_text.txt)
+    cut into `n` passages; every prompt must hold forced + n_new tokens."""
+    from mbolt.core.prompts import forced_texts, prompt_texts
 
-    texts = prompt_texts(prompts_path, n)
-    tok = Tokenizer.from_header(read_header(model_path))
-    out = [tok.encode(t)[:64] for t in texts[:n]]
+    texts = forced_texts(prompts_path, n) if forced else prompt_texts(prompts_path, n)
+    if engine == "llama.cpp":
+        from mbolt.trace.llama_backend import LlamaRunner
+
+        with LlamaRunner(model_path, vocab_only=True) as r:
+            out = [r.tokenize(t, add_special=True) for t in texts[:n]]
+    else:
+        from mbolt.core.header import read_header
+        from mbolt.engine.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_header(read_header(model_path))
+        out = [tok.encode(t)[:64] for t in texts[:n]]
     if not out or not all(out):
         raise MboltError("decode: no usable prompts")
+    for i, ids in enumerate(out):
+        if forced and len(ids) < forced + n_new:
+            raise MboltError(f"prompt {i} has {len(ids)} tokens; teacher forcing needs {forced} + --new-tokens "
+                             f"{n_new}: give longer texts (--prompts) or fewer --new-tokens")
     return out

@@ -11,9 +11,21 @@ arm once and summarises what llama.cpp adds:
   `os,warm,callback` the callback without reads); such a round is not cold, and says so.
 Per round: decode time and tokens (wall_s/tokens), time to first token, reads, bytes, device
 bytes, read time (io_s) of the decode steps, and the greedy tokens generated.
+
+Under a real memory limit (`job.ram` bytes, `mbolt ab --ram`): every arm-round is a fresh process
+(`python -m mbolt.bench.ab_llama`) inside a memory cgroup of that size (core.memlimit), started
+after the model's pages were dropped from the page cache. An `os` arm there is plain llama.cpp
+(mapped, no repacking, no callback, default KV cache, nothing dropped by us); an arm with reads
+is mbolt's runtime with that budget (bench.llama_stream). The group's peak and its OOM kills are
+recorded; an arm the kernel killed is one error naming the arm and the budget.
 """
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict
 
 import numpy as np
 
@@ -44,12 +56,71 @@ def _slots(arm: Arm) -> int:
     return arm.cache_slots if arm.mode != "os" else 0
 
 
+WORKER_TIMEOUT_S = 3600  # one arm-round in a group; past it the process is killed (never a hang)
+
+
 def run_llama_arm(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     """One arm, one round, in llama.cpp (see the module docstring): run_ab's runner for
     --engine llama.cpp, with the signature of bench.ab.ARM_RUNNERS."""
+    if job.ram:
+        return run_in_group(arm, mm, job)
+    return llama_round(arm, mm, job)
+
+
+def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
+    """The arm-round as a fresh process inside a memory cgroup of job.ram bytes."""
+    from mbolt.bench.pagecache import evict_model
+    from mbolt.core.memlimit import MemoryGroup
+
+    evict_model(mm, job.threshold)  # uncharged and cold: the group fills its own page cache
+    payload = json.dumps({"arm": asdict(arm), "job": {**asdict(job), "trace": None}})
+    with MemoryGroup(job.ram) as group:
+        proc = group.popen([sys.executable, "-m", "mbolt.bench.ab_llama"], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            out, err = proc.communicate(payload, timeout=WORKER_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise MboltError(f"arm {arm.name}: no result after {WORKER_TIMEOUT_S} s inside a {job.ram} B memory "
+                             "cgroup (killed)") from None
+        peak, kills = group.peak(), group.oom_kills()
+    if proc.returncode != 0:
+        if kills:
+            raise MboltError(f"arm {arm.name}: the kernel OOM-killed it inside a {job.ram} B memory cgroup "
+                             f"(peak {peak} B): the budget is below what this arm needs")
+        last = (err.strip().splitlines() or ["no message"])[-1]
+        raise MboltError(f"arm {arm.name}: its process failed inside the memory cgroup (exit {proc.returncode}): {last}")
+    res = RoundResult(**json.loads(out.strip().splitlines()[-1]))
+    res.peak_bytes = peak
+    return res
+
+
+def worker_main() -> int:
+    """`python -m mbolt.bench.ab_llama`: one arm-round from the JSON on stdin, its RoundResult on
+    stdout (what run_in_group starts inside the cgroup)."""
+    from mbolt.core.moe_map import moe_map
+
+    spec = json.loads(sys.stdin.read())
+    arm = Arm(**spec["arm"])
+    job = ArmJob(**spec["job"])
+    try:
+        res = llama_round(arm, moe_map(arm.path), job)
+    except MboltError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(res)))
+    return 0
+
+
+def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
+    """One arm-round in this process. Under a limit (job.ram) an os arm is plain llama.cpp and an
+    arm with reads gets the budget; otherwise the emulation (drop after every step)."""
     threshold, rnd, position, prompts, n_new = job.threshold, job.rnd, job.position, job.prompts, job.n_new
-    stream = LlamaStream(arm.path, reads=arm.mode != "os", gap=arm.gap, qd=arm.io_threads,
-                         cache_slots=_slots(arm), evict=not arm.warm, callback=arm.callback, mm=mm)
+    reads = arm.mode != "os"
+    stream = LlamaStream(arm.path, reads=reads, gap=arm.gap, qd=arm.io_threads, cache_slots=_slots(arm),
+                         evict=not arm.warm and not (job.ram and not reads), callback=arm.callback, mm=mm,
+                         budget=job.ram if (job.ram and reads) else None)
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()
@@ -62,7 +133,11 @@ def run_llama_arm(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
             proven = after <= threshold and stream.pages.mapped() <= threshold
             rejected = not proven
             note = "llama.cpp: resident share of the expert tensors' pages (mincore), unmapped from llama.cpp"
-        run = stream.generate(prompts, n_new)
+            if job.ram:
+                note += (f"; inside a {job.ram} B memory cgroup: "
+                         + (f"{stream.cache_slots} expert slots/layer, {stream.locked_bytes} B of dense weights locked"
+                            if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
+        run = stream.generate(prompts, n_new, forced=job.forced)
     finally:
         stream.close()
     n = max(len(prompts), 1)
@@ -103,3 +178,7 @@ def llama_summary(arms: list[Arm], rounds: list[RoundResult], summary: list[dict
         row["tokens_identical"] = True
         row["engine"] = "llama.cpp"
     return summary
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

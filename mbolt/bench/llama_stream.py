@@ -9,7 +9,14 @@ ranges (`core.routemap.expert_ranges`), and read them with the expert store's re
 depth, POSIX_FADV_RANDOM so the kernel adds no readahead). Returning true lets llama.cpp go on;
 its mmap then finds those pages in the page cache.
 
-Cold and bounded memory, standing for a model larger than RAM: after every decode step (or, with
+Under a real memory limit (`budget` in bytes: `--ram`, else the cgroup's limit; core.memlimit) the
+runtime keeps the dense weights locked in memory (mlock: the kernel never reclaims them), turns
+off readahead on the expert spans of llama.cpp's mapping (MADV_RANDOM: a stray fault reads one
+page, not the device's readahead window), and gives the rest of the budget to an expert cache:
+a per-layer LRU of slots sized from the budget, whose victims' pages are dropped after each
+step, so the group stays under its limit and the kernel never has to reclaim.
+
+Cold and bounded memory emulated (no budget, the s = 1 bound): after every decode step (or, with
 a per-layer slot budget, when an expert leaves the store's LRU) the expert pages are dropped from
 llama.cpp's mapping (madvise MADV_DONTNEED on the mapped addresses, found in /proc/self/maps) and
 then from the page cache (posix_fadvise DONTNEED; a page still mapped cannot be dropped). Only
@@ -35,6 +42,7 @@ import numpy as np
 from mbolt.bench.pagecache import ExpertPages
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.core.routemap import expert_ranges
 from mbolt.engine.store import ExpertStore, proc_read_bytes
 
 
@@ -73,24 +81,59 @@ class StreamRun:
         return d
 
 
-class LlamaStream:
-    """llama.cpp with mbolt's expert reads and cold, bounded expert memory.
+BUDGET_MARGIN = 64 << 20  # bytes of a budget left free for the KV cache's growth and compute buffers
 
-    reads: explicit reads at ffn_moe_topk-N (False: the os arm, page faults read).
-    evict: drop expert pages after every decode step (False: warm, everything stays resident).
+
+def expert_bytes_all_layers(mm: MoeMap) -> int:
+    """Bytes of one expert in every MoE layer (what one slot of the per-layer cache costs)."""
+    return int(sum(int(expert_ranges(mm, l.index)[0, :, 1].sum()) for l in mm.moe_layers))
+
+
+def anon_bytes() -> int:
+    """This process's anonymous resident memory (heap, KV cache, buffers: not the mapped file)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def slots_for_budget(mm: MoeMap, budget: int, used: int) -> int:
+    """Per-layer expert slots that fit in `budget` bytes when `used` are taken already (dense
+    weights, process memory), less BUDGET_MARGIN; at least the k experts a token uses."""
+    per_slot = max(expert_bytes_all_layers(mm), 1)
+    free = budget - used - max(BUDGET_MARGIN, budget // 20)
+    return int(min(mm.n_experts, max(mm.n_used, free // per_slot)))
+
+
+class LlamaStream:
+    """llama.cpp with mbolt's expert reads and bounded expert memory.
+
+    reads: explicit reads at ffn_moe_topk-N (False: page faults read; with evict=False and no
+      callback that is plain llama.cpp).
+    evict: drop expert pages after every decode step, or only the slot cache's victims when it
+      has slots (False: keep whatever the kernel keeps).
     callback: install the eval callback even without reads (the callback-overhead control).
     cache_slots: per-layer LRU budget of experts kept resident across steps (0: none).
+    budget: bytes this run may use (a real memory limit): dense weights locked, expert readahead
+      off, cache_slots sized from what is left (reads only; see the module docstring).
+    f32_kv: F32 KV cache and no flash attention (parity tests); False is llama.cpp's default.
     """
 
     def __init__(self, path, *, reads: bool = True, gap: int = 0, qd: int = 1, cache_slots: int = 0,
                  evict: bool = True, callback: bool | None = None, n_ctx: int = 512, n_threads: int | None = None,
-                 mm: MoeMap | None = None, record: bool = False):
+                 mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False):
         from mbolt.trace.llama_backend import LlamaRunner
 
         self.path = str(path)
         self.mm = mm or moe_map(self.path)
         check_llama_streamable(self.mm, self.path)
         self.reads, self.evict, self.record = reads, evict, record
+        self.budget = budget if reads else None
+        if self.budget:
+            self.evict = True  # the slot cache's victims leave memory; nothing else is dropped
+            cache_slots = cache_slots or self.mm.n_used  # sized from the budget in make_cold
+        self.locked_bytes = 0
         if cache_slots and cache_slots < self.mm.n_used:
             raise MboltError(f"--cache-slots {cache_slots} is below the {self.mm.n_used} experts a token uses: "
                              "give 0 (no cache) or at least that many")
@@ -102,11 +145,13 @@ class LlamaStream:
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
                                      drop_pages=False, on_evict=lambda layer, e: self._evicted.append((layer, e)))
         self._step: dict[int, np.ndarray] = {}
+        self._seen: set[int] = set()
+        self.moe_layers = {l.index for l in self.mm.moe_layers}
         cb = self._on_topk if (reads or record or callback) else None
         self.pages = ExpertPages(self.path, self.mm)
         try:
             self.runner = LlamaRunner(self.path, n_ctx=n_ctx, n_threads=n_threads, capture=False, on_topk=cb,
-                                      load_mode="mmap")
+                                      load_mode="mmap", f32_kv=f32_kv)
             self.pages.attach()
         except BaseException:
             self.close()
@@ -116,6 +161,7 @@ class LlamaStream:
         if layer >= self.perm.shape[0]:
             return
         ids = self.perm[layer][np.unique(rows[rows >= 0])]
+        self._seen.add(layer)
         if self.record:
             self._step[layer] = np.asarray(rows[-1], np.int16)
         if self.store is not None:
@@ -138,11 +184,43 @@ class LlamaStream:
                 self.pages.drop(self.pages.expert_spans_of(layer, sorted(es)))
 
     def make_cold(self) -> None:
-        """Before a run: no expert page resident (the slot cache starts empty too)."""
+        """Before a run: no expert page resident (the slot cache starts empty too); the dense
+        weights resident (and, with a budget, locked; the cache sized from what is left)."""
         if self.store is not None:
             self.store.clear_cache()
         self._evicted.clear()
         self.pages.reset()
+        if self.budget:
+            self.fit_budget()
+
+    def fit_budget(self) -> None:
+        from mbolt.core.memlimit import group_usage, own_limit
+
+        if not self.locked_bytes:
+            dense = sum(b - a for a, b in self.pages.dense_tensors)
+            floor = dense + anon_bytes() + BUDGET_MARGIN
+            if floor > self.budget:
+                raise MboltError(f"{self.path}: a budget of {self.budget / 2**20:.0f} MiB is below the "
+                                 f"{floor / 2**20:.0f} MiB that the dense weights ({dense / 2**20:.0f} MiB, kept "
+                                 "resident), the engine and a margin take: give a larger --ram")
+            self.locked_bytes = self.pages.lock_dense()
+            self.pages.advise_experts()
+        self.store.reserve(self.mm.n_used)
+        # inside the group that enforces this budget, its charge is what is used; elsewhere (a
+        # shared group, or none) the dense weights and this process's own memory
+        used = group_usage() if own_limit() == self.budget else None
+        if used is None:
+            used = self.locked_bytes + anon_bytes()
+        self.cache_slots = self.store.cache_slots = slots_for_budget(self.mm, self.budget, used)
+
+    def _check_routed(self) -> None:
+        """Every MoE layer reported its selection in this step, or the reads missed experts."""
+        missing = self.moe_layers - self._seen
+        if missing:
+            raise MboltError(f"{self.path}: llama.cpp computed no ffn_moe_topk for layer(s) "
+                             f"{', '.join(map(str, sorted(missing)))} in a step: its experts were not read "
+                             "(a llama.cpp build that fuses or renames the expert selection?)")
+        self._seen = set()
 
     _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
 
@@ -150,24 +228,33 @@ class LlamaStream:
         c = self.store.counters if self.store is not None else None
         return np.array([getattr(c, k) if c else 0 for k in self._COUNTED], float)
 
-    def generate(self, prompts: list[list[int]], n_new: int, on_token=None) -> StreamRun:
-        """Greedy decode `n_new` tokens after each prompt; timings and reads of the decode steps only
-        (the prompt's reads count in its time to first token)."""
+    def generate(self, prompts: list[list[int]], n_new: int, on_token=None, forced: int = 0) -> StreamRun:
+        """Decode `n_new` tokens after each prompt; timings and reads of the decode steps only (the
+        prompt's reads count in its time to first token). Greedy by default; `forced` > 0 is
+        teacher forcing: prefill the prompt's first `forced` tokens, then feed its next tokens one
+        at a time (routing follows the text). `generated` holds the greedy prediction of every
+        step either way, so arms that compute the same model agree."""
         run = StreamRun(generated=[])
         r = self.runner
         acc = np.zeros(len(self._COUNTED))
         dev: int | None = 0
-        for ids in prompts:
+        check = self.store is not None
+        for p, ids in enumerate(prompts):
+            if forced and len(ids) < forced + n_new:
+                raise MboltError(f"prompt {p}: {len(ids)} tokens; teacher forcing needs {forced} + {n_new} "
+                                 "(give a longer text or fewer --new-tokens)")
             r.reset()
             self._step = {}
             t0 = time.perf_counter()
-            logits = r.eval(list(ids))
+            logits = r.eval(list(ids[:forced] if forced else ids))
             run.prefill_s += time.perf_counter() - t0
+            self._seen = set()
             self.drop_experts()
             out = []
             for i in range(n_new):
-                tok = int(np.argmax(logits))
-                out.append(tok)
+                pred = int(np.argmax(logits))
+                out.append(pred)
+                tok = int(ids[forced + i]) if forced else pred
                 self._step = {}
                 c0, d0 = self._counts(), proc_read_bytes()
                 f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
@@ -178,6 +265,8 @@ class LlamaStream:
                 acc += self._counts() - c0
                 d1 = proc_read_bytes()
                 dev = None if (dev is None or d0 is None or d1 is None) else dev + d1 - d0
+                if check:
+                    self._check_routed()
                 run.decode_tokens += 1
                 if self.record:
                     run.routing.append(dict(self._step))
@@ -241,8 +330,9 @@ def routing_trace(runs: list[StreamRun], mm: MoeMap):
                  fingerprint=mm.source_fingerprint)
 
 
-def record_routing(path, prompts: list[list[int]], n_new: int, mm: MoeMap | None = None):
+def record_routing(path, prompts: list[list[int]], n_new: int, mm: MoeMap | None = None, forced: int = 0):
     """Generate once warm (no reads, no eviction) with the callback recording the decode routing;
-    returns it as a Trace (original ids). Greedy and deterministic: every arm routes the same."""
+    returns it as a Trace (original ids). Deterministic (greedy or teacher-forced): every arm routes
+    the same."""
     with LlamaStream(path, reads=False, evict=False, record=True, mm=mm) as s:
-        return routing_trace([s.generate(prompts, n_new)], s.mm)
+        return routing_trace([s.generate(prompts, n_new, forced=forced)], s.mm)

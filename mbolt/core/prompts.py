@@ -81,3 +81,28 @@ def prompt_texts(path: str | os.PathLike | None, n: int | None = None) -> list[s
     if path is None:
         return BUILTIN_PROMPTS[:n]
     return [p.text for p in read_prompts(path, n)]
+
+
+def builtin_text() -> str:
+    """mbolt/data/kl_text.txt: real text (Dolly and CodeAlpaca passages; see mbolt/data/README.md)."""
+    from importlib.resources import files
+
+    return files("mbolt.data").joinpath("kl_text.txt").read_text(encoding="utf-8")
+
+
+def forced_texts(path: str | os.PathLike | None, n: int) -> list[str]:
+    """Texts for teacher forcing: the prompts of a file, or the built-in text cut into `n` passages
+    of about equal length at paragraph breaks (routing then follows real text)."""
+    if path is not None:
+        return prompt_texts(path, n)
+    paras = [p for p in builtin_text().split("\n\n") if p.strip()]
+    size = sum(map(len, paras)) / max(n, 1)
+    out, cur = [], ""
+    for p in paras:
+        cur = f"{cur}\n\n{p}" if cur else p
+        if len(cur) >= size and len(out) < n - 1:
+            out.append(cur)
+            cur = ""
+    if cur:
+        out.append(cur)
+    return out[:n]

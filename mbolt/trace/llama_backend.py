@@ -43,11 +43,20 @@ class GgmlTensor(ctypes.Structure):
     ]
 
 
+BINDING_VERSION = "0.3.36"  # the ggml_tensor prefix below is this release's include/ggml.h
+_NAME_OFFSET = GgmlTensor.name.offset
+_TOPK_PREFIX = b"ffn_moe_topk-"
+
+
 def _lib():
     try:
         import llama_cpp
     except ImportError:
-        raise MboltError("llama-cpp-python is not installed (pip install llama-cpp-python)") from None
+        raise MboltError("llama-cpp-python is not installed: pip install 'mbolt-moe[llama]'") from None
+    have = getattr(llama_cpp, "__version__", "?")
+    if have != BINDING_VERSION:
+        raise MboltError(f"llama-cpp-python {have} is installed; mbolt reads llama.cpp's tensors through the "
+                         f"ggml_tensor layout of {BINDING_VERSION}: pip install 'llama-cpp-python=={BINDING_VERSION}'")
     return llama_cpp
 
 
@@ -130,6 +139,9 @@ class LlamaRunner:
     # ---- eval callback ----
 
     def _eval_cb(self, t_ptr, ask, user):
+        # called for every graph node: compare the name's first bytes before building anything
+        if ctypes.string_at(t_ptr + _NAME_OFFSET, len(_TOPK_PREFIX)) != _TOPK_PREFIX:
+            return not ask
         t = GgmlTensor.from_address(t_ptr)
         m = _TOPK.match(t.name)
         if ask:

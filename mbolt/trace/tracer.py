@@ -72,7 +72,10 @@ class _Llama:
 
         self.mm = moe_map(path)
         self.perm = self.mm.route_map.perm  # positions -> original ids
-        self.r = LlamaRunner(path, n_ctx=n_ctx, n_threads=threads, f32_kv=False)
+        # mapped, no repacking: the weights stay file pages the kernel can reclaim, so tracing a
+        # model larger than RAM runs in bounded memory (a copying or repacking load put every
+        # expert in anonymous memory and was OOM-killed under a 2 GiB limit, issue 19)
+        self.r = LlamaRunner(path, n_ctx=n_ctx, n_threads=threads, f32_kv=False, load_mode="mmap")
         self.eos = None
         try:
             self.eos = int(self.mm.header.get("tokenizer.ggml.eos_token_id"))

@@ -1,0 +1,295 @@
+"""A model larger than RAM, for real: memory cgroups, the memory budget and the readahead.
+
+A memory cgroup charges the page cache a process fills to that process's group, so a group's
+limit is a machine with that much RAM: the kernel reclaims file pages (experts, and dense
+weights unless they are locked) when the group reaches it. Both hierarchies are supported:
+v1 (`memory.limit_in_bytes`, `cgroup.procs`) and v2 (`memory.max`), whichever the machine
+mounts with the memory controller; where neither can be used, one error says why.
+
+The budget of a run (STYLE.md: dense weights, KV cache, expert cache): `--ram`, else the
+limit of the group this process runs in, else the machine's available memory.
+
+`read_ahead_kb` of the block device decides how much one page fault reads (DESIGN.md): every
+result names it, and `readahead(path, kb)` sets it for a run and restores it on exit, error,
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from mbolt.core.errors import MboltError
+
+V1_ROOT = Path("/sys/fs/cgroup/memory")
+UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-rounded number
+
+
+def parse_size(text: str | int | None, option: str = "--ram") -> int:
+    """'4G', '500M', '1.5GiB', '4096' -> bytes (binary units)."""
+    if text is None or text == "":
+        return 0
+    if isinstance(text, int):
+        n = text
+    else:
+        t = str(text).strip().upper().removesuffix("IB").removesuffix("B")
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}.get(t[-1:], 1)
+        try:
+            n = int(float(t[:-1] if t[-1:] in "KMGT" else t) * mult)
+        except ValueError:
+            raise MboltError(f"{option}: {text!r} is not a size (e.g. 4G, 500M)") from None
+    if n <= 0:
+        raise MboltError(f"{option} must be positive, got {text!r}")
+    return n
+
+
+# ---- which hierarchy ----
+
+
+def _v2_root() -> Path | None:
+    """The cgroup2 mount whose controllers include memory, if any."""
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) >= 3 and parts[2] == "cgroup2":
+            root = Path(parts[1])
+            try:
+                if "memory" in (root / "cgroup.controllers").read_text().split():
+                    return root
+            except OSError:
+                continue
+    return None
+
+
+def hierarchy() -> tuple[str, Path]:
+    """("v1", memory root) or ("v2", cgroup2 root), or one error saying why neither works."""
+    if (V1_ROOT / "cgroup.procs").exists():
+        if os.access(V1_ROOT, os.W_OK):
+            return "v1", V1_ROOT
+        raise MboltError(f"{V1_ROOT}: memory cgroups need root (or a writable hierarchy) to create a group")
+    root = _v2_root()
+    if root is not None:
+        if os.access(root, os.W_OK):
+            return "v2", root
+        raise MboltError(f"{root}: memory cgroups need root (or a delegated, writable cgroup2 tree) to create a group")
+    raise MboltError("no memory cgroup hierarchy is mounted (neither v1 /sys/fs/cgroup/memory nor a cgroup2 mount "
+                     "with the memory controller): a real memory limit cannot be set here")
+
+
+# ---- one group ----
+
+
+@dataclass
+class MemoryGroup:
+    """A memory cgroup of `limit` bytes that processes are started in (`popen`).
+
+    Use as a context manager: the group is removed on exit (its processes must have ended)."""
+
+    limit: int
+    name: str = ""
+    kind: str = ""
+    path: Path | None = None
+
+    def __enter__(self) -> "MemoryGroup":
+        self.kind, root = hierarchy()
+        self.name = self.name or f"mbolt-{os.getpid()}-{time.monotonic_ns() % 10**9}"
+        if self.kind == "v2":
+            try:
+                (root / "cgroup.subtree_control").write_text("+memory")
+            except OSError:
+                pass  # already enabled, or the root refuses: the mkdir below tells
+        self.path = root / self.name
+        try:
+            self.path.mkdir()
+            self._write("memory.limit_in_bytes" if self.kind == "v1" else "memory.max", str(int(self.limit)))
+            if self.kind == "v2":
+                self._write("memory.swap.max", "0", missing_ok=True)
+        except OSError as e:
+            self._remove()
+            raise MboltError(f"{root}: cannot create a memory cgroup of {self.limit} bytes: {e.strerror}") from None
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._remove()
+
+    def _write(self, name: str, value: str, missing_ok: bool = False) -> None:
+        f = self.path / name
+        if missing_ok and not f.exists():
+            return
+        f.write_text(value)
+
+    def _read(self, name: str) -> str | None:
+        try:
+            return (self.path / name).read_text()
+        except OSError:
+            return None
+
+    def _remove(self) -> None:
+        if self.path is None or not self.path.exists():
+            return
+        if self.kind == "v1":
+            try:
+                (self.path / "memory.force_empty").write_text("0")  # uncharge its page cache first
+            except OSError:
+                pass
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.05)  # a process that just exited may still be leaving the group
+
+    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+        """Start `argv` inside the group: a shell joins the group, then execs the command, so no
+        byte of the command is charged elsewhere."""
+        procs = str(self.path / "cgroup.procs")
+        return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv], **kw)
+
+    def peak(self) -> int | None:
+        v = self._read("memory.max_usage_in_bytes" if self.kind == "v1" else "memory.peak")
+        return int(v) if v and v.strip().isdigit() else None
+
+    def oom_kills(self) -> int:
+        """How many processes of the group the kernel's OOM killer ended."""
+        text = self._read("memory.oom_control" if self.kind == "v1" else "memory.events") or ""
+        for line in text.splitlines():
+            k, _, v = line.partition(" ")
+            if k == "oom_kill" and v.strip().isdigit():
+                return int(v)
+        return 0
+
+
+# ---- the budget ----
+
+
+def own_limit() -> int | None:
+    """The memory limit of the cgroup this process runs in (None: no limit or unknown)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    best = None
+    for line in lines:
+        _, ctrls, rel = line.split(":", 2)
+        rel = rel.lstrip("/")
+        if "memory" in ctrls.split(","):
+            files = [V1_ROOT / rel / "memory.limit_in_bytes"]
+        elif ctrls == "":
+            root = _v2_root()
+            files = [root / rel / "memory.max"] if root is not None else []
+        else:
+            continue
+        for f in files:
+            try:
+                v = f.read_text().strip()
+            except OSError:
+                continue
+            if v.isdigit() and int(v) < UNLIMITED:
+                best = int(v) if best is None else min(best, int(v))
+    return best
+
+
+def available_memory() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def budget(ram: str | int | None = None) -> tuple[int, str]:
+    """(bytes, where from): --ram, else this process's cgroup limit, else available memory."""
+    if ram:
+        return parse_size(ram), "--ram"
+    lim = own_limit()
+    if lim is not None:
+        return lim, "cgroup limit"
+    return available_memory(), "available memory"
+
+
+def group_usage() -> int | None:
+    """Bytes charged to this process's memory cgroup now (page cache included), None if unknown."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, ctrls, rel = line.split(":", 2)
+        rel = rel.lstrip("/")
+        if "memory" in ctrls.split(","):
+            f = V1_ROOT / rel / "memory.usage_in_bytes"
+        elif ctrls == "" and _v2_root() is not None:
+            f = _v2_root() / rel / "memory.current"
+        else:
+            continue
+        try:
+            return int(f.read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+# ---- readahead ----
+
+
+def readahead_file(path: str | os.PathLike) -> Path | None:
+    """/sys/block/<disk>/queue/read_ahead_kb of the device holding `path` (None: not a block device)."""
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if not base.exists():
+        return None
+    base = base.resolve()
+    if (base / "partition").exists():
+        base = base.parent
+    f = base / "queue" / "read_ahead_kb"
+    return f if f.exists() else None
+
+
+def readahead_kb(path: str | os.PathLike) -> int | None:
+    f = readahead_file(path)
+    try:
+        return int(f.read_text()) if f is not None else None
+    except (OSError, ValueError):
+        return None
+
+
+@contextmanager
+def readahead(path: str | os.PathLike, kb: int | None):
+    """Set the readahead of `path`'s device to `kb` for the block, restore it after, on error,
+    Ctrl-C and SIGTERM alike. `kb` None: leave it as it is. Yields the value in force."""
+    old = readahead_kb(path)
+    if kb is None or kb == old:
+        yield old
+        return
+    f = readahead_file(path)
+    if f is None or old is None:
+        raise MboltError(f"{path}: not on a block device whose readahead can be read: --readahead cannot be set")
+    try:
+        f.write_text(str(int(kb)))
+    except OSError as e:
+        raise MboltError(f"{f}: cannot set readahead to {kb} KiB: {e.strerror} (it needs root)") from None
+
+    def on_term(signum, frame):
+        raise SystemExit(128 + signum)
+
+    prev = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield int(kb)
+    finally:
+        try:
+            f.write_text(str(old))
+        finally:
+            signal.signal(signal.SIGTERM, prev)

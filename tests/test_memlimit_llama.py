@@ -1,0 +1,177 @@
+"""llama.cpp under a real memory limit: `ab --ram --forced`, the runtime's budget, tracing a
+model larger than its limit (issue 19).
+
+The model (about 170 MB: 6 layers x 64 Q4_0 experts of 144 KiB slices) is larger than the
+limits used here, so plain llama.cpp must fault experts in and mbolt's runtime must evict. What
+is checked comes from the kernel (the group's peak charge and OOM kills, major faults) and from
+llama.cpp itself (its greedy predictions through the high-level API, independent of mbolt).
+These tests run in CI, as root on a machine with memory cgroups.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import needs_llama
+from mbolt.core.errors import MboltError
+from mbolt.gguf.synth import SynthConfig, write_synth
+
+pytestmark = needs_llama
+
+LIMIT = 130 << 20  # below the model's size, above what the engine itself takes (~35 MB) plus dense and margin
+N_NEW = 6
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    from mbolt.core.moe_map import moe_map
+    from mbolt.rewrite.reorder import reorder_file
+
+    d = tmp_path_factory.mktemp("memlimit")
+    stock = d / "model.gguf"
+    write_synth(stock, SynthConfig(arch="qwen3moe", n_layers=6, n_experts=64, n_used=4, hidden=1024, expert_ff=256,
+                                   n_heads=4, n_kv_heads=2, head_dim=32, dense_ff=256, expert_type="Q4_0",
+                                   fast_random=True, structure="planted", seed=3))
+    # a permuted file: every expert elsewhere (a reversed order), so its reads and faults differ
+    from mbolt.core.plan import Plan, save_plan
+
+    E = 64
+    plan = save_plan(d / "plan.json", Plan("manual", 6, E, np.tile(np.arange(E)[::-1], (6, 1)).astype(np.int32),
+                                           np.zeros((6, E))))
+    reordered = d / "model.reorder.gguf"
+    reorder_file(stock, reordered, plan=plan, layout="reorder", force=True)
+    assert stock.stat().st_size > LIMIT
+    return {"stock": stock, "reorder": reordered, "mm": moe_map(stock)}
+
+
+def _llama_predictions(path, prompts, forced, n_new):
+    """llama.cpp's own greedy prediction at each teacher-forced step, through llama-cpp-python's
+    high-level API (file mapped, default KV cache): the oracle mbolt's arms must match."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=256, use_mmap=True, verbose=False)
+    n_vocab = llm.n_vocab()
+
+    def last_logits():
+        return np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+
+    out = []
+    try:
+        for ids in prompts:
+            llm.reset()
+            llm.eval(list(ids[:forced]))
+            preds = []
+            for i in range(n_new):
+                preds.append(int(np.argmax(last_logits())))
+                llm.eval([int(ids[forced + i])])
+            out.append(preds)
+    finally:
+        llm.close()
+    return out
+
+
+def test_ab_under_a_real_limit(model, tmp_path):
+    """`mbolt ab --ram --forced`: every arm-round a process in a cgroup of LIMIT bytes; plain faults
+    experts in, mbolt's runtime takes no major fault at all (dense weights locked, every selected
+    expert read before llama.cpp touches it); every arm predicts the tokens llama.cpp predicts."""
+    from typer.testing import CliRunner
+
+    from mbolt.cli import app
+    from mbolt.core.memlimit import readahead_kb
+
+    r = CliRunner().invoke(app, ["ab", f"{model['stock']}:os,name=plain", f"{model['stock']}:name=mbolt,qd=2",
+                                 f"{model['reorder']}:name=mbolt-reorder", "--decode", "--engine", "llama.cpp",
+                                 "--ram", str(LIMIT), "--forced", "-n", str(N_NEW), "--rounds", "1", "--no-aa",
+                                 "--out-dir", str(tmp_path), "--json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    env = d["environment"]
+    assert env["memory_limit_bytes"] == LIMIT and env["teacher_forced"] == 8
+    assert env["readahead_kb"] == str(readahead_kb(model["stock"]))
+    rounds = {x["arm"]: x for x in d["rounds"]}
+    for x in rounds.values():
+        assert x["peak_bytes"] is not None and 0 < x["peak_bytes"] <= LIMIT
+        assert x["tokens"] == 2 * N_NEW and not x["rejected"]
+    assert rounds["plain"]["major_faults"] > 0  # the limit is real: experts come back through faults
+    assert rounds["mbolt"]["major_faults"] == 0 and rounds["mbolt-reorder"]["major_faults"] == 0
+    assert rounds["mbolt"]["reads"] > 0 and rounds["plain"]["hits"] == 0
+    assert all(row["decode_tokens_per_s"] > 0 for row in d["summary"])
+    assert "expert slots/layer" in rounds["mbolt"]["note"]
+    gen = rounds["plain"]["generated"]
+    assert rounds["mbolt"]["generated"] == gen and rounds["mbolt-reorder"]["generated"] == gen
+    from mbolt.bench.ab import load_prompt_ids
+
+    prompts = load_prompt_ids(str(model["stock"]), None, 2, engine="llama.cpp", forced=8, n_new=N_NEW)
+    assert gen == _llama_predictions(model["stock"], prompts, 8, N_NEW)
+
+
+def test_ram_needs_llama_engine_and_a_size(model, tmp_path):
+    from typer.testing import CliRunner
+
+    from mbolt.cli import app
+
+    r = CliRunner().invoke(app, ["ab", str(model["stock"]), "--decode", "--ram", "1G", "--out-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "--engine llama.cpp" in r.output
+    r = CliRunner().invoke(app, ["ab", str(model["stock"]), "--decode", "--engine", "llama.cpp", "--ram", "lots",
+                                 "--out-dir", str(tmp_path)])
+    assert r.exit_code == 2 and "--ram: 'lots' is not a size" in r.output
+
+
+def test_budget_sizes_the_cache_and_refuses_too_small(model):
+    """Outside a cgroup the runtime counts its own memory (dense weights + anonymous memory): a
+    budget of that plus 20 slots' worth (and the margin) gives about 20 slots."""
+    from mbolt.bench.llama_stream import BUDGET_MARGIN, LlamaStream, anon_bytes, expert_bytes_all_layers
+
+    mm = model["mm"]
+    per_slot = expert_bytes_all_layers(mm)
+    assert per_slot == sum(w.slice_bytes for w in mm.moe_layers[0].weights) * len(mm.moe_layers)
+    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm) as s:
+        dense = sum(b - a for a, b in s.pages.dense_tensors)
+        s.budget = anon_bytes() + dense + BUDGET_MARGIN + 20 * per_slot
+        s.make_cold()
+        assert 15 <= s.cache_slots <= 21  # the pages locked round dense tensors up to whole pages
+        assert s.locked_bytes >= sum(b - a for a, b in s.pages.dense_tensors)
+        assert s.pages.resident(s.pages.dense_tensors) == 1.0
+    with LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm) as s:
+        with pytest.raises(MboltError, match="below the .* MiB that the dense weights"):
+            s.make_cold()
+
+
+def test_a_layer_without_expert_selection_is_an_error(model):
+    from mbolt.bench.llama_stream import LlamaStream
+
+    with LlamaStream(str(model["stock"]), cache_slots=8, mm=model["mm"]) as s:
+        s.moe_layers = s.moe_layers | {99}
+        s.make_cold()
+        with pytest.raises(MboltError, match="no ffn_moe_topk for layer\\(s\\) 99"):
+            s.generate([[65, 66, 67, 68]], 2)
+
+
+def test_trace_a_model_larger_than_its_limit(model, tmp_path):
+    """`mbolt trace --engine llama.cpp` inside a cgroup below the model's size: it finishes (the
+    weights stay reclaimable file pages), stays under the limit, and records the routing it
+    records without a limit."""
+    from mbolt.core.mbtrace import read_trace
+    from mbolt.core.memlimit import MemoryGroup
+
+    args = ["-m", "mbolt", "trace", str(model["stock"]), "--engine", "llama.cpp", "-n", "4", "--n-prompts", "2"]
+    free = subprocess.run([sys.executable, *args, "-o", str(tmp_path / "free.mbtrace")], capture_output=True,
+                          text=True, timeout=600)
+    assert free.returncode == 0, free.stderr
+    from mbolt.bench.pagecache import evict
+
+    evict(model["stock"])
+    with MemoryGroup(LIMIT - (40 << 20)) as g:
+        p = g.popen([sys.executable, *args, "-o", str(tmp_path / "limited.mbtrace")], stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE, text=True)
+        out, err = p.communicate(timeout=600)
+        peak, kills = g.peak(), g.oom_kills()
+    assert p.returncode == 0 and kills == 0, err
+    assert peak <= LIMIT - (40 << 20) < model["stock"].stat().st_size
+    a, b = read_trace(tmp_path / "free.mbtrace"), read_trace(tmp_path / "limited.mbtrace")
+    assert a.n_tokens == b.n_tokens > 0 and np.array_equal(a.experts, b.experts)
