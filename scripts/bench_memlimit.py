@@ -21,7 +21,9 @@ Models (in $MBOLT_BENCH/memlimit, default /tmp/mbolt-bench; never in git):
 Both with planted co-activation groups; the plan is a llama.cpp trace of training prompts.
 
   python scripts/bench_memlimit.py prepare [--models q864,q72]
-  python scripts/bench_memlimit.py run [--models ..] [--budgets 0.4] [--readahead 128,8192] [--rounds 2]
+  python scripts/bench_memlimit.py run [--models ..] [--configs 128:0.25,128:0.4,128:0.6,8192:0.4] [--rounds 2]
+      (readahead KiB : budget as a share of the model file; 8 MiB only at 40%: plain llama.cpp
+      needs minutes per arm there)
   python scripts/bench_memlimit.py smoke     # a tiny model, one config, one round: checks the script
 
 Goals (issue 19, pre-registered in prereg/memlimit.toml): the best mbolt arm >= 1.5x plain-stock
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -104,7 +107,8 @@ def prepare(name: str) -> None:
 def arms(name: str, qd: int = 4) -> list[Arm]:
     p = paths(name)
     return [Arm("plain-stock", str(p["stock"]), mode="os"), Arm("plain-reorder", str(p["reorder"]), mode="os"),
-            Arm("mbolt-stock", str(p["stock"]), io_threads=qd), Arm("mbolt-reorder", str(p["reorder"]), io_threads=qd)]
+            Arm("mbolt-stock", str(p["stock"]), io_threads=qd, asynchronous=True),
+            Arm("mbolt-reorder", str(p["reorder"]), io_threads=qd, asynchronous=True)]
 
 
 def row_of(summary: list[dict], arm: str) -> dict:
@@ -170,20 +174,48 @@ def goals(configs: list[dict]) -> list[dict]:
     return out
 
 
-def run(models: list[str], budgets: list[float], ras: list[int], rounds: int, out_dir: Path) -> None:
+def slots_of(cfg: dict) -> int | None:
+    """The expert slots per layer the runtime chose in a configuration (from its arm note)."""
+    m = re.search(r"(\d+) expert slots/layer", cfg["arms"]["mbolt-stock"]["note"])
+    return int(m.group(1)) if m else None
+
+
+def policies(name: str, configs: list[dict]) -> dict:
+    """Held-out cache policies at the slot counts the runtime chose: per-layer LRU (what the
+    runtime runs) against nuthatch's learned pins (the hottest experts of the training trace,
+    75% of the slots, the rest LRU), replayed (bench.replay) over the bench text's routing, which
+    the plan never saw."""
+    from mbolt.bench.llama_stream import record_routing
+    from mbolt.bench.replay import LearnedPinPolicy, LruPolicy, replay, usage_histogram
+    from mbolt.core.mbtrace import read_trace
+
+    p = paths(name)
+    prompts = load_prompt_ids(str(p["stock"]), None, N_PROMPTS, engine="llama.cpp", forced=FORCED_PREFILL,
+                              n_new=NEW_TOKENS)
+    test = record_routing(p["stock"], prompts, NEW_TOKENS, forced=FORCED_PREFILL)
+    usage = usage_histogram(read_trace(p["train"]))
+    rows = []
+    for slots in sorted({s for s in map(slots_of, configs) if s}):
+        pin = LearnedPinPolicy(usage, slots, 0.75)
+        rows.append({"cache_slots": slots, "lru": replay(test, LruPolicy(test.n_layers, slots)).hit_rate,
+                     "learned_pin": replay(test, pin).hit_rate, "pinned": pin.pin})
+    return {"held_out_tokens": test.n_tokens, "train": "the plan's training trace (prompts.jsonl, first "
+            f"{TRAIN_PROMPTS} prompts)", "rows": rows}
+
+
+def run(models: list[str], plan: list[tuple[int, float]], rounds: int, out_dir: Path) -> None:
     for name in models:
         if not paths(name)["reorder"].exists():
             raise SystemExit(f"{name}: run `prepare` first")
         configs = []
-        for ra in ras:
-            for frac in budgets:
-                configs.append(run_config(name, frac, ra, rounds, seed=len(configs)))
+        for ra, frac in plan:
+            configs.append(run_config(name, frac, ra, rounds, seed=len(configs)))
         for c in configs:
             c.pop("ab")  # the summary keeps the per-arm rows; the rounds live in each config's rows
         out = {"benchmark": "decode under a real memory limit (issue 19)", "script": "scripts/bench_memlimit.py",
                "model": name, "synth": MODELS[name], "prompts": f"teacher-forced, {N_PROMPTS} passages of "
                f"mbolt/data/kl_text.txt, {FORCED_PREFILL} prefilled + {NEW_TOKENS} fed tokens each",
-               "configs": configs, "goals": goals(configs)}
+               "configs": configs, "goals": goals(configs), "cache_policies": policies(name, configs)}
         path = out_dir / f"memlimit_{name}.json"
         write_text_atomic(path, json.dumps(out, indent=1, default=float) + "\n")
         log("wrote", path)
@@ -196,8 +228,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["prepare", "run", "smoke"])
     ap.add_argument("--models", default="q864,q72")
-    ap.add_argument("--budgets", default="0.4", help="shares of the model file, comma-separated")
-    ap.add_argument("--readahead", default="128,8192", help="read_ahead_kb values, comma-separated")
+    ap.add_argument("--configs", default="128:0.25,128:0.4,128:0.6,8192:0.4",
+                    help="readahead KiB:budget share of the model file, comma-separated")
     ap.add_argument("--rounds", type=int, default=2)
     a = ap.parse_args()
     models = a.models.split(",")
@@ -205,13 +237,14 @@ def main() -> None:
         prepare("smoke")
         out = Path(os.environ.get("TMPDIR", "/tmp")) / "mbolt-memlimit-smoke"
         out.mkdir(exist_ok=True)
-        run(["smoke"], [4.0], [128], 1, out)  # the engine alone takes more than this tiny file
+        run(["smoke"], [(128, 4.0)], 1, out)  # the engine alone takes more than this tiny file
         return
     if a.stage == "prepare":
         for m in models:
             prepare(m)
         return
-    run(models, [float(x) for x in a.budgets.split(",")], [int(x) for x in a.readahead.split(",")], a.rounds, RESULTS)
+    plan = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in a.configs.split(",")]
+    run(models, plan, a.rounds, RESULTS)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,7 @@ class Arm:
     resident_frac: float | None = None  # slot-cache budget as a share of each layer's experts
     warm: bool = False  # --engine llama.cpp: keep every page resident (no eviction)
     callback: bool = False  # --engine llama.cpp, os arm: install the eval callback anyway
+    asynchronous: bool = False  # --engine llama.cpp: submit the reads (WILLNEED), let the page faults wait
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -80,24 +81,24 @@ class Arm:
 
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
-            "callback": bool}
+            "callback": bool, "async": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
-    frac|resident_frac, and for --engine llama.cpp warm, callback."""
+    frac|resident_frac, and for --engine llama.cpp warm, callback, async."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
-            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback)")
+            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, async)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
         except ValueError:
             raise MboltError(f"arm {spec!r}: {k} needs a {typ.__name__}, got {v!r}") from None
-        k = {"qd": "io_threads", "cache": "cache_slots", "frac": "resident_frac"}.get(k, k)
+        k = {"qd": "io_threads", "cache": "cache_slots", "frac": "resident_frac", "async": "asynchronous"}.get(k, k)
         if k == "os":
             k, val = "mode", "os" if val else "read"
         kw[k] = val
@@ -129,8 +130,10 @@ def read_pattern(mm: MoeMap, arm: Arm, layout: str) -> dict:
     if arm.mode == "os":
         desc += "mmap page faults (kernel readahead decides)"
     else:
-        desc += (f"explicit preadv, QD{arm.io_threads}, {'O_DIRECT' if arm.direct else 'buffered (no readahead)'}, "
-                 f"merge gap {arm.gap} B")
+        desc += ("explicit reads submitted with posix_fadvise(WILLNEED), not waited for (page faults wait), "
+                 if arm.asynchronous else
+                 f"explicit preadv, QD{arm.io_threads}, {'O_DIRECT' if arm.direct else 'buffered (no readahead)'}, ")
+        desc += f"merge gap {arm.gap} B"
     if arm.warm:
         desc += ", warm (every page resident)" + (", eval callback installed" if arm.callback else "")
     if arm.cache_slots or arm.resident_frac:
@@ -808,8 +811,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
     elif ram or forced:
         raise MboltError("--ram and --forced run arms in llama.cpp: add --engine llama.cpp")
-    elif any(a.warm or a.callback for a in arms):
-        raise MboltError("arm options warm and callback are for --engine llama.cpp")
+    elif any(a.warm or a.callback or a.asynchronous for a in arms):
+        raise MboltError("arm options warm, callback and async are for --engine llama.cpp")
     if trace is not None:
         check_compatible(trace, mm0, trace_path or "trace")
     layouts = {p: lay for p, (m, lay) in info.items()}

@@ -48,6 +48,8 @@ def check_llama_arms(arms: list[Arm], info: dict, mode: str) -> None:
             raise MboltError(f"arm {a.name}: an os arm reads through page faults and has no slot cache (drop cache=)")
         if a.warm and a.cache_slots:
             raise MboltError(f"arm {a.name}: a warm arm keeps everything resident: cache= means nothing there")
+        if a.asynchronous and a.mode == "os":
+            raise MboltError(f"arm {a.name}: async is a way to issue explicit reads; an os arm issues none")
         if a.resident_frac is not None:
             raise MboltError(f"arm {a.name}: give the llama.cpp slot budget as cache=N, not frac")
 
@@ -120,7 +122,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     reads = arm.mode != "os"
     stream = LlamaStream(arm.path, reads=reads, gap=arm.gap, qd=arm.io_threads, cache_slots=_slots(arm),
                          evict=not arm.warm and not (job.ram and not reads), callback=arm.callback, mm=mm,
-                         budget=job.ram if (job.ram and reads) else None)
+                         budget=job.ram if (job.ram and reads) else None, asynchronous=arm.asynchronous)
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()

@@ -118,11 +118,14 @@ class LlamaStream:
     budget: bytes this run may use (a real memory limit): dense weights locked, expert readahead
       off, cache_slots sized from what is left (reads only; see the module docstring).
     f32_kv: F32 KV cache and no flash attention (parity tests); False is llama.cpp's default.
+    asynchronous: submit the reads (posix_fadvise WILLNEED) and let llama.cpp's page faults wait
+      for them, so its matmuls overlap the I/O (engine.store).
     """
 
     def __init__(self, path, *, reads: bool = True, gap: int = 0, qd: int = 1, cache_slots: int = 0,
                  evict: bool = True, callback: bool | None = None, n_ctx: int = 512, n_threads: int | None = None,
-                 mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False):
+                 mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
+                 asynchronous: bool = False):
         from mbolt.trace.llama_backend import LlamaRunner
 
         self.path = str(path)
@@ -140,10 +143,12 @@ class LlamaStream:
         self.cache_slots = int(cache_slots) if reads else 0
         self.perm = self.mm.route_map.perm  # position in the file -> original expert id
         self._evicted: list[tuple[int, int]] = []
+        self._calling: set[int] = set()  # the experts of the read under way (llama.cpp needs them next)
+        self.reclaimed = 0  # cached experts found reclaimed by the kernel (read again)
         self.store = None
         if reads:
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
-                                     drop_pages=False, on_evict=lambda layer, e: self._evicted.append((layer, e)))
+                                     drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous)
         self._step: dict[int, np.ndarray] = {}
         self._seen: set[int] = set()
         self.moe_layers = {l.index for l in self.mm.moe_layers}
@@ -165,7 +170,35 @@ class LlamaStream:
         if self.record:
             self._step[layer] = np.asarray(rows[-1], np.int16)
         if self.store is not None:
-            self.store.read(layer, ids)
+            if self.budget:
+                self._keep_budget(layer)
+            self._calling = set(int(e) for e in ids)
+            try:
+                self.store.read(layer, ids)
+            finally:
+                self._calling = set()
+
+    def _keep_budget(self, layer: int) -> None:
+        """Before a layer's read: the previous layer's deferred victims go now (its matmuls are
+        done), and a cached expert the kernel reclaimed in part is read again rather than faulted
+        in page by page (each such fault read 4 KiB: thousands per token)."""
+        if self._evicted:
+            self.drop_experts()
+        for e in self.store.cached(layer):
+            if not self.pages.expert_resident(layer, e):
+                self.pages.drop(self.pages.expert_spans_of(layer, [e]))  # what is left of it, too
+                self.store.forget(layer, e)
+                self.reclaimed += 1
+
+    def _on_evict(self, layer: int, e: int) -> None:
+        """An expert left the slot cache. Under a budget its pages go at once, so the group never
+        holds more than the cache (dropped after the step, a step's new experts overran the margin:
+        the kernel then reclaimed experts the cache still counted, ~4,800 faults per token); one the
+        running read still needs (a prefill's union can exceed the slots) goes after the step."""
+        if self.budget and e not in self._calling:
+            self.pages.drop(self.pages.expert_spans_of(layer, [e]))
+        else:
+            self._evicted.append((layer, e))
 
     def drop_experts(self) -> None:
         """After a step: make the experts cold again (all of them, or those the slot cache let go)."""

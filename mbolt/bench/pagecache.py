@@ -252,6 +252,8 @@ class FilePages:
         self.dense_tensors = _dense_spans(mm, spans, file)  # whole tensors: every page with a dense byte
         self.dense_spans = inward(self.dense_tensors)
         self.fd = os.open(self.path, os.O_RDONLY)
+        self._probe: tuple[int, int] | None = None  # (address, size) of the mincore mapping
+        self._vec = (ctypes.c_ubyte * 0)()
         self.maps: list[tuple[int, int, int]] = []
         self.lib = _lib()
         self.lib.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -358,7 +360,33 @@ class FilePages:
                     total += v.size
         return present / total if total else 0.0
 
+    def all_resident(self, spans) -> bool:
+        """Whether every page of `spans` is in the page cache (mincore on a mapping of the file that
+        is never touched, kept open for these checks: a few microseconds per span)."""
+        if self._probe is None:
+            size = os.fstat(self.fd).st_size
+            addr = self.lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise MboltError(f"{self.path}: mmap for mincore failed (errno {ctypes.get_errno()})")
+            self._probe = (addr, size)
+        addr, size = self._probe
+        for a, b in spans:
+            a, b = a // PAGE * PAGE, min(-(-b // PAGE) * PAGE, size)
+            n = (b - a) // PAGE
+            if n <= 0:
+                continue
+            if len(self._vec) < n:
+                self._vec = (ctypes.c_ubyte * n)()
+            if self.lib.mincore(ctypes.c_void_p(addr + a), b - a, self._vec) != 0:
+                raise MboltError(f"{self.path}: mincore failed (errno {ctypes.get_errno()})")
+            if not (np.frombuffer(self._vec, np.uint8, n) & 1).all():
+                return False
+        return True
+
     def close(self) -> None:
+        if self._probe is not None:
+            self.lib.munmap(ctypes.c_void_p(self._probe[0]), self._probe[1])
+            self._probe = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -416,6 +444,14 @@ class ExpertPages:
     def advise_experts(self, advice: int = MADV_RANDOM) -> None:
         for fp in self.files:
             fp.advise_experts(advice)
+
+    def expert_resident(self, layer: int, expert: int) -> bool:
+        """Every page of one expert's slices (original id) is in the page cache."""
+        R = expert_ranges(self.mm, layer)[int(expert)]
+        for f, spans in self._by_file((int(s), int(s + n)) for s, n in R).items():
+            if not self.files[f].all_resident(spans):
+                return False
+        return True
 
     def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
         """Whole pages inside the slices of these experts (original ids) of one layer."""
