@@ -1,4 +1,4 @@
-"""Cold replay A/B on synthetic models -> results/ab_*.json (+ results/ab_summary.json).
+"""Cold replay A/B on synthetic models -> results/ab_*.json (+ results/ab_summary_<tag>.json).
 
 Two stages, so that predictions can be pre-registered before anything is measured:
 

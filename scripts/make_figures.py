@@ -29,8 +29,6 @@ GRANITE = ROOT / "mbolt" / "data" / "granite3moe.trace.txt"
 def main() -> None:
     made = [
         plot(RESULTS / "layout.json", RESULTS / "layout.png"),
-        plot(RESULTS / "ab_s64k_qd1_buffered_seed1.json", RESULTS / "ab_s64k_qd1_buffered_seed1.png"),
-        plot(RESULTS / "ab_s64k_qd1_direct_seed1.json", RESULTS / "ab_s64k_qd1_direct_seed1.png"),
     ]
     sweep = cache_sweep(load_trace(GRANITE), [2, 4, 8, 16, 24])
     made.append(plot_cache(sweep.to_dict(), RESULTS / "cache_granite.png", title="granite-moe 1b"))
