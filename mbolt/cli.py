@@ -231,6 +231,8 @@ def synth_cmd(
                                      "refuses them elsewhere)."),
     dense_layers: int = typer.Option(None, "--dense-layers", help="Leading dense-FFN layers (glm4moe, deepseek2; "
                                      "llama.cpp refuses them elsewhere)."),
+    vocab: Path = typer.Option(None, "--vocab", help="Take the tokenizer of this GGUF (every tokenizer.* key, e.g. "
+                               "llama.cpp's models/ggml-vocab-*.gguf): the model tokenizes as the real one does."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
@@ -247,7 +249,7 @@ def synth_cmd(
                  down_type=down_type, layer_types=layer_types, fused_gate_up=fused_gate_up or None,
                  structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew, context=context,
                  dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
-                 expert_bias=expert_bias or None)
+                 expert_bias=expert_bias or None, vocab=str(vocab) if vocab else None)
     given = {key: v for key, v in given.items() if v is not None}
     if not preset and head_dim is None and (hidden or heads):  # keep heads x head_dim == hidden
         given["head_dim"] = (hidden or SynthConfig.hidden) // (heads or SynthConfig.n_heads)
@@ -410,7 +412,7 @@ def ab_cmd(
 
         res.prereg["result"] = verdict(pr, res.summary)
     if engine == "llama.cpp" and probe_json is not None:
-        from mbolt.bench.llama_stream import record_routing
+        from mbolt.engine.llama.stream import record_routing
         from mbolt.bench.predict import predict_llama
 
         # the law with s measured in this run; counts on the routing llama.cpp computes
@@ -510,7 +512,11 @@ def verify_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """Check a rewritten GGUF: every tensor byte-identical through the route map, metadata
-    identical apart from mbolt.* and alignment, routing parity; exit 1 on any failure."""
+    identical apart from mbolt.* and alignment, routing parity.
+
+    Exit 0: OUT is SRC rewritten, nothing but the order changed. Exit 1: OUT is a rewrite of SRC
+    and differs (a byte, a key, the padding, routing). Exit 2: the two files are not one model and
+    its rewrite (other geometry, no route map, made from another file), or a file is unreadable."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mbolt.report.rewrite_tables import verify_table
@@ -680,22 +686,34 @@ def generate_cmd(
     route: str = typer.Option("file", help="Reference engine, reordered files: 'file' (router rows permuted in the "
                               "file) or 'map'."),
     engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp'."),
-    stream: bool = typer.Option(False, "--stream", help="llama.cpp: read the selected experts with mbolt's explicit "
-                                "reads from the eval callback and drop expert pages after every token (cold, bounded "
-                                "memory, as a model larger than RAM)."),
-    cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="--stream: experts per layer kept resident (LRU); "
-                                    "0 drops them all after every token."),
-    qd: int = typer.Option(1, "--qd", min=1, max=1024, help="--stream: queue depth (reads in flight)."),
+    stream: bool = typer.Option(False, "--stream", help="llama.cpp: mbolt's streaming runtime. The selected experts "
+                                "are read explicitly from the eval callback into an expert cache sized from the memory "
+                                "budget (--ram, else the cgroup limit, else available memory); dense weights stay "
+                                "resident."),
+    ram: str = typer.Option(None, "--ram", help="--stream: the memory budget (e.g. 8G). Default: the memory cgroup's "
+                            "limit, else the available memory."),
+    cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="--stream: experts per layer kept (LRU) instead of "
+                                    "sizing the cache from the budget."),
+    drop_every_token: bool = typer.Option(False, "--drop-every-token", help="--stream: drop every expert page after "
+                                          "every token (the s = 1 bound of a model far larger than RAM; an "
+                                          "emulation, not a budget)."),
+    qd: int = typer.Option(1, "--qd", min=1, max=1024, help="--stream with blocking reads: queue depth."),
+    blocking: bool = typer.Option(False, "--blocking-reads", help="--stream: wait for every read before llama.cpp "
+                                  "computes (default: submit the reads and let its page faults wait, which overlaps "
+                                  "them with compute)."),
     gap: int = typer.Option(0, "--gap", min=0, help="--stream: merge gap (bytes)."),
+    pins: bool = typer.Option(False, "--pins", help="--stream: keep each layer's hottest experts (by the training "
+                              "heat a reorder file's route map carries) in 3/4 of the cache; the rest is LRU."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
     """Greedy decode with tokens/s: the numpy reference engine, or llama.cpp (with --stream: mbolt's expert reads)."""
     if engine == "llama.cpp":
-        return _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json)
+        return _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token, qd, blocking, gap,
+                               pins, as_json)
     if engine != "reference":
         raise MboltError(f"--engine must be reference or llama.cpp, not {engine!r}")
-    if stream or cache_slots:
-        raise MboltError("--stream and --cache-slots need --engine llama.cpp")
+    if stream or cache_slots or ram or drop_every_token or pins:
+        raise MboltError("--stream, --ram, --cache-slots, --drop-every-token and --pins need --engine llama.cpp")
     from mbolt.engine import load_model
     from mbolt.engine.generate import generate
 
@@ -716,25 +734,42 @@ def generate_cmd(
                   f"generated {len(res['ids'])} at {res['decode_tokens_per_s']:.1f} tok/s[/]")
 
 
-def _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json):
+REPACK_NOTE = ("repacking off: the weights stay pages of the mapped file (llama.cpp's default load copies "
+               "Q4_0/Q4_K experts into anonymous memory, which a model larger than RAM cannot hold)")
+
+
+def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token, qd, blocking, gap, pins, as_json):
     from rich.progress import Progress
 
-    from mbolt.bench.llama_stream import LlamaStream
+    from mbolt.core.memlimit import budget
+    from mbolt.engine.llama.stream import LlamaStream
 
-    if cache_slots and not stream:
-        raise MboltError("--cache-slots needs --stream")
-    with LlamaStream(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap) as s:
+    if (cache_slots or ram or drop_every_token or blocking or pins) and not stream:
+        raise MboltError("--ram, --cache-slots, --drop-every-token, --blocking-reads and --pins need --stream")
+    if drop_every_token and (ram or cache_slots):
+        raise MboltError("--drop-every-token drops everything after each token: it takes no --ram or --cache-slots")
+    limit, where = budget(ram) if (stream and not drop_every_token and not cache_slots) else (None, "")
+    with LlamaStream(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap, budget=limit,
+                     asynchronous=stream and not blocking, pins=pins) as s:
         ids = s.runner.tokenize(prompt, add_special=True)
         if not ids:
             raise MboltError("the prompt has no tokens")
         if stream:
             s.make_cold()
+        if not as_json:
+            err_console.print(f"[dim]llama.cpp: {REPACK_NOTE}[/]")
+            if limit:
+                err_console.print(f"[dim]budget {limit / 2**30:.2f} GiB ({where}): {s.locked_bytes / 1e6:.0f} MB of "
+                                  f"dense weights locked, {s.cache_slots} expert slots per layer "
+                                  f"({s.pinned_per_layer} pinned)[/]")
         with Progress(console=err_console, transient=True, disable=as_json) as bar:
             task = bar.add_task("generating", total=n)
             run = s.generate([ids], n, on_token=lambda i, t: bar.update(task, completed=i + 1))
         text = s.detokenize(run.generated[0])
     tok = max(run.decode_tokens, 1)
-    res = {"engine": "llama.cpp", "stream": stream, "cache_slots": cache_slots, "qd": qd, "gap": gap,
+    res = {"engine": "llama.cpp", "stream": stream, "cache_slots": s.cache_slots, "budget_bytes": limit,
+           "budget_from": where or None, "repacking": "off", "qd": qd, "gap": gap, "async_reads": stream and not blocking,
+           "drop_every_token": drop_every_token, "pinned_per_layer": s.pinned_per_layer,
            "prompt_ids": ids, "ids": run.generated[0], "text": text,
            "ttft_s": run.prefill_s, "decode_tokens_per_s": run.decode_tokens / run.decode_s if run.decode_s else None,
            "reads_per_token": run.reads / tok, "bytes_per_token": run.bytes / tok,
@@ -746,8 +781,9 @@ def _generate_llama(model, prompt, n, stream, cache_slots, qd, gap, as_json):
         return
     console.print(prompt, end="", highlight=False, markup=False)
     console.print(text, style="bold", highlight=False, markup=False)
-    how = (f"mbolt explicit reads (QD{qd}, gap {gap} B, {cache_slots} cache slots/layer)" if stream
-           else "plain llama.cpp (the file mapped, nothing dropped)")
+    how = (f"mbolt streaming ({'blocking reads QD%d' % qd if blocking else 'async reads'}, gap {gap} B, "
+           f"{s.cache_slots} cache slots/layer{', every expert dropped after every token' if drop_every_token else ''})"
+           if stream else "plain llama.cpp (the file mapped, nothing dropped)")
     line = (f"[dim]llama.cpp, {how}: prompt {len(ids)} tokens in {1e3 * run.prefill_s:.0f} ms, generated "
             f"{len(run.generated[0])} at {res['decode_tokens_per_s'] or 0:.1f} tok/s")
     if stream:

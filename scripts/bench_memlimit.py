@@ -185,7 +185,7 @@ def policies(name: str, configs: list[dict]) -> dict:
     runtime runs) against nuthatch's learned pins (the hottest experts of the training trace,
     75% of the slots, the rest LRU), replayed (bench.replay) over the bench text's routing, which
     the plan never saw."""
-    from mbolt.bench.llama_stream import record_routing
+    from mbolt.engine.llama.stream import record_routing
     from mbolt.bench.replay import LearnedPinPolicy, LruPolicy, replay, usage_histogram
     from mbolt.core.mbtrace import read_trace
 

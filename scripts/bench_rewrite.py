@@ -39,7 +39,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbolt.bench.pagecache import evict  # noqa: E402
+from mbolt.core.pagecache import evict  # noqa: E402
 from mbolt.gguf.synth import SynthConfig, synth_size, write_synth  # noqa: E402
 from mbolt.core.plan import Plan, save_plan  # noqa: E402
 

@@ -326,7 +326,7 @@ def test_expert_spans_are_the_expert_tensors_gguf_py_reads(files):
     counting stride x E from each role's own offset ran into the next layer's dense tensors)."""
     from gguf import GGUFReader
 
-    from mbolt.bench.pagecache import expert_spans
+    from mbolt.core.pagecache import expert_spans
     from mbolt.core.moe_map import moe_map
 
     for f, pat in ((files["stock"], r"ffn_(gate|up|down)_exps"), (files["packed"], r"ffn_exps_packed")):
@@ -410,7 +410,7 @@ def test_prediction_counts_equal_store_counts(files, tmp_path):
 
 
 def test_unprovable_eviction_marks_run_not_cold(files, monkeypatch):
-    import mbolt.bench.pagecache as pc
+    import mbolt.core.pagecache as pc
 
     def no_mincore(*a, **k):
         raise OSError("mincore not supported here")
@@ -489,3 +489,20 @@ def test_ab_environment_records_host_cache(files):
     res = run_ab([Arm("stock", str(files["stock"]))], trace=rand_trace(), rounds=1, aa=False)
     hc = res.environment["host_cache"]
     assert hc["measured"] and "first_over_reread" in hc and "measured_at" in hc
+
+
+def test_probe_size_below_the_minimum_names_it_and_the_minimum_works(tmp_path):
+    """`probe --size-mb 8` failed deep inside with a window error; now the smallest size that works
+    is in the message, and that size runs every config (default sizes, 1 MiB reads included)."""
+    from typer.testing import CliRunner
+
+    from mbolt.bench.probe import min_file_bytes, probe
+    from mbolt.cli import app
+
+    need_mb = -(-min_file_bytes() // (1 << 20))
+    r = CliRunner().invoke(app, ["probe", str(tmp_path), "--size-mb", "8", "-o", str(tmp_path / "p.json")])
+    assert r.exit_code == 2 and f"give --size-mb {need_mb} or more" in r.output and "Traceback" not in r.output
+    d = probe(tmp_path, qds=(1,), modes=("buffered",), size_mb=need_mb, reads_mb=1, max_reads=16, repeats=1,
+              n_bursts=2, host_cache=False)
+    assert {r["size"] for r in d["burst_rows"]} == {16 << 10, 64 << 10, 256 << 10, 1 << 20}
+    assert all(r["bursts"] >= 1 and r["cold_proven"] for r in d["burst_rows"])

@@ -61,7 +61,7 @@ CASES = [(a, t) for a in ARCH_KW for t in ("F32", "Q8_0", "Q4_0")] + [
 
 
 def _runner(path):
-    from mbolt.trace.llama_backend import LlamaRunner
+    from mbolt.engine.llama.runner import LlamaRunner
 
     return LlamaRunner(path, n_ctx=128, n_threads=1)
 

@@ -77,3 +77,28 @@ def test_fingerprint_covers_header_not_data(tmp_path):
     raw[raw.index(b"a.u32") + 9] ^= 0x01  # the u32 value
     (tmp_path / "h.gguf").write_bytes(raw)
     assert read_header(tmp_path / "h.gguf").fingerprint != fp
+
+
+def test_duplicate_keys_and_tensor_names_are_refused(tmp_path):
+    """A key or tensor name twice: gguf-py refuses such a file too (which copy counts is undefined)."""
+    p = tmp_path / "s.gguf"
+    write_sample(p)
+    raw = p.read_bytes()
+    assert raw.count(b"a.f32") == 1
+    (tmp_path / "dupkey.gguf").write_bytes(raw.replace(b"a.f32", b"a.u32"))
+    with pytest.raises(MboltError, match="dupkey.gguf: metadata key a.u32 appears twice"):
+        read_header(tmp_path / "dupkey.gguf")
+    with pytest.raises((KeyError, ValueError)):
+        GGUFReader(tmp_path / "dupkey.gguf")
+    w = GGUFWriter(str(tmp_path / "two.gguf"), "qwen3moe")
+    w.add_tensor("t.one", np.zeros((2, 32), np.float32))
+    w.add_tensor("t.two", np.ones((2, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    (tmp_path / "duptensor.gguf").write_bytes((tmp_path / "two.gguf").read_bytes().replace(b"t.two", b"t.one"))
+    with pytest.raises(MboltError, match="duptensor.gguf: tensor t.one appears twice"):
+        read_header(tmp_path / "duptensor.gguf")
+    with pytest.raises((KeyError, ValueError)):
+        GGUFReader(tmp_path / "duptensor.gguf")

@@ -136,3 +136,40 @@ def test_readahead_none_leaves_it(tmp_path):
     before = readahead_kb(tmp_path)
     with readahead(tmp_path, None) as kb:
         assert kb == before
+
+
+def test_willneed_reads_a_long_range_only_in_pieces(tmp_path):
+    """The kernel cuts one WILLNEED to max(readahead, largest request) and drops the rest without a
+    word; advised in pieces of `willneed_bytes`, the whole range comes in (mincore)."""
+    import time
+
+    from mbolt.core.pagecache import evict, resident_share, willneed, willneed_bytes
+
+    cap = willneed_bytes(tmp_path)
+    assert cap >= 128 << 10
+    f = tmp_path / "long.bin"
+    n = 3 * cap + (1 << 20)
+    with open(f, "wb") as out:
+        for _ in range(n >> 20):
+            out.write(os.urandom(1 << 20))
+        out.write(os.urandom(n % (1 << 20)))
+
+    def resident_after_reads():
+        for _ in range(300):  # the reads were started, not finished: wait for them (3 s at most)
+            share = resident_share(f)
+            if share == 1.0:
+                break
+            time.sleep(0.01)
+        return share
+
+    assert evict(f).proven
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, n, os.POSIX_FADV_WILLNEED)  # one call: the kernel stops at the cap
+        one_call = resident_after_reads()
+        assert evict(f).proven
+        willneed(fd, 0, n, cap)
+        pieces = resident_after_reads()
+    finally:
+        os.close(fd)
+    assert one_call < 0.6 and pieces == 1.0

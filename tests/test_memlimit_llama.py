@@ -125,14 +125,15 @@ def test_ram_needs_llama_engine_and_a_size(model, tmp_path):
 def test_budget_sizes_the_cache_and_refuses_too_small(model):
     """Outside a cgroup the runtime counts its own memory (dense weights + anonymous memory): a
     budget of that plus 20 slots' worth (and the margin) gives about 20 slots."""
-    from mbolt.bench.llama_stream import BUDGET_MARGIN, LlamaStream, anon_bytes, expert_bytes_all_layers
+    from mbolt.engine.llama.stream import (BUDGET_MARGIN, LlamaStream, expert_bytes_all_layers, own_bytes,
+                                           prefill_bytes)
 
     mm = model["mm"]
     per_slot = expert_bytes_all_layers(mm)
     assert per_slot == sum(w.slice_bytes for w in mm.moe_layers[0].weights) * len(mm.moe_layers)
     with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm) as s:
         dense = sum(b - a for a, b in s.pages.dense_tensors)
-        s.budget = anon_bytes() + dense + BUDGET_MARGIN + 20 * per_slot
+        s.budget = own_bytes() + dense + BUDGET_MARGIN + prefill_bytes(mm) + 20 * per_slot
         s.make_cold()
         assert 15 <= s.cache_slots <= 21  # the pages locked round dense tensors up to whole pages
         assert s.locked_bytes >= sum(b - a for a, b in s.pages.dense_tensors)
@@ -143,7 +144,7 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
 
 
 def test_a_layer_without_expert_selection_is_an_error(model):
-    from mbolt.bench.llama_stream import LlamaStream
+    from mbolt.engine.llama.stream import LlamaStream
 
     with LlamaStream(str(model["stock"]), cache_slots=8, mm=model["mm"]) as s:
         s.moe_layers = s.moe_layers | {99}
@@ -163,7 +164,7 @@ def test_trace_a_model_larger_than_its_limit(model, tmp_path):
     free = subprocess.run([sys.executable, *args, "-o", str(tmp_path / "free.mbtrace")], capture_output=True,
                           text=True, timeout=600)
     assert free.returncode == 0, free.stderr
-    from mbolt.bench.pagecache import evict
+    from mbolt.core.pagecache import evict
 
     evict(model["stock"])
     with MemoryGroup(LIMIT - (40 << 20)) as g:

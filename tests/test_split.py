@@ -429,12 +429,15 @@ def test_ab_replay_on_sets(model, tmp_path):
     assert packed.reads < stock.reads  # one read per expert in the packed set, three in the stock set
 
 
-def test_verify_of_another_geometry_is_a_verdict_not_a_crash(model, tmp_path):
+def test_verify_of_another_geometry_is_a_usage_error_not_a_crash(model, tmp_path):
+    """Not one model and its rewrite: exit 2 with one line (exit 1 is for a rewrite that differs)."""
     src, _ = model
     other = write_synth(tmp_path / "o.gguf", SynthConfig(arch="qwen3moe", n_layers=4, n_experts=16, n_used=2, seed=3))
     out = reorder(other, tmp_path / "o2.gguf", None)
     res = cli("verify", src, out.dst, "--no-parity")
-    assert res.exit_code == 1 and "shape 4x16 != source 4x8" in res.output.replace("\n", " ").replace("│", "")
+    text = res.output.replace("\n", " ")
+    assert res.exit_code == 2 and "not a rewrite of" in text and "4 layers x 16 experts" in text
+    assert "Traceback" not in res.output
 
 
 def test_reorder_never_replaces_the_model_a_trace_was_recorded_on(model, tmp_path):

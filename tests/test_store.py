@@ -7,7 +7,7 @@ import gguf
 import numpy as np
 import pytest
 
-from mbolt.bench.pagecache import evict, resident_pages, resident_share
+from mbolt.core.pagecache import evict, resident_pages, resident_share
 from mbolt.engine.store import ExpertStore
 from mbolt.core.errors import MboltError
 from mbolt.core.header import read_header
@@ -208,3 +208,21 @@ def test_split_jobs_by_hand():
     assert jobs == [(4096 + i * (256 << 10), 256 << 10, i * (256 << 10)) for i in range(4)]
     # small reads are never split
     assert split_jobs([(0, 1000, 0), (5000, 2000, 4096)], 4) == [(0, 1000, 0), (5000, 2000, 4096)]
+
+
+def test_pinned_experts_stay_and_the_rest_is_lru(tiny):
+    """Pins (the learned-pin policy): a pinned expert, once read, is never evicted; the other
+    slots are an LRU. Checked by which calls read (misses) and which do not."""
+    evicted = []
+    with ExpertStore(tiny, cache_slots=3, on_evict=lambda layer, e: evicted.append(e)) as s:
+        s.pin(0, [5])
+        s.read(0, [5])  # a pinned expert is read on first use
+        for e in (1, 2, 3, 4):  # four more through two LRU slots
+            s.read(0, [e])
+        assert s.counters.misses == 5 and evicted == [1, 2]
+        s.read(0, [5])
+        assert s.counters.hits == 1  # still there after 4 others
+        s.read(0, [1])  # 1 left long ago: a miss that evicts 3 (the LRU), never 5
+        assert s.counters.misses == 6 and evicted == [1, 2, 3]
+        with pytest.raises(MboltError, match="3 pins leave no LRU slot of 3"):
+            s.pin(0, [1, 2, 3])

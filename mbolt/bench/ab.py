@@ -50,7 +50,9 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.env import environment
-from mbolt.bench.pagecache import ExpertPages, evict_model, wait_quiet
+from mbolt.bench.env import wait_quiet
+from mbolt.core.pagecache import evict_model
+from mbolt.engine.pages import ExpertPages
 from mbolt.engine.generate import greedy_decode
 from mbolt.engine.store import ExpertStore
 from mbolt.core.compat import check_compatible
@@ -73,6 +75,7 @@ class Arm:
     warm: bool = False  # --engine llama.cpp: keep every page resident (no eviction)
     callback: bool = False  # --engine llama.cpp, os arm: install the eval callback anyway
     asynchronous: bool = False  # --engine llama.cpp: submit the reads (WILLNEED), let the page faults wait
+    pins: bool = False  # --engine llama.cpp: pin each layer's hottest experts (the route map's training heat)
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -81,18 +84,18 @@ class Arm:
 
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
-            "callback": bool, "async": bool}
+            "callback": bool, "async": bool, "pins": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
-    frac|resident_frac, and for --engine llama.cpp warm, callback, async."""
+    frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
-            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, async)")
+            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, async, pins)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
@@ -136,6 +139,8 @@ def read_pattern(mm: MoeMap, arm: Arm, layout: str) -> dict:
         desc += f"merge gap {arm.gap} B"
     if arm.warm:
         desc += ", warm (every page resident)" + (", eval callback installed" if arm.callback else "")
+    if arm.pins:
+        desc += ", hottest experts pinned (route map heat)"
     if arm.cache_slots or arm.resident_frac:
         desc += (f", {arm.cache_slots} cache slots/layer" if arm.resident_frac is None
                  else f", slot cache {100 * arm.resident_frac:.0f}% of each layer's experts")
@@ -811,8 +816,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
     elif ram or forced:
         raise MboltError("--ram and --forced run arms in llama.cpp: add --engine llama.cpp")
-    elif any(a.warm or a.callback or a.asynchronous for a in arms):
-        raise MboltError("arm options warm, callback and async are for --engine llama.cpp")
+    elif any(a.warm or a.callback or a.asynchronous or a.pins for a in arms):
+        raise MboltError("arm options warm, callback, async and pins are for --engine llama.cpp")
     if trace is not None:
         check_compatible(trace, mm0, trace_path or "trace")
     layouts = {p: lay for p, (m, lay) in info.items()}
@@ -942,7 +947,7 @@ def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2, engine: str 
 
     texts = forced_texts(prompts_path, n) if forced else prompt_texts(prompts_path, n)
     if engine == "llama.cpp":
-        from mbolt.trace.llama_backend import LlamaRunner
+        from mbolt.engine.llama.runner import LlamaRunner
 
         with LlamaRunner(model_path, vocab_only=True) as r:
             out = [r.tokenize(t, add_special=True) for t in texts[:n]]

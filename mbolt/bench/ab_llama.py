@@ -1,4 +1,4 @@
-"""`mbolt ab --decode --engine llama.cpp`: one arm-round in llama.cpp (bench.llama_stream).
+"""`mbolt ab --decode --engine llama.cpp`: one arm-round in llama.cpp (engine.llama.stream).
 
 The protocol is run_ab's (rounds, arm order, A/A, pre-registration); this module only runs one
 arm once and summarises what llama.cpp adds:
@@ -16,7 +16,7 @@ Under a real memory limit (`job.ram` bytes, `mbolt ab --ram`): every arm-round i
 (`python -m mbolt.bench.ab_llama`) inside a memory cgroup of that size (core.memlimit), started
 after the model's pages were dropped from the page cache. An `os` arm there is plain llama.cpp
 (mapped, no repacking, no callback, default KV cache, nothing dropped by us); an arm with reads
-is mbolt's runtime with that budget (bench.llama_stream). The group's peak and its OOM kills are
+is mbolt's runtime with that budget (engine.llama.stream). The group's peak and its OOM kills are
 recorded; an arm the kernel killed is one error naming the arm and the budget.
 """
 
@@ -30,8 +30,8 @@ from dataclasses import asdict
 import numpy as np
 
 from mbolt.bench.ab import Arm, ArmJob, RoundResult
-from mbolt.bench.llama_stream import LlamaStream, check_llama_streamable
-from mbolt.bench.pagecache import wait_quiet
+from mbolt.engine.llama.stream import LlamaStream, check_llama_streamable
+from mbolt.bench.env import wait_quiet
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
 
@@ -71,7 +71,7 @@ def run_llama_arm(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
 
 def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     """The arm-round as a fresh process inside a memory cgroup of job.ram bytes."""
-    from mbolt.bench.pagecache import evict_model
+    from mbolt.core.pagecache import evict_model
     from mbolt.core.memlimit import MemoryGroup
 
     evict_model(mm, job.threshold)  # uncharged and cold: the group fills its own page cache
@@ -122,7 +122,8 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     reads = arm.mode != "os"
     stream = LlamaStream(arm.path, reads=reads, gap=arm.gap, qd=arm.io_threads, cache_slots=_slots(arm),
                          evict=not arm.warm and not (job.ram and not reads), callback=arm.callback, mm=mm,
-                         budget=job.ram if (job.ram and reads) else None, asynchronous=arm.asynchronous)
+                         budget=job.ram if (job.ram and reads) else None, asynchronous=arm.asynchronous,
+                         pins=arm.pins)
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()
@@ -137,7 +138,8 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
             note = "llama.cpp: resident share of the expert tensors' pages (mincore), unmapped from llama.cpp"
             if job.ram:
                 note += (f"; inside a {job.ram} B memory cgroup: "
-                         + (f"{stream.cache_slots} expert slots/layer, {stream.locked_bytes} B of dense weights locked"
+                         + (f"{stream.cache_slots} expert slots/layer ({stream.pinned_per_layer} pinned), "
+                            f"{stream.locked_bytes} B of dense weights locked"
                             if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
         run = stream.generate(prompts, n_new, forced=job.forced)
     finally:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 
-def _mount_of(path: str) -> tuple[str, str, str]:
+def mount_of(path: str) -> tuple[str, str, str]:
     """(device, mount point, filesystem type) of the mount holding `path`, from /proc/mounts."""
     path = os.path.realpath(path)
     best = ("?", "/", "?")
@@ -75,7 +75,7 @@ def git_revision(root: str | os.PathLike | None = None) -> str:
 
 
 def environment(path: str | os.PathLike) -> dict:
-    dev, mnt, fs = _mount_of(str(path))
+    dev, mnt, fs = mount_of(str(path))
     try:
         load = os.getloadavg()
     except OSError:
@@ -94,3 +94,36 @@ def environment(path: str | os.PathLike) -> dict:
         "git": git_revision(),
         "page_size": os.sysconf("SC_PAGE_SIZE"),
     }
+
+
+def _inflight_file(path: str) -> str | None:
+    dev = mount_of(path)[0]
+    name = os.path.basename(dev)
+    base = f"/sys/class/block/{name}"
+    if not os.path.exists(base):
+        return None
+    if os.path.exists(f"{base}/partition"):
+        base = os.path.dirname(os.path.realpath(base))
+    f = f"{base}/inflight"
+    return f if os.path.exists(f) else None
+
+
+def wait_quiet(path: str | os.PathLike, timeout: float = 2.0, poll: float = 0.005) -> dict:
+    """Wait until the block device holding `path` has no I/O in flight (e.g. the readahead a
+    previous arm left behind), at most `timeout` seconds. Returns what it saw."""
+    import time
+
+    f = _inflight_file(str(path))
+    t0 = time.perf_counter()
+    first = None
+    while f is not None:
+        try:
+            r, w = (int(x) for x in open(f).read().split())
+        except (OSError, ValueError):
+            break
+        if first is None:
+            first = r + w
+        if r + w == 0 or time.perf_counter() - t0 >= timeout:
+            return {"inflight_at_start": first, "inflight_at_end": r + w, "waited_s": time.perf_counter() - t0}
+        time.sleep(poll)
+    return {"inflight_at_start": first, "inflight_at_end": None, "waited_s": time.perf_counter() - t0}

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.bench.env import environment
-from mbolt.bench.pagecache import evict
+from mbolt.core.pagecache import evict
 from mbolt.core.errors import MboltError
-from mbolt.core.ranges import drop_cached
+from mbolt.core.pagecache import drop_cached
 
 SIZES = (16 << 10, 64 << 10, 256 << 10, 1 << 20)
 QDS = (1, 4)
@@ -210,7 +210,7 @@ def host_cache_probe(dirpath: str | os.PathLike, size_mb: int = 32, size: int = 
     equal times do not prove there is none; the verdict says so. `existing`: a file the guest has
     not cached (resident share 0, e.g. a model not read since boot) to use instead of a new file.
     """
-    from mbolt.bench.pagecache import resident_share
+    from mbolt.core.pagecache import resident_share
 
     d = Path(dirpath) if Path(dirpath).is_dir() else Path.cwd()
     made = False
@@ -259,6 +259,13 @@ def host_cache_probe(dirpath: str | os.PathLike, size_mb: int = 32, size: int = 
             "faster_below_guest": bool(proven and ratio >= 1.5)}
 
 
+def min_file_bytes(sizes=SIZES, burst_k: int = 8, min_reads: int = 16) -> int:
+    """The smallest probe file every config fits in: `min_reads` reads of the largest size on
+    their own grid, and a burst of `burst_k` scattered reads of it (`_burst_config`)."""
+    s = max(sizes)
+    return max(s + min_reads * (s + 2 * ALIGN), s + max(burst_k, 1) * (s + ALIGN) + ALIGN)
+
+
 def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=MODES, size_mb: int = 256,
           reads_mb: int = 16, max_reads: int = 128, min_reads: int = 16, repeats: int = 3, progress=None,
           burst_k: int = 8, burst_sizes=None, n_bursts: int = 16, burst_span: int = 8 << 20,
@@ -272,9 +279,14 @@ def probe(file: str | os.PathLike | None = None, *, sizes=SIZES, qds=QDS, modes=
     also run `host_cache_probe` beside the file."""
     tmp = None
     target = Path(file) if file is not None else Path.cwd()
-    if target.is_file() and target.stat().st_size >= 64 << 20:
+    need = min_file_bytes(sizes, burst_k, min_reads)
+    if target.is_file() and target.stat().st_size >= max(64 << 20, need):
         path = target
     else:
+        if size_mb << 20 < need:
+            raise MboltError(f"--size-mb {size_mb}: the probe file must hold {min_reads} reads of "
+                             f"{max(sizes) >> 10} KiB and a burst of {burst_k}: give --size-mb "
+                             f"{-(-need // (1 << 20))} or more")
         d = target if target.is_dir() else target.parent if target.parent.exists() else Path.cwd()
         path = tmp = _make_file(d, size_mb << 20)
     try:

@@ -204,10 +204,16 @@ def _parse(buf, path: Path, size: int) -> GGUFHeader:
         key = c.string(f"metadata key #{i}")
         vtype = c._vtype(c.scalar("<I", key), key)
         value, sub = c.value(vtype, key)
+        if key in kv:  # llama.cpp and gguf-py refuse such a file: which value counts is undefined
+            raise MboltError(f"{path}: metadata key {key} appears twice")
         kv[key] = KV(key, vtype, value, sub, (start, c.pos))
     infos = []
+    seen: set[str] = set()
     for i in range(n_tensors):
         name = c.string(f"tensor info #{i}")
+        if name in seen:
+            raise MboltError(f"{path}: tensor {name} appears twice")
+        seen.add(name)
         n_dims = c.scalar("<I", name)
         if n_dims > 4:
             raise MboltError(f"{path}: tensor {name} has {n_dims} dimensions")

@@ -244,18 +244,9 @@ def group_usage() -> int | None:
 
 def readahead_file(path: str | os.PathLike) -> Path | None:
     """/sys/block/<disk>/queue/read_ahead_kb of the device holding `path` (None: not a block device)."""
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return None
-    base = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    if not base.exists():
-        return None
-    base = base.resolve()
-    if (base / "partition").exists():
-        base = base.parent
-    f = base / "queue" / "read_ahead_kb"
-    return f if f.exists() else None
+    from mbolt.core.pagecache import queue_file
+
+    return queue_file(path, "read_ahead_kb")
 
 
 def readahead_kb(path: str | os.PathLike) -> int | None:

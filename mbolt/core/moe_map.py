@@ -259,4 +259,7 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
         raise MboltError(f"{path}: not a MoE model (no ffn_*_exps tensors with {n_experts} experts)")
     if n_used <= 0 or n_used > n_experts:
         raise MboltError(f"{path}: {arch}.expert_used_count is {n_used}, expected 1..{n_experts}")
+    from mbolt.core.hparams import check_hparams
+
+    check_hparams(header, arch, n_experts, n_layers)
     return MoeMap(str(path), arch, n_layers, n_experts, n_used, layers, header)

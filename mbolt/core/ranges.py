@@ -9,8 +9,6 @@ probe share so that the probe measures reads under the store's conditions.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 
@@ -60,16 +58,3 @@ def merge_ranges(starts, ends, gap: int = 0) -> tuple[np.ndarray, np.ndarray]:
     idx = np.flatnonzero(new[0])
     last = np.append(idx[1:] - 1, len(s) - 1)
     return s[idx], e[last]
-
-
-# The page cache holds large folios (up to 2 MiB on current kernels): a read brings in whole
-# folios, and DONTNEED only drops folios entirely inside the range. Drop whole 2 MiB blocks.
-DROP_ALIGN = 2 << 20
-
-
-def drop_cached(fd: int, a: int, b: int) -> None:
-    """Drop bytes [a, b) of a file from the page cache, widened to whole DROP_ALIGN blocks: what a
-    streaming reader does after each read so that the next one finds the data cold again."""
-    a = a // DROP_ALIGN * DROP_ALIGN
-    b = -(-b // DROP_ALIGN) * DROP_ALIGN
-    os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)

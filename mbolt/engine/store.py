@@ -46,7 +46,8 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.core.ranges import DROP_ALIGN, drop_cached, merge_ranges
+from mbolt.core.pagecache import DROP_ALIGN, drop_cached, willneed, willneed_bytes
+from mbolt.core.ranges import merge_ranges
 from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr
 from mbolt.core.routemap import expert_ranges
 
@@ -115,6 +116,7 @@ class ExpertStore:
         self._ranges = {l.index: expert_ranges(self.mm, l.index) for l in self.mm.moe_layers}
         self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
         self._slots: dict[int, OrderedDict] = {l: OrderedDict() for l in self._ranges}
+        self._pinned: dict[int, set[int]] = {l: set() for l in self._ranges}
         # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.
         self.pad_gap = max((layer.slot_padding for layer in self.mm.moe_layers), default=0)
         self.merge_gap = max(self.gap, self.pad_gap)
@@ -133,6 +135,7 @@ class ExpertStore:
                 except OSError as e:
                     raise MboltError(f"{p}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
             self.file_sizes = [os.fstat(fd).st_size for fd in self.fds]
+            self._willneed = [willneed_bytes(p) for p in self.mm.paths] if asynchronous else []
             if mode == "os":
                 self._maps = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in self.fds]
             elif not direct:
@@ -171,6 +174,15 @@ class ExpertStore:
     def cached(self, layer: int) -> list[int]:
         """The experts of a layer's slot cache, least recently used first."""
         return list(self._slots[layer])
+
+    def pin(self, layer: int, experts) -> None:
+        """Keep these experts (original ids) in the layer's slot cache once read: the LRU evicts
+        only unpinned ones (nuthatch's learned-pin policy: the hottest experts of a training
+        trace pinned, the rest of the slots LRU). At most cache_slots - 1 pins per layer."""
+        experts = [int(e) for e in experts]
+        if len(experts) >= max(self.cache_slots, 1):
+            raise MboltError(f"{self.path}: layer {layer}: {len(experts)} pins leave no LRU slot of {self.cache_slots}")
+        self._pinned[layer] = set(experts)
 
     def forget(self, layer: int, expert: int) -> None:
         """Take an expert out of the slot cache without calling on_evict (its bytes are gone
@@ -236,8 +248,12 @@ class ExpertStore:
                 if e in got:
                     slots[e] = got[e] if want else None
                 slots.move_to_end(e)
+            pinned = self._pinned[layer]
             while len(slots) > self.cache_slots:
-                gone, _ = slots.popitem(last=False)
+                gone = next((e for e in slots if e not in pinned), None)  # least recently used, unpinned
+                if gone is None:
+                    break  # a prefill's union of pinned experts: they stay, the cache is over by that much
+                del slots[gone]
                 if self.on_evict is not None:
                     self.on_evict(layer, gone)
         return out
@@ -297,7 +313,7 @@ class ExpertStore:
             # queue depth stalled the whole layer: 8.3 vs 10.1 tok/s, issue 19)
             for off, n, _ in jobs:
                 f, o = split_vaddr(off)
-                os.posix_fadvise(self.fds[f], o, n, os.POSIX_FADV_WILLNEED)
+                willneed(self.fds[f], o, n, self._willneed[f])
         elif self._pool is None or len(jobs) == 1:
             for j in jobs:
                 self._pread(view, *j)

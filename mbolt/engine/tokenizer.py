@@ -107,7 +107,9 @@ class Tokenizer:
     def from_header(cls, h: GGUFHeader) -> "Tokenizer":
         model = h.get("tokenizer.ggml.model")
         if model != "gpt2":
-            raise MboltError(f"{h.path}: tokenizer model {model!r} is not supported (only byte-level BPE 'gpt2')")
+            raise MboltError(f"{h.path}: tokenizer model {model!r} is not supported by the reference engine (only "
+                             "byte-level BPE 'gpt2'): use --engine llama.cpp, which tokenizes every vocabulary "
+                             "llama.cpp loads")
         tokens = h.get("tokenizer.ggml.tokens")
         if not tokens:
             raise MboltError(f"{h.path}: no tokenizer.ggml.tokens")

@@ -148,6 +148,7 @@ class SynthConfig:
     rope_base: float = 1e6
     rms_eps: float = 1e-6
     alignment: int = 32
+    vocab: str = ""  # a GGUF whose tokenizer.* keys the model takes (a real vocabulary); "" = byte-level gpt2
     note: str = ""
     name: str = ""
 

@@ -49,7 +49,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from mbolt.core.atomic import atomic_output
-from mbolt.core.errors import warn
+from mbolt.core.errors import MboltError, warn
 from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
 from mbolt.core.vocab import bytes_to_unicode
 from mbolt.gguf.blocks import Pools, coprime_stride, encode
@@ -86,6 +86,23 @@ def vocabulary() -> tuple[list[str], list[int], list[str], int, int]:
     return tokens, types, merges, bos, bos + 1
 
 
+def borrowed_vocabulary(path: str) -> tuple[list[bytes], int, int, int]:
+    """The tokenizer.* entries of another GGUF (e.g. llama.cpp's models/ggml-vocab-*.gguf), copied
+    byte for byte, with the vocabulary size and its bos/eos ids: a synthetic model that tokenizes
+    exactly as the real one does."""
+    from mbolt.core.header import read_header
+
+    h = read_header(path)
+    tokens = h.kv.get("tokenizer.ggml.tokens")
+    if tokens is None or not hasattr(tokens.value, "__len__") or not len(tokens.value):
+        raise MboltError(f"{path}: no tokenizer.ggml.tokens: not a vocabulary to borrow")
+    raw = Path(path).read_bytes()[:h.header_size]
+    entries = [raw[kv.span[0]:kv.span[1]] for k, kv in h.kv.items() if k.startswith("tokenizer.")]
+    n = len(tokens.value)
+    bos, eos = h.get_int("tokenizer.ggml.bos_token_id", 0), h.get_int("tokenizer.ggml.eos_token_id", 0)
+    return entries, n, bos, eos
+
+
 @dataclass
 class _Tensor:
     name: str
@@ -107,8 +124,12 @@ class _Model:
         self.cfg = cfg
         self.H = cfg.hidden
         self.pools = Pools(cfg.seed)
-        self.tokens, self.token_types, self.merges, self.bos, self.eos = vocabulary()
-        self.V = len(self.tokens)
+        self.vocab_entries: list[bytes] = []
+        if cfg.vocab:
+            self.vocab_entries, self.V, self.bos, self.eos = borrowed_vocabulary(cfg.vocab)
+        else:
+            self.tokens, self.token_types, self.merges, self.bos, self.eos = vocabulary()
+            self.V = len(self.tokens)
         self.plant = PlantedRouting(cfg, self.V)
         self.groups, self.token_topic = self.plant.groups, self.plant.token_topic
         self.tensors: list[_Tensor] = []
@@ -381,7 +402,7 @@ class _Model:
                     encode_kv(f"{a}.ssm.time_step_rank", U32, cfg.ssm_v_heads),
                     encode_kv(f"{a}.ssm.group_count", U32, cfg.ssm_k_heads),
                     encode_kv(f"{a}.full_attention_interval", U32, cfg.full_attn_every)]
-        kvs += [
+        kvs += self.vocab_entries or [
             encode_kv("tokenizer.ggml.model", STR, "gpt2"),
             encode_kv("tokenizer.ggml.pre", STR, "gpt-2"),
             encode_kv("tokenizer.ggml.tokens", ARR, self.tokens, GGUFValueType.STRING),
@@ -391,6 +412,8 @@ class _Model:
             encode_kv("tokenizer.ggml.eos_token_id", U32, self.eos),
             encode_kv("tokenizer.ggml.add_bos_token", BOOL, False),
             encode_kv("tokenizer.ggml.add_eos_token", BOOL, False),
+        ]
+        kvs += [
             encode_kv("mbolt.synth.structure", STR, cfg.structure),
             encode_kv("mbolt.synth.seed", U32, cfg.seed & 0xFFFFFFFF),
             encode_kv("mbolt.synth.n_groups", U32, cfg.groups),

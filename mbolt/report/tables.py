@@ -179,13 +179,14 @@ def demo_next_steps(s: dict) -> Text:
     soft wrap, so every command stays one line to copy)."""
     lines = [
         f"mbolt report {s['workdir']}/demo.json -o demo.png   (this run as a picture)",
-        "on your own model, MODEL.gguf:",
+        "on your own model, MODEL.gguf (llama.cpp's bindings first: pip install -e \".[llama]\"):",
         "  mbolt inspect MODEL.gguf",
+        "  mbolt generate MODEL.gguf \"Hello\" --engine llama.cpp --stream   (a model larger than RAM)",
         "  mbolt trace MODEL.gguf --engine llama.cpp -o run.mbtrace",
-        "  mbolt plan run.mbtrace --model MODEL.gguf --layout packed -o plan.json --heldout held.mbtrace",
-        "  mbolt reorder MODEL.gguf MODEL.packed.gguf --plan plan.json --layout packed",
-        "  mbolt verify MODEL.gguf MODEL.packed.gguf",
-        "  mbolt probe MODEL.gguf -o probe.json",
-        "  mbolt ab MODEL.gguf MODEL.packed.gguf --replay held.mbtrace --probe probe.json",
+        "  mbolt plan run.mbtrace --model MODEL.gguf -o plan.json --heldout held.mbtrace",
+        "  mbolt reorder MODEL.gguf MODEL.reorder.gguf --plan plan.json",
+        "  mbolt verify MODEL.gguf MODEL.reorder.gguf --llama",
+        "  mbolt ab MODEL.gguf:os,name=plain MODEL.reorder.gguf:name=mbolt,async --decode --engine llama.cpp "
+        "--ram 8G --forced   (as root)",
     ]
     return Text.assemble(("next:\n", "bold"), "\n".join(lines))

@@ -87,7 +87,7 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
                  on_step=None) -> dict:
     """llama.cpp on both files (reorder layout); see the module docstring. on_step() after every
     forward of both (len(prompts) * (n_tokens + 1) of them)."""
-    from mbolt.trace.llama_backend import LlamaRunner
+    from mbolt.engine.llama.runner import LlamaRunner
 
     prompts = prompts or BUILTIN_PROMPTS
     perm = read_route_map(out).perm

@@ -386,13 +386,12 @@ _SFR = []
 
 def _sync_file_range():
     if not _SFR:
-        fn = None
-        try:
-            import ctypes
-            import ctypes.util
+        import ctypes
 
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-            fn = libc.sync_file_range
+        from mbolt.core.pagecache import libc
+
+        try:
+            fn = libc().sync_file_range
             fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
             fn.restype = ctypes.c_int
         except (OSError, AttributeError):

@@ -33,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.hparams import HparamError
 from mbolt.core.gguf_set import is_set_key, resolve_model_path, split_vaddr
 from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import moe_map
@@ -470,6 +471,8 @@ def verify(
     try:
         om = moe_map(out)
         oh = om.header
+    except HparamError:
+        raise  # not a usable model: one line naming the key and the tensor, exit 2
     except MboltError as e:
         report.add("header", False, str(e))
         report.seconds = report.total_seconds = time.perf_counter() - t0
@@ -483,13 +486,16 @@ def verify(
         report.seconds = report.total_seconds = time.perf_counter() - t0
         return report
     report.layout = out_rm.layout
-    problems = []
+    # not one model and its rewrite: a usage error (exit 2), not a rewrite that differs (exit 1)
     if (out_rm.n_layers, out_rm.n_experts) != (src_rm.n_layers, src_rm.n_experts):
-        problems.append(f"shape {out_rm.n_layers}x{out_rm.n_experts} != source {src_rm.n_layers}x{src_rm.n_experts}")
-    if out_rm.source_fingerprint != src_rm.source_fingerprint:
-        problems.append(f"source fingerprint {out_rm.source_fingerprint} != {src_rm.source_fingerprint} (of {src.name})")
+        raise MboltError(f"{out}: not a rewrite of {src}: {out_rm.n_layers} layers x {out_rm.n_experts} experts, "
+                         f"the source has {src_rm.n_layers} x {src_rm.n_experts}")
     if out_rm.layout == "stock":
-        problems.append("output has no route map (not written by mbolt reorder)")
+        raise MboltError(f"{out}: has no route map (not written by mbolt reorder): nothing to verify against {src}")
+    if out_rm.source_fingerprint != src_rm.source_fingerprint:
+        raise MboltError(f"{out}: not a rewrite of {src}: it was made from a file with fingerprint "
+                         f"{out_rm.source_fingerprint[:12]}, {src.name} has {src_rm.source_fingerprint[:12]}")
+    problems = []
     dense_moved = [l.index for l in om.layers if l.dense and not (out_rm.perm[l.index] == np.arange(out_rm.n_experts)).all()]
     if dense_moved:
         problems.append(f"dense layer {dense_moved[0]} has a non-identity perm")
@@ -561,7 +567,7 @@ def verify(
         if out_rm.layout != "reorder":
             report.add("llama.cpp", None, f"skipped: llama.cpp does not load the {out_rm.layout} layout")
         else:
-            from mbolt.trace.llama_backend import LlamaRunner
+            from mbolt.engine.llama.runner import LlamaRunner
 
             t = time.perf_counter()
             report.llama = _engine_check(

@@ -68,7 +68,7 @@ class _Llama:
     weights = False
 
     def __init__(self, path, route, threads, n_ctx=4096):
-        from mbolt.trace.llama_backend import LlamaRunner
+        from mbolt.engine.llama.runner import LlamaRunner
 
         self.mm = moe_map(path)
         self.perm = self.mm.route_map.perm  # positions -> original ids

@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from mbolt.bench.pagecache import ExpertPages
+from mbolt.engine.pages import ExpertPages
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.routemap import expert_ranges
@@ -82,6 +82,8 @@ class StreamRun:
 
 
 BUDGET_MARGIN = 64 << 20  # bytes of a budget left free for the KV cache's growth and compute buffers
+PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinned, the rest LRU
+PREFILL_CHUNK = 8  # under a budget the prompt is evaluated this many tokens at a time (see prefill_bytes)
 
 
 def expert_bytes_all_layers(mm: MoeMap) -> int:
@@ -89,20 +91,30 @@ def expert_bytes_all_layers(mm: MoeMap) -> int:
     return int(sum(int(expert_ranges(mm, l.index)[0, :, 1].sum()) for l in mm.moe_layers))
 
 
-def anon_bytes() -> int:
-    """This process's anonymous resident memory (heap, KV cache, buffers: not the mapped file)."""
+def prefill_bytes(mm: MoeMap) -> int:
+    """What a prompt chunk's layer needs beyond the cache: the union of PREFILL_CHUNK tokens' experts
+    in the largest layer (its experts are read before its matmul; the victims go at the next layer)."""
+    per = max(int(expert_ranges(mm, l.index)[0, :, 1].sum()) for l in mm.moe_layers)
+    return per * min(mm.n_experts, PREFILL_CHUNK * mm.n_used)
+
+
+def own_bytes() -> int:
+    """This process's own memory: anonymous (heap, KV cache, buffers) and shared anonymous (the
+    store's read arena) resident pages, not the mapped file."""
+    n = 0
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                n += int(line.split()[1]) * 1024
+    return n
 
 
 def slots_for_budget(mm: MoeMap, budget: int, used: int) -> int:
     """Per-layer expert slots that fit in `budget` bytes when `used` are taken already (dense
-    weights, process memory), less BUDGET_MARGIN; at least the k experts a token uses."""
+    weights, process memory), less a margin (BUDGET_MARGIN or 5%, and a prompt chunk's experts);
+    at least the k experts a token uses."""
     per_slot = max(expert_bytes_all_layers(mm), 1)
-    free = budget - used - max(BUDGET_MARGIN, budget // 20)
+    free = budget - used - max(BUDGET_MARGIN, budget // 20) - prefill_bytes(mm)
     return int(min(mm.n_experts, max(mm.n_used, free // per_slot)))
 
 
@@ -120,13 +132,15 @@ class LlamaStream:
     f32_kv: F32 KV cache and no flash attention (parity tests); False is llama.cpp's default.
     asynchronous: submit the reads (posix_fadvise WILLNEED) and let llama.cpp's page faults wait
       for them, so its matmuls overlap the I/O (engine.store).
+    pins: pin the hottest experts of each layer (PIN_SHARE of the slots) by the training heat the
+      file's route map carries (a reorder file's `mbolt.heat`); the other slots stay LRU.
     """
 
     def __init__(self, path, *, reads: bool = True, gap: int = 0, qd: int = 1, cache_slots: int = 0,
                  evict: bool = True, callback: bool | None = None, n_ctx: int = 512, n_threads: int | None = None,
                  mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
-                 asynchronous: bool = False):
-        from mbolt.trace.llama_backend import LlamaRunner
+                 asynchronous: bool = False, pins: bool = False):
+        from mbolt.engine.llama.runner import LlamaRunner
 
         self.path = str(path)
         self.mm = mm or moe_map(self.path)
@@ -137,6 +151,12 @@ class LlamaStream:
             self.evict = True  # the slot cache's victims leave memory; nothing else is dropped
             cache_slots = cache_slots or self.mm.n_used  # sized from the budget in make_cold
         self.locked_bytes = 0
+        self.pins, self.pinned_per_layer = pins, 0
+        if pins and not reads:
+            raise MboltError("pins keep experts the runtime reads: they need explicit reads")
+        if pins and not self.mm.route_map.heat.any():
+            raise MboltError(f"{self.path}: pins need the training heat of a route map (a file written by mbolt "
+                             "reorder from a trace); this file has none")
         if cache_slots and cache_slots < self.mm.n_used:
             raise MboltError(f"--cache-slots {cache_slots} is below the {self.mm.n_used} experts a token uses: "
                              "give 0 (no cache) or at least that many")
@@ -156,7 +176,8 @@ class LlamaStream:
         self.pages = ExpertPages(self.path, self.mm)
         try:
             self.runner = LlamaRunner(self.path, n_ctx=n_ctx, n_threads=n_threads, capture=False, on_topk=cb,
-                                      load_mode="mmap", f32_kv=f32_kv)
+                                      load_mode="mmap", f32_kv=f32_kv,
+                                      n_batch=PREFILL_CHUNK if self.budget else 512)
             self.pages.attach()
         except BaseException:
             self.close()
@@ -171,21 +192,24 @@ class LlamaStream:
             self._step[layer] = np.asarray(rows[-1], np.int16)
         if self.store is not None:
             if self.budget:
-                self._keep_budget(layer)
+                self._keep_budget(layer, ids)
             self._calling = set(int(e) for e in ids)
             try:
                 self.store.read(layer, ids)
             finally:
                 self._calling = set()
 
-    def _keep_budget(self, layer: int) -> None:
+    def _keep_budget(self, layer: int, ids) -> None:
         """Before a layer's read: the previous layer's deferred victims go now (its matmuls are
-        done), and a cached expert the kernel reclaimed in part is read again rather than faulted
-        in page by page (each such fault read 4 KiB: thousands per token)."""
+        done), and a selected expert the cache holds but the kernel reclaimed in part is read again
+        rather than faulted in page by page (each such fault read 4 KiB: thousands per token).
+        Only this step's hits are checked: a few mincore calls per layer."""
         if self._evicted:
             self.drop_experts()
-        for e in self.store.cached(layer):
-            if not self.pages.expert_resident(layer, e):
+        cached = set(self.store.cached(layer))
+        for e in ids:
+            e = int(e)
+            if e in cached and not self.pages.expert_resident(layer, e):
                 self.pages.drop(self.pages.expert_spans_of(layer, [e]))  # what is left of it, too
                 self.store.forget(layer, e)
                 self.reclaimed += 1
@@ -212,7 +236,7 @@ class LlamaStream:
             gone.setdefault(layer, set()).add(e)
         self._evicted.clear()
         for layer, es in gone.items():
-            es -= set(self.store._slots[layer])  # evicted during a prefill, then used again
+            es -= set(self.store.cached(layer))  # evicted during a prefill, then used again
             if es:
                 self.pages.drop(self.pages.expert_spans_of(layer, sorted(es)))
 
@@ -225,13 +249,15 @@ class LlamaStream:
         self.pages.reset()
         if self.budget:
             self.fit_budget()
+        if self.pins:
+            self.pin_hottest()
 
     def fit_budget(self) -> None:
         from mbolt.core.memlimit import group_usage, own_limit
 
         if not self.locked_bytes:
             dense = sum(b - a for a, b in self.pages.dense_tensors)
-            floor = dense + anon_bytes() + BUDGET_MARGIN
+            floor = dense + own_bytes() + BUDGET_MARGIN
             if floor > self.budget:
                 raise MboltError(f"{self.path}: a budget of {self.budget / 2**20:.0f} MiB is below the "
                                  f"{floor / 2**20:.0f} MiB that the dense weights ({dense / 2**20:.0f} MiB, kept "
@@ -241,10 +267,25 @@ class LlamaStream:
         self.store.reserve(self.mm.n_used)
         # inside the group that enforces this budget, its charge is what is used; elsewhere (a
         # shared group, or none) the dense weights and this process's own memory
-        used = group_usage() if own_limit() == self.budget else None
+        lim = own_limit()
+        if lim is not None and lim <= self.budget:  # v1 rounds a limit down to whole pages
+            self.budget = lim
+            used = group_usage()
+        else:
+            used = None
         if used is None:
-            used = self.locked_bytes + anon_bytes()
+            used = self.locked_bytes + own_bytes()
         self.cache_slots = self.store.cache_slots = slots_for_budget(self.mm, self.budget, used)
+
+    def pin_hottest(self) -> None:
+        """Pin PIN_SHARE of each layer's slots to its hottest experts (route map heat is per
+        position; pins name original experts), leaving at least k slots to the LRU."""
+        rm = self.mm.route_map
+        n = max(0, min(int(PIN_SHARE * self.cache_slots), self.cache_slots - self.mm.n_used))
+        for layer in self.moe_layers:
+            hottest = np.argsort(-rm.heat[layer], kind="stable")[:n]  # positions
+            self.store.pin(layer, rm.perm[layer][hottest])
+        self.pinned_per_layer = n
 
     def _check_routed(self) -> None:
         """Every MoE layer reported its selection in this step, or the reads missed experts."""

@@ -60,6 +60,42 @@ def _lib():
     return llama_cpp
 
 
+def set_fields(struct, **values) -> None:
+    """Set fields of a llama.cpp parameter struct, refusing a name the struct does not have (ctypes
+    would store it as a plain attribute that llama.cpp never sees)."""
+    known = {f[0] for f in type(struct)._fields_}
+    for k, v in values.items():
+        if k not in known:
+            raise MboltError(f"llama-cpp-python {BINDING_VERSION}: {type(struct).__name__} has no field {k!r}")
+        setattr(struct, k, v)
+
+
+_GGML = None
+
+
+def check_tensor_layout(t_ptr: int, t: GgmlTensor) -> None:
+    """Self-test of the ggml_tensor prefix against libggml's own accessors, once per process: a
+    binding whose struct differs would have us read expert ids from the wrong bytes."""
+    global _GGML
+    if _GGML is not None:
+        return
+    import llama_cpp
+
+    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+    for name, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
+                      ("ggml_nelements", ctypes.c_int64)):
+        getattr(lib, name).restype = res
+        getattr(lib, name).argtypes = [ctypes.c_void_p]
+    ne = 1
+    for x in t.ne:
+        ne *= int(x)
+    if (lib.ggml_get_name(t_ptr) != t.name or (lib.ggml_get_data(t_ptr) or 0) != (t.data or 0)
+            or lib.ggml_nelements(t_ptr) != ne):
+        raise MboltError("llama.cpp's ggml_tensor layout differs from the one mbolt reads (name, data or shape "
+                         f"disagree with libggml's accessors): llama-cpp-python {BINDING_VERSION} is required")
+    _GGML = lib
+
+
 _LOG_CB = None
 
 
@@ -89,15 +125,16 @@ class LlamaRunner:
         # llama.cpp opens a split set from its first shard: check the set, hand it shard 1
         path = self.path = Path(open_model_header(path).path)
         mp = L.llama_model_default_params()
-        mp.vocab_only = vocab_only
+        # weights on the host: the runtime reads them through the file's mapping
+        set_fields(mp, vocab_only=vocab_only, n_gpu_layers=0)
         if load_mode is not None:
             # "mmap": tensors point into llama.cpp's mapping of the file (what streaming needs)
-            mp.load_mode = {"mmap": L.LLAMA_LOAD_MODE_MMAP, "none": L.LLAMA_LOAD_MODE_NONE}[load_mode]
+            set_fields(mp, load_mode={"mmap": L.LLAMA_LOAD_MODE_MMAP, "none": L.LLAMA_LOAD_MODE_NONE}[load_mode])
             if load_mode == "mmap":
                 # no extra buffer types: the CPU backend would otherwise repack Q4_0/IQ4_NL/...
                 # weights into its own anonymous buffers at load time, so the expert matmuls never
                 # touch the mapped file and streaming would read for nothing
-                mp.use_extra_bufts = False
+                set_fields(mp, use_extra_bufts=False)
         self.model = L.llama_model_load_from_file(str(path).encode(), mp)
         if not self.model:
             raise MboltError(f"{path}: llama.cpp could not load the model")
@@ -107,16 +144,11 @@ class LlamaRunner:
         if vocab_only:
             return
         cp = L.llama_context_default_params()
-        cp.n_ctx = n_ctx
-        cp.n_batch = n_batch
-        cp.n_ubatch = n_batch
         threads = n_threads or max(1, os.cpu_count() or 1)
-        cp.n_threads = threads
-        cp.n_threads_batch = threads
+        set_fields(cp, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads, n_threads_batch=threads)
         if f32_kv:
-            cp.type_k = GGML_TYPE_F32
-            cp.type_v = GGML_TYPE_F32
-            cp.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            set_fields(cp, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
+                       flash_attn_type=L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of this decode
         self.capture = capture
         # on_topk(layer, rows [n, k] int32 positions): called at ffn_moe_topk-N, before layer N's
@@ -126,8 +158,7 @@ class LlamaRunner:
         self._cb = None
         if capture or on_topk is not None:
             self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
-            cp.cb_eval = self._cb
-            cp.cb_eval_user_data = None
+            set_fields(cp, cb_eval=self._cb, cb_eval_user_data=None)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise MboltError(f"{path}: llama.cpp could not create a context")
@@ -147,6 +178,7 @@ class LlamaRunner:
         if ask:
             return m is not None
         if m is not None and t.type == GGML_TYPE_I32:
+            check_tensor_layout(t_ptr, t)
             k, n = int(t.ne[0]), int(t.ne[1])
             nb1 = int(t.nb[1])
             base = int(t.data)
@@ -173,11 +205,13 @@ class LlamaRunner:
     def tokenize(self, text: str, add_special: bool = False) -> list[int]:
         raw = text.encode("utf-8")
         n_max = len(raw) + 8
-        buf = (self.L.llama_token * n_max)()
-        n = self.L.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, False)
-        if n < 0:
-            raise MboltError("llama.cpp tokenize failed")
-        return list(buf[:n])
+        for _ in range(2):
+            buf = (self.L.llama_token * n_max)()
+            n = self.L.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, False)
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n  # llama.cpp says how many tokens it needs
+        raise MboltError(f"{self.path}: llama.cpp could not tokenize a text of {len(raw)} bytes")
 
     def eval(self, tokens, all_logits: bool = False) -> np.ndarray:
         """Decode tokens at positions n_past..; logits of the last token (or all) as float32."""
