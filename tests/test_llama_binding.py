@@ -19,7 +19,7 @@ def test_unknown_parameter_field_is_refused():
     from mbolt.engine.llama.runner import set_fields
 
     mp = llama_cpp.llama_model_default_params()
-    set_fields(mp, use_mmap=True, n_gpu_layers=0)
+    set_fields(mp, vocab_only=True, n_gpu_layers=0)
     assert mp.n_gpu_layers == 0
     with pytest.raises(MboltError, match="has no field 'use_extra_buffers'"):
         set_fields(mp, use_extra_buffers=False)  # a misspelt field: ctypes would keep it as an attribute

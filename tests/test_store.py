@@ -214,7 +214,8 @@ def test_pinned_experts_stay_and_the_rest_is_lru(tiny):
     """Pins (the learned-pin policy): a pinned expert, once read, is never evicted; the other
     slots are an LRU. Checked by which calls read (misses) and which do not."""
     evicted = []
-    with ExpertStore(tiny, cache_slots=3, on_evict=lambda layer, e: evicted.append(e)) as s:
+    path = tiny[0]
+    with ExpertStore(path, cache_slots=3, on_evict=lambda layer, e: evicted.append(e)) as s:
         s.pin(0, [5])
         s.read(0, [5])  # a pinned expert is read on first use
         for e in (1, 2, 3, 4):  # four more through two LRU slots

@@ -5,6 +5,7 @@ weights (bring them back page by page, map them, lock them). `ExpertPages` cover
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 
 import numpy as np
