@@ -38,7 +38,8 @@ from mbolt.core.gguf_set import is_set_key, resolve_model_path, split_vaddr
 from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import moe_map
 from mbolt.core.prompts import BUILTIN_PROMPTS
-from mbolt.rewrite.reorder import LTensor, _Readahead, logical_tensors, split_ops
+from mbolt.rewrite.copy import Readahead
+from mbolt.rewrite.outplan import LTensor, logical_tensors, split_ops
 from mbolt.core.routemap import RouteMap, is_route_map_key, read_sidecar, sidecar_path
 
 BUF = 4 << 20  # bytes compared per step
@@ -304,8 +305,8 @@ def compare_data(src_paths: list, out_paths: list, jobs: _Jobs, report: VerifyRe
                     raise MboltError(f"{p}: cannot open: {e.strerror}") from None
         pair = (_MmapPair if reader == "mmap" else _PreadPair)(fa, fb, (src_paths, out_paths))
         # the output is read in order (kernel readahead works); source slices come permuted
-        ahead = _Readahead(fa, chunks)
-        ahead_out = _Readahead(fb, [(o, s, k) for s, o, k in chunks]) if reader == "mmap" else None
+        ahead = Readahead(fa, chunks)
+        ahead_out = Readahead(fb, [(o, s, k) for s, o, k in chunks]) if reader == "mmap" else None
         for i, (s0, o0, k) in enumerate(chunks):
             ahead.advance(i)
             if ahead_out is not None:  # page faults read synchronously: ask for the output ahead too
