@@ -166,7 +166,7 @@ def cache_cmd(
 ):
     """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady) over a trace."""
     from mbolt.bench.replay import cache_sweep, nuthatch_lines_trace
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
     from mbolt.report.bench_tables import cache_table
 
     try:
@@ -337,7 +337,11 @@ def ab_cmd(
     control, adaptive number of rounds."""
     from rich.progress import Progress
 
-    from mbolt.bench.ab import FORCED_PREFILL, StopRule, parse_arm, run_ab, write_result
+    from mbolt.bench.ab import FORCED_PREFILL, run_ab, write_result
+
+    from mbolt.bench.arms import parse_arm
+
+    from mbolt.bench.stats import StopRule
     from mbolt.core.memlimit import parse_size, readahead
     from mbolt.report.bench_tables import ab_table
 
@@ -381,7 +385,7 @@ def ab_cmd(
     trace = None
     prompt_ids = None
     if replay_trace is not None:
-        from mbolt.core.trace_import import load_trace
+        from mbolt.trace.formats import load_trace
 
         trace = load_trace(replay_trace)
         if max_tokens and trace.n_tokens > max_tokens:
@@ -484,9 +488,11 @@ def reorder_cmd(
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from mbolt.report.rewrite_tables import reorder_table
-    from mbolt.rewrite.reorder import SplitSpec, parse_size, reorder_file
+    from mbolt.core.memlimit import parse_size
+    from mbolt.rewrite.outplan import SplitSpec
+    from mbolt.rewrite.reorder import reorder_file
 
-    split = SplitSpec(no_split, split_max_tensors, parse_size(split_max_size))
+    split = SplitSpec(no_split, split_max_tensors, parse_size(split_max_size, "--split-max-size"))
     split.check()
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
@@ -576,7 +582,7 @@ def import_trace_cmd(
 ):
     """Convert a routing trace from another tool into .mbtrace (flags and drops corrupt rows)."""
     from mbolt.core.mbtrace import write_trace
-    from mbolt.core.trace_import import detect_format, load_trace
+    from mbolt.trace.formats import detect_format, load_trace
 
     output(out, "mbtrace", inputs=[src], force=force, what="trace")
     kind = detect_format(src) if fmt == "auto" else fmt
@@ -652,7 +658,7 @@ def predict_cmd(
     from rich.table import Table
 
     from mbolt.bench.predict import predict
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
 
     if s_from is not None:
         from mbolt.bench.predict import measured_s
@@ -877,7 +883,7 @@ def trace_merge_cmd(
     geometry, renumbers sequences, keeps domains."""
     from mbolt.core.atomic import check_output
     from mbolt.core.mbtrace import write_trace
-    from mbolt.core.trace_import import load_traces
+    from mbolt.trace.formats import load_traces
 
     check_output(out, kind="mbtrace", inputs=traces, force=force, what="merged trace")
     tr = load_traces(traces)

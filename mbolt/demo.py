@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.atomic import json_default, stored_path, write_text_atomic
-from mbolt.bench.ab import AA_TOLERANCE, aa_ok, aa_row
+from mbolt.bench.stats import aa_ok, aa_row, AA_TOLERANCE
 from mbolt.core.errors import MboltError
 
 
@@ -118,7 +118,9 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
 
     `progress(step, detail)` is called as each stage starts.
     """
-    from mbolt.bench.ab import Arm, StopRule, run_ab, write_result
+    from mbolt.bench.ab import run_ab, write_result
+    from mbolt.bench.arms import Arm
+    from mbolt.bench.stats import StopRule
     from mbolt.bench.predict import predict_vs_measured
     from mbolt.bench.probe import probe
     from mbolt.gguf.synth import SynthConfig, write_synth

@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
-from mbolt.bench.ab import Arm, StopRule, aa_ok, aa_row, run_ab, write_result  # noqa: E402
+from mbolt.bench.ab import run_ab, write_result  # noqa: E402
+from mbolt.bench.arms import Arm  # noqa: E402
+from mbolt.bench.stats import aa_ok, aa_row, StopRule  # noqa: E402
 from mbolt.bench.predict import predict_vs_measured  # noqa: E402
 from mbolt.bench.probe import load_probe, probe  # noqa: E402
 

@@ -20,7 +20,7 @@ sys.path.insert(0, str(ROOT))
 
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.bench.replay import cache_sweep, nuthatch_lines_trace  # noqa: E402
-from mbolt.core.trace_import import load_trace  # noqa: E402
+from mbolt.trace.formats import load_trace  # noqa: E402
 
 DATA = ROOT / "mbolt" / "data" / "granite3moe.trace.txt"
 BUDGETS = [4, 8, 12, 16, 24]

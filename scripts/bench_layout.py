@@ -37,7 +37,7 @@ from mbolt.layout.calibrate import load_profile, synth_trace_like  # noqa: E402
 from mbolt.layout.evaluate import evaluate, geometry_preset  # noqa: E402
 from mbolt.layout.methods import METHODS  # noqa: E402
 from mbolt.core.trace import split_trace  # noqa: E402
-from mbolt.core.trace_import import load_trace  # noqa: E402
+from mbolt.trace.formats import load_trace  # noqa: E402
 from mbolt.layout.plan import compare_methods, plan_orders  # noqa: E402
 from mbolt.layout.coact import coactivation  # noqa: E402
 from mbolt.core.trace import Trace  # noqa: E402

@@ -42,7 +42,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbolt.bench.ab import Arm, aa_row, run_ab, write_result  # noqa: E402
+from mbolt.bench.ab import run_ab, write_result  # noqa: E402
+
+from mbolt.bench.arms import Arm  # noqa: E402
+
+from mbolt.bench.stats import aa_row  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 
 BENCH = Path(os.environ.get("MBOLT_BENCH", "/tmp/mbolt-bench")) / "llama_stream"

@@ -46,7 +46,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbolt.bench.ab import FORCED_PREFILL, Arm, aa_row, load_prompt_ids, run_ab  # noqa: E402
+from mbolt.bench.ab import FORCED_PREFILL, load_prompt_ids, run_ab  # noqa: E402
+
+from mbolt.bench.arms import Arm  # noqa: E402
+
+from mbolt.bench.stats import aa_row  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402

@@ -25,7 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mbolt.bench.ab import aa_ok  # noqa: E402
+from mbolt.bench.stats import aa_ok  # noqa: E402
 from mbolt.bench.predict import predict_vs_measured  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.mbtrace import read_trace  # noqa: E402

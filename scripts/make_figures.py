@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.bench.replay import cache_sweep  # noqa: E402
-from mbolt.core.trace_import import load_trace  # noqa: E402
+from mbolt.trace.formats import load_trace  # noqa: E402
 from mbolt.report.plots import plot, plot_cache, plot_heatmap  # noqa: E402
 
 RESULTS = ROOT / "results"

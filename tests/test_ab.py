@@ -7,8 +7,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from mbolt.bench.ab import (Arm, RoundResult, StopRule, arm_orders, bootstrap_ci, median_ci, parse_arm, run_ab,
-                            stop_check, summarise, williams_rows)
+from mbolt.bench.ab import run_ab
+
+from mbolt.bench.arms import Arm, parse_arm, RoundResult
+
+from mbolt.bench.design import arm_orders, williams_rows
+
+from mbolt.bench.stats import median_ci, stop_check, StopRule, summarise
 from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
 from mbolt.cli import app
 from mbolt.core.errors import MboltError, MboltWarning
@@ -152,11 +157,11 @@ def fake_runner(times):
 
 @pytest.fixture
 def fake_mode(monkeypatch):
-    import mbolt.bench.ab as ab
+    import mbolt.bench.runners as runners
 
     def install(times):
-        monkeypatch.setitem(ab.ARM_RUNNERS, "fake", fake_runner(times))
-        monkeypatch.setitem(ab.MODE_METRIC, "fake", "io_s")
+        monkeypatch.setitem(runners.ARM_RUNNERS, "fake", fake_runner(times))
+        monkeypatch.setitem(runners.MODE_METRIC, "fake", "io_s")
     return install
 
 
@@ -254,12 +259,6 @@ def test_parse_arm():
     assert parse_arm("x.gguf:frac=0.25", 1).resident_frac == 0.25
     with pytest.raises(MboltError):
         parse_arm("x.gguf:bogus=1", 0)
-
-
-def test_bootstrap_ci_brackets_the_median():
-    x = np.array([1.0, 1.1, 0.9, 1.05, 0.95, 1.02])
-    lo, hi = bootstrap_ci(x)
-    assert lo <= np.median(x) <= hi and lo >= x.min() and hi <= x.max()
 
 
 def test_cli_writes_json_with_aa(files, tmp_path):
@@ -433,7 +432,7 @@ def test_decode_law_non_io_term_by_hand():
 
 
 def test_non_io_per_read_recovers_a_slope():
-    from mbolt.bench.ab import non_io_per_read
+    from mbolt.bench.stats import non_io_per_read
 
     # (wall - io)/token = 2 ms + 25 us * reads/token, exactly
     rounds = [RoundResult("a", k, 0, 0, 0, True, False, 10, 0.01 * 10 + (0.002 + 25e-6 * rp) * 10, 0.01 * 10, 0,
@@ -483,9 +482,9 @@ def test_cost_prefers_burst_figures_for_qd1_buffered(tmp_path):
 
 
 def test_ab_environment_records_host_cache(files):
-    import mbolt.bench.ab as ab
+    import mbolt.bench.runners as runners
 
-    ab._HOST_CACHE.clear()
+    runners._HOST_CACHE.clear()
     res = run_ab([Arm("stock", str(files["stock"]))], trace=rand_trace(), rounds=1, aa=False)
     hc = res.environment["host_cache"]
     assert hc["measured"] and "first_over_reread" in hc and "measured_at" in hc

@@ -134,7 +134,7 @@ def test_granite_reproduces_nuthatch(data_dir):
 
 
 def test_granite_held_out_through_the_importer(data_dir):
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
 
     t = load_trace(data_dir / "granite3moe.trace.txt")
     rows = cache_sweep(t, [4, 16], phase="decode").rows

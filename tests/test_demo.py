@@ -105,6 +105,8 @@ def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
     from rich.console import Console
 
     import mbolt.bench.ab as ab_mod
+    from mbolt.bench.arms import Arm
+    import mbolt.bench.runners as runners
     from mbolt import demo
     from mbolt.core.trace import DECODE, Trace
     from mbolt.gguf.synth import SynthConfig, write_synth
@@ -120,7 +122,7 @@ def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
     n = 12
     ex = np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)]).astype(np.int16)
     held = Trace(L, E, K, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32), np.arange(n, dtype=np.int32))
-    real = ab_mod.ARM_RUNNERS["replay"]
+    real = runners.ARM_RUNNERS["replay"]
 
     def slow_aa(arm, mm, job):
         r = real(arm, mm, job)
@@ -128,9 +130,9 @@ def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
             r.io_s *= 1.25
         return r
 
-    monkeypatch.setitem(ab_mod.ARM_RUNNERS, "replay", slow_aa)
+    monkeypatch.setitem(runners.ARM_RUNNERS, "replay", slow_aa)
     files = {"stock": stock, "packed identity": packed}
-    ab = ab_mod.run_ab([ab_mod.Arm(k, str(v)) for k, v in files.items()], trace=held, rounds=12, tokens_per_round=4,
+    ab = ab_mod.run_ab([Arm(k, str(v)) for k, v in files.items()], trace=held, rounds=12, tokens_per_round=4,
                        name="demo", host_cache={})
     aa = next(s for s in ab.summary if s["arm"] == "stock (A/A)")
     assert aa["median_of_ratios"] < 0.97  # the injected bias is what the harness measured

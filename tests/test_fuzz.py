@@ -106,7 +106,7 @@ def _mbtrace_seed(tmp):
 
 
 def _load_trace(p):
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
 
     tr = load_trace(p)
     # a valid result is a consistent one

@@ -9,7 +9,7 @@ import pytest
 
 from mbolt.core.errors import MboltError
 from mbolt.core.mbtrace import read_trace, write_trace
-from mbolt.core.trace_import import detect_format, load_trace
+from mbolt.trace.formats import detect_format, load_trace
 from mbolt.core.trace import DECODE, PREFILL
 
 

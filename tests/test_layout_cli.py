@@ -41,7 +41,7 @@ def test_plan_granite_reproduces_design_numbers(data_dir, tmp_path):
     # the saved plan scores what the command reported
     from mbolt.layout.evaluate import evaluate, geometry_preset
     from mbolt.core.trace import split_trace
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
 
     _, held, _ = split_trace(load_trace(src))
     ev = evaluate(held, plan.perm, geometry_preset("granite3-moe-1b-q8_0"))
@@ -162,7 +162,7 @@ def test_plan_writes_the_heldout_trace_for_ab(tmp_path, data_dir):
 
     from mbolt.cli import app
     from mbolt.core.mbtrace import read_trace
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
     from mbolt.core.trace import DECODE
 
     src = data_dir / "granite3moe.trace.txt"

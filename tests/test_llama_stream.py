@@ -148,7 +148,8 @@ def test_slot_budget_keeps_cached_experts_resident(files):
 
 def test_ab_decode_llama_three_arms(files, tmp_path):
     """CI's short A/B: stock os, stock+reads, reorder+reads (+ A/A), a few rounds and tokens."""
-    from mbolt.bench.ab import parse_arm, run_ab, write_result
+    from mbolt.bench.ab import run_ab, write_result
+    from mbolt.bench.arms import parse_arm
 
     arms = [parse_arm(f"{files['stock']}:name=stock-os,os", 0), parse_arm(f"{files['stock']}:name=stock", 1),
             parse_arm(f"{files['reorder']}:name=reorder-tsp", 2)]
@@ -169,7 +170,7 @@ def test_ab_decode_llama_three_arms(files, tmp_path):
 
 
 def test_ab_refuses_disagreeing_tokens():
-    from mbolt.bench.ab import RoundResult
+    from mbolt.bench.arms import RoundResult
     from mbolt.bench.ab_llama import check_same_tokens
 
     def rr(arm, gen):
@@ -181,7 +182,8 @@ def test_ab_refuses_disagreeing_tokens():
 
 
 def test_packed_and_direct_refused_in_one_line(files):
-    from mbolt.bench.ab import parse_arm, run_ab
+    from mbolt.bench.ab import run_ab
+    from mbolt.bench.arms import parse_arm
 
     with pytest.raises(MboltError, match="packed layout: llama.cpp cannot load it"):
         run_ab([parse_arm(str(files["packed"]), 0)], mode="decode", prompts=PROMPTS, engine="llama.cpp", aa=False)
@@ -202,7 +204,9 @@ def test_prediction_counts_what_llama_read(files, tmp_path):
     tensor's first, merged by the store, not by the per-tensor evaluator)."""
     from test_ab import fake_probe
 
-    from mbolt.bench.ab import parse_arm, run_ab
+    from mbolt.bench.ab import run_ab
+
+    from mbolt.bench.arms import parse_arm
     from mbolt.engine.llama.stream import record_routing
     from mbolt.bench.predict import predict_llama
 

@@ -13,20 +13,22 @@ import pytest
 from mbolt.gguf.synth import SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 
-# Slow the copy down (sleep after each range) and announce when copying has started.
+# Stop the copy after its third range, say so, and wait there (on stdin, which the parent never
+# writes): the signal always lands mid-write, with no race against a timer.
 CHILD = textwrap.dedent("""
-    import sys, time
+    import sys
     import numpy as np
+    import mbolt.rewrite.copy as C
     import mbolt.rewrite.reorder as R
-    orig = R._Copier.copy
+    orig = C.Copier.copy
     n = [0]
-    def slow(self, s, d, k):
+    def held(self, s, d, k):
         orig(self, s, d, k)
         n[0] += 1
         if n[0] == 3:
             print("COPYING", flush=True)
-        time.sleep(0.05)
-    R._Copier.copy = slow
+            sys.stdin.readline()
+    C.Copier.copy = held
     rng = np.random.default_rng(0)
     perm = np.stack([rng.permutation(8) for _ in range(3)])
     R.reorder(sys.argv[1], sys.argv[2], perm, force=True)
@@ -51,7 +53,7 @@ def test_kill_mid_write(model, tmp_path, sig):
     reorder(model, out, None)  # --force run: the previous output must survive a killed rewrite
     previous = sha(out)
     before = sha(model)
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(out)],
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(model), str(out)], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = child.stdout.readline()
@@ -59,7 +61,8 @@ def test_kill_mid_write(model, tmp_path, sig):
         parts = list(tmp_path.glob(".out.gguf.*.part"))
         assert len(parts) == 1  # the temp file beside the output is being written
         child.send_signal(sig)
-        rest, _ = child.communicate(timeout=30)
+        child.wait(timeout=30)  # stdin stays open: the child cannot go on unless the signal failed
+        rest = child.stdout.read()
     finally:
         if child.poll() is None:
             child.kill()

@@ -16,7 +16,8 @@ from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.moe_map import moe_map
 from mbolt.gguf.synth import SynthConfig, write_synth
-from mbolt.rewrite.reorder import SplitSpec, reorder
+from mbolt.rewrite.outplan import SplitSpec
+from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify
 
 runner = CliRunner()
@@ -274,19 +275,21 @@ def test_killed_set_write_leaves_no_shard(model, tmp_path):
     import textwrap
 
     _, shards = model
+    # the copy stops after its first range and waits on stdin (never written): killed mid-write, no race
     child = textwrap.dedent("""
-        import sys, time
+        import sys
+        import mbolt.rewrite.copy as C
         import mbolt.rewrite.reorder as R
-        orig = R._Copier.copy
-        def slow(self, s, d, k):
+        orig = C.Copier.copy
+        def held(self, s, d, k):
             orig(self, s, d, k)
             print("COPYING", flush=True)
-            time.sleep(0.2)
-        R._Copier.copy = slow
+            sys.stdin.readline()
+        C.Copier.copy = held
         R.reorder(sys.argv[1], sys.argv[2], None)
     """)
     p = subprocess.Popen([sys.executable, "-c", child, str(shards[0]), str(tmp_path / "k.gguf")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "COPYING", p.stderr.read()
         p.send_signal(signal.SIGKILL)
@@ -338,7 +341,7 @@ def test_reorder_never_writes_over_inputs_or_their_source(model, tmp_path):
 
 
 def test_concurrent_writer_is_refused(model, tmp_path):
-    from mbolt.rewrite.reorder import output_lock
+    from mbolt.rewrite.setwriter import output_lock
 
     src, _ = model
     out = tmp_path / "c.gguf"
@@ -409,7 +412,8 @@ def test_reference_engine_on_a_set_is_the_engine_on_the_file(model):
 
 
 def test_ab_replay_on_sets(model, tmp_path):
-    from mbolt.bench.ab import Arm, run_ab
+    from mbolt.bench.ab import run_ab
+    from mbolt.bench.arms import Arm
     from mbolt.core.trace import DECODE, Trace
 
     _, shards = model

@@ -29,7 +29,7 @@ from dataclasses import asdict
 
 import numpy as np
 
-from mbolt.bench.ab import Arm, ArmJob, RoundResult
+from mbolt.bench.arms import Arm, ArmJob, RoundResult
 from mbolt.engine.llama.stream import LlamaStream, check_llama_streamable
 from mbolt.bench.env import wait_quiet
 from mbolt.core.errors import MboltError

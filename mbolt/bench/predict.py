@@ -185,7 +185,7 @@ def predict_rounds(arms: list[dict], trace: Trace, probe_d: dict, rounds_of: dic
     predicted I/O time per token of every round it ran (`per_round`: round -> seconds, each on
     the round's own slice of tokens, `ab.round_tokens`), the reads per token of those rounds, the
     whole trace's counts, and the per-read cost used. os arms are left out (layout-blind)."""
-    from mbolt.bench.ab import round_tokens
+    from mbolt.bench.runners import round_tokens
 
     slices: dict[int, Trace] = {}
 

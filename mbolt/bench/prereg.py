@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mbolt.core.atomic import write_text_atomic
-from mbolt.bench.ab import AA_TOLERANCE, Arm, aa_row, file_sha256
+from mbolt.bench.ab import file_sha256
+from mbolt.bench.arms import Arm
+from mbolt.bench.stats import aa_row, AA_TOLERANCE
 from mbolt.core.errors import MboltError
 
 

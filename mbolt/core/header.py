@@ -179,12 +179,12 @@ def read_header(path: str | os.PathLike) -> GGUFHeader:
             raise MboltError(f"{path}: not a GGUF file (bad magic)")
         buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        return _parse(buf, path, size)
+        return parse_header(buf, path, size)
     finally:
         buf.close()
 
 
-def _parse(buf, path: Path, size: int) -> GGUFHeader:
+def parse_header(buf, path: Path, size: int) -> GGUFHeader:
     c = _Cursor(buf, path)
     c.take(4, "magic")
     version = c.scalar("<I", "version")

@@ -10,7 +10,7 @@ Vocabulary
 ----------
 `tokenizer.ggml.model` "gpt2", `tokenizer.ggml.pre` "gpt-2" (GPT-2's pre-tokenizer regex). Ids
 0..255 are the 256 bytes in GPT-2 byte-to-unicode form (token id == byte value), then one token
-per merge of BYTE_MERGES ("Ġ t", "h e", "i n", "Ġ a", ranked in that order), then the control
+per merge of gguf.vocabulary.BYTE_MERGES ("Ġ t", "h e", "i n", "Ġ a", ranked in that order), then the control
 tokens <|bos|> and <|eos|>. add_bos/add_eos are false. Each token id also has a planted topic
 (`mbolt.synth.token_topic`). The planted groups are recorded in the file (`mbolt.synth.groups`:
 int32 [n_layers*E] group id of every expert, -1 for dense layers).
@@ -49,59 +49,20 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
 from mbolt.core.atomic import atomic_output
-from mbolt.core.errors import MboltError, warn
+from mbolt.core.errors import warn
 from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
-from mbolt.core.vocab import bytes_to_unicode
 from mbolt.gguf.blocks import Pools, coprime_stride, encode
 from mbolt.gguf.config import (  # noqa: F401  (re-exported: the public names of synth)
     DENSE_TYPES, EXPERT_TYPES, FILE_TYPE, FUSED_GATE_UP_ARCHS, GGUF_ARCH, K_I_TYPES, PRESETS,
     SHARED_BY_COUNT, SHARED_GATED, SYNTH_ARCHS, SynthConfig,
 )
 from mbolt.gguf.routing import PlantedRouting, rng_for
+from mbolt.gguf.vocabulary import borrowed_vocabulary, vocabulary
 
 ATTN_OUT_GAIN = 1.0  # attention output scale: larger = more context-dependent routing, weaker groups
 GAIN = 0.5  # weight std = GAIN / sqrt(fan_in); output projections also / sqrt(n_layers)
 CHUNK_BYTES = 16 << 20  # target size of one generated chunk
 SIGMOID, SOFTMAX = 2, 1  # llama_expert_gating_func_type
-
-# ---- vocabulary ----
-
-BYTE_MERGES = [("Ġ", "t"), ("h", "e"), ("i", "n"), ("Ġ", "a")]
-SPECIALS = ["<|bos|>", "<|eos|>"]
-
-
-def vocabulary() -> tuple[list[str], list[int], list[str], int, int]:
-    """tokens (id = byte value for ids 0..255), token types, merges, bos id, eos id."""
-    b2u = bytes_to_unicode()
-    tokens = [b2u[b] for b in range(256)]
-    types = [1] * 256  # NORMAL
-    merges = []
-    for a, b in BYTE_MERGES:
-        merges.append(f"{a} {b}")
-        tokens.append(a + b)
-        types.append(1)
-    bos = len(tokens)
-    tokens += SPECIALS
-    types += [3] * len(SPECIALS)  # CONTROL
-    return tokens, types, merges, bos, bos + 1
-
-
-def borrowed_vocabulary(path: str) -> tuple[list[bytes], int, int, int]:
-    """The tokenizer.* entries of another GGUF (e.g. llama.cpp's models/ggml-vocab-*.gguf), copied
-    byte for byte, with the vocabulary size and its bos/eos ids: a synthetic model that tokenizes
-    exactly as the real one does."""
-    from mbolt.core.header import read_header
-
-    h = read_header(path)
-    tokens = h.kv.get("tokenizer.ggml.tokens")
-    if tokens is None or not hasattr(tokens.value, "__len__") or not len(tokens.value):
-        raise MboltError(f"{path}: no tokenizer.ggml.tokens: not a vocabulary to borrow")
-    raw = Path(path).read_bytes()[:h.header_size]
-    entries = [raw[kv.span[0]:kv.span[1]] for k, kv in h.kv.items() if k.startswith("tokenizer.")]
-    n = len(tokens.value)
-    bos, eos = h.get_int("tokenizer.ggml.bos_token_id", 0), h.get_int("tokenizer.ggml.eos_token_id", 0)
-    return entries, n, bos, eos
-
 
 @dataclass
 class _Tensor:

@@ -20,7 +20,7 @@ from mbolt.layout.methods import METHODS, order
 from mbolt.core.plan import Plan, save_plan
 from mbolt.core.routemap import identity_perm
 from mbolt.core.trace import Trace, split_trace
-from mbolt.core.trace_import import load_traces
+from mbolt.trace.formats import load_traces
 
 # ---------------------------------------------------------------- building
 

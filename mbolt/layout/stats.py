@@ -69,7 +69,7 @@ def trace_stats(trace: Trace | str | os.PathLike, fmt: str = "auto") -> dict:
     """Stats of a `Trace`, or of a file in any format the importers read."""
     source = None
     if not isinstance(trace, Trace):
-        from mbolt.core.trace_import import detect_format, load_trace
+        from mbolt.trace.formats import detect_format, load_trace
 
         source = Path(trace)
         fmt = detect_format(source) if fmt == "auto" else fmt

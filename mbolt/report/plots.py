@@ -200,7 +200,7 @@ def heatmap_series(trace_path, plan_path, layer: int | None = None) -> dict:
     """One layer's co-activation counts (stock order) and the plan's order of that layer."""
     from mbolt.layout.coact import coactivation
     from mbolt.core.plan import load_plan
-    from mbolt.core.trace_import import load_trace
+    from mbolt.trace.formats import load_trace
 
     trace = load_trace(trace_path)
     plan = load_plan(plan_path, n_layers=trace.n_layers, n_experts=trace.n_experts)
