@@ -205,10 +205,10 @@ def test_packed_slot_padding_must_be_zero(tmp_path):
 
 @pytest.mark.parametrize("reader", ["mmap", "pread"])
 def test_small_chunks_report_each_slice_once(files, tmp_path, monkeypatch, reader):
-    import mbolt.rewrite.verify as V
+    import mbolt.rewrite.compare as C
 
-    monkeypatch.setattr(V, "BUF", 512)  # slices span several chunks
-    monkeypatch.setattr(V, "RELEASE", 4096)
+    monkeypatch.setattr(C, "BUF", 512)  # slices span several chunks
+    monkeypatch.setattr(C, "RELEASE", 4096)
     src, out, perm = files
     bad = copy(out["reorder"], tmp_path / "bad.gguf")
     t = next(t for t in GGUFReader(bad).tensors if t.name == "blk.1.ffn_gate_exps.weight")

@@ -284,7 +284,7 @@ def nuthatch_lines_trace(path: str | Path) -> Trace:
     Replaying this reproduces `trace_replay --text` exactly, including the 93 prompt lines that
     the export bug corrupted (DESIGN.md); use the shared importer for real analyses.
     """
-    from mbolt.trace.formats import nuthatch_text_rows
+    from mbolt.trace.formats.nuthatch import nuthatch_text_rows
 
     path = Path(path)
     from mbolt.core.checks import check_cells
