@@ -217,7 +217,7 @@ def test_small_chunks_report_each_slice_once(files, tmp_path, monkeypatch, reade
     for off in (10, 700, sb - 1):  # three bytes of position 4's slice, in different chunks
         flip(bad, t.data_offset + 4 * sb + off)
     flip(bad, t.data_offset + 6 * sb)  # and the first byte of position 6
-    rep = V.verify(src, bad, reader=reader)
+    rep = verify(src, bad, reader=reader)
     got = [(m.tensor, m.position, m.expert, m.offset) for m in rep.mismatches]
     name = "blk.1.ffn_gate_exps.weight"
     assert got == [(name, 4, int(perm[1, 4]), 10), (name, 6, int(perm[1, 6]), 0)]
