@@ -47,7 +47,7 @@ class DemoSize:
 # converged or its time budget is spent.
 SIZES = {
     "tiny": DemoSize(n_layers=8, n_experts=32, k=4, hidden=128, expert_ff=128, n_prompts=24, new_tokens=24,
-                     tokens_per_round=16, ab_time_budget=30.0),
+                     tokens_per_round=16, ab_time_budget=45.0),  # up to three 12-round passes
     "small": DemoSize(n_layers=16, n_experts=64, k=8, hidden=128, expert_ff=128, n_prompts=48, new_tokens=32,
                       tokens_per_round=24, ab_time_budget=130.0),  # two 12-round passes (~60 s each)
     "medium": DemoSize(n_layers=16, n_experts=128, k=8, hidden=256, expert_ff=256, n_prompts=64, new_tokens=32,
