@@ -337,101 +337,21 @@ def ab_cmd(
     control, adaptive number of rounds."""
     from rich.progress import Progress
 
-    from mbolt.bench.ab import FORCED_PREFILL, run_ab, write_result
-
-    from mbolt.bench.arms import parse_arm
-
-    from mbolt.bench.stats import StopRule
-    from mbolt.core.memlimit import parse_size, readahead
+    from mbolt.bench.ab_command import AbRequest, run_ab_request
     from mbolt.report.bench_tables import ab_table
 
-    ram_bytes = parse_size(ram, "--ram") if ram else 0
-
-    pr = None
-    if prereg is not None:
-        from mbolt.bench.prereg import check_and_lock, load_prereg
-
-        if arms:
-            raise MboltError("--prereg defines the arms: do not also pass arms")
-        pr = load_prereg(prereg)
-        arm_list = pr.arms
-        if pr.trace and replay_trace is None and pr.mode == "replay":
-            replay_trace = Path(pr.trace)
-        decode = pr.mode == "decode"
-        rounds = pr.rounds
-        min_rounds, max_rounds = pr.min_rounds, pr.max_rounds
-        time_budget, precision, seed = pr.time_budget, pr.precision, pr.seed
-        name = name or pr.name
-        if tokens_per_round:
-            raise MboltError("--prereg defines the protocol: set tokens_per_round in the file, not on the command line")
-        tokens_per_round = int(pr.raw.get("tokens_per_round", 0))
-        engine = str(pr.raw.get("engine", engine))
-    else:
-        if not arms:
-            raise MboltError("give at least one arm (or --prereg)")
-        defaults = dict(io_threads=qd, direct=direct, gap=gap, cache_slots=cache_slots, resident_frac=resident_frac)
-        arm_list = [parse_arm(a, i, defaults) for i, a in enumerate(arms)]
-    if decode == (replay_trace is not None):
-        raise MboltError("choose one mode: --replay TRACE or --decode")
-    if "/" in (name or "") or (name or "").startswith("."):
-        raise MboltError(f"--name {name!r}: a result name, not a path (the result goes to --out-dir)")
-    if out_dir.exists() and not out_dir.is_dir():
-        raise MboltError(f"{out_dir}: --out-dir is a file, not a directory")
-    inputs = [a.path for a in arm_list] + [replay_trace, prompts, probe_json, prereg]
-    result_path = output(out_dir / f"{name or 'ab'}.json", "json", inputs=inputs, force=force,
-                         what="result", make_parent=True)
-    if plot is not None:
-        output(plot, "png", inputs=inputs + [result_path], force=force, what="plot")
-    trace = None
-    prompt_ids = None
-    if replay_trace is not None:
-        from mbolt.trace.formats import load_trace
-
-        trace = load_trace(replay_trace)
-        if max_tokens and trace.n_tokens > max_tokens:
-            import numpy as np
-
-            trace = trace.select(np.arange(trace.n_tokens) < max_tokens)
-    else:
-        from mbolt.bench.ab import load_prompt_ids
-
-        prompt_ids = load_prompt_ids(arm_list[0].path, prompts, n_prompts, engine=engine,
-                                     forced=FORCED_PREFILL if forced else 0, n_new=new_tokens)
-    if pr is not None:
-        lock = check_and_lock(pr)
-        console.print(f"pre-registration {pr.path}: sha256 {pr.sha256[:16]}, run {lock['runs']} "
-                      f"(locked {lock['locked_at']})")
-    rule = StopRule(rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, time_budget_s=time_budget,
-                    precision=precision)
-    with readahead(arm_list[0].path, readahead_kb), Progress(console=err_console, transient=True) as bar:
-        task = bar.add_task("cold rounds", total=rounds * (len(arm_list) + (0 if no_aa else 1)) if rounds else None)
-        res = run_ab(arm_list, trace=trace, mode="decode" if decode else "replay", stop=rule,
-                     threshold=threshold, aa=not no_aa, name=name or "ab", prompts=prompt_ids, n_new=new_tokens,
-                     progress=lambda d, t, r: bar.update(task, completed=d, description=f"{r.arm} r{r.round}"),
-                     prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
-                     tokens_per_round=tokens_per_round, seed=seed, engine=engine, ram=ram_bytes,
-                     forced=FORCED_PREFILL if forced else 0)
-    if pr is not None:
-        from mbolt.bench.prereg import verdict
-
-        res.prereg["result"] = verdict(pr, res.summary)
-    if engine == "llama.cpp" and probe_json is not None:
-        from mbolt.engine.llama.stream import record_routing
-        from mbolt.bench.predict import predict_llama
-
-        # the law with s measured in this run; counts on the routing llama.cpp computes
-        ref = next((a for a in arm_list if a.mode != "os"), arm_list[0])
-        routing = record_routing(ref.path, prompt_ids, new_tokens, forced=FORCED_PREFILL if forced else 0)
-        res.prediction = predict_llama(res, routing, probe_json)
-    elif probe_json is not None and trace is not None:
-        from mbolt.bench.predict import predict_vs_measured
-
-        res.prediction = predict_vs_measured(res, trace, probe_json)
-    out = write_result(result_path, res)
-    if plot is not None:
-        from mbolt.report.plots import plot_ab
-
-        plot_ab(res.to_dict(), plot)
+    req = AbRequest(arms=list(arms or []), replay_trace=replay_trace, decode=decode, engine=engine, prompts=prompts,
+                    n_prompts=n_prompts, new_tokens=new_tokens, forced=forced, ram=ram, readahead_kb=readahead_kb,
+                    rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, time_budget=time_budget,
+                    precision=precision, seed=seed, qd=qd, direct=direct, gap=gap, cache_slots=cache_slots,
+                    resident_frac=resident_frac, no_aa=no_aa, threshold=threshold, max_tokens=max_tokens,
+                    tokens_per_round=tokens_per_round, name=name, out_dir=out_dir, prereg=prereg,
+                    probe_json=probe_json, plot=plot, force=force)
+    with Progress(console=err_console, transient=True) as bar:
+        task = bar.add_task("cold rounds", total=None)
+        res, out, pr = run_ab_request(
+            req, announce=lambda text: console.print(text, highlight=False),
+            progress=lambda d, t, r: bar.update(task, completed=d, total=t, description=f"{r.arm} r{r.round}"))
     if as_json:
         print_json(res.to_dict())
         return
@@ -837,6 +757,13 @@ def trace_cmd(
 
         prompts = path(PROMPTS)
     items = read_prompts(prompts, limit or None)
+    if engine == "llama.cpp" and not as_json:
+        from mbolt.core.memlimit import budget
+
+        ram, where = budget(None)
+        err_console.print(f"[dim]llama.cpp: the file mapped, repacking off (llama.cpp's default load copies Q4_0/Q4_K "
+                          f"experts into anonymous memory): the weights stay reclaimable pages of the file, within "
+                          f"the memory budget of {ram / 2**30:.1f} GiB ({where})[/]")
     bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=err_console, transient=as_json)
     tasks = []
