@@ -170,31 +170,36 @@ class MemoryGroup:
 # ---- the budget ----
 
 
-def own_limit() -> int | None:
-    """The memory limit of the cgroup this process runs in (None: no limit or unknown)."""
+def _own_group_values(v1_name: str, v2_name: str) -> list[int]:
+    """The integer values of a file of this process's memory cgroup(s), v1 or v2 ("max" and
+    unreadable files left out)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
-        return None
-    best = None
+        return []
+    out = []
     for line in lines:
         _, ctrls, rel = line.split(":", 2)
         rel = rel.lstrip("/")
         if "memory" in ctrls.split(","):
-            files = [V1_ROOT / rel / "memory.limit_in_bytes"]
-        elif ctrls == "":
-            root = _v2_root()
-            files = [root / rel / "memory.max"] if root is not None else []
+            f = V1_ROOT / rel / v1_name
+        elif ctrls == "" and _v2_root() is not None:
+            f = _v2_root() / rel / v2_name
         else:
             continue
-        for f in files:
-            try:
-                v = f.read_text().strip()
-            except OSError:
-                continue
-            if v.isdigit() and int(v) < UNLIMITED:
-                best = int(v) if best is None else min(best, int(v))
-    return best
+        try:
+            v = f.read_text().strip()
+        except OSError:
+            continue
+        if v.isdigit():
+            out.append(int(v))
+    return out
+
+
+def own_limit() -> int | None:
+    """The memory limit of the cgroup this process runs in (None: no limit or unknown)."""
+    limits = [v for v in _own_group_values("memory.limit_in_bytes", "memory.max") if v < UNLIMITED]
+    return min(limits) if limits else None
 
 
 def available_memory() -> int:
@@ -219,24 +224,8 @@ def budget(ram: str | int | None = None) -> tuple[int, str]:
 
 def group_usage() -> int | None:
     """Bytes charged to this process's memory cgroup now (page cache included), None if unknown."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, ctrls, rel = line.split(":", 2)
-        rel = rel.lstrip("/")
-        if "memory" in ctrls.split(","):
-            f = V1_ROOT / rel / "memory.usage_in_bytes"
-        elif ctrls == "" and _v2_root() is not None:
-            f = _v2_root() / rel / "memory.current"
-        else:
-            continue
-        try:
-            return int(f.read_text())
-        except (OSError, ValueError):
-            continue
-    return None
+    usage = _own_group_values("memory.usage_in_bytes", "memory.current")
+    return usage[0] if usage else None
 
 
 # ---- readahead ----

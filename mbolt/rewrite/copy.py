@@ -14,7 +14,6 @@ from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import split_vaddr
 
 CHUNK = 64 << 20  # bytes per copy_file_range call (progress granularity)
-SPLIT = 16 << 20  # copy ranges are cut to this size
 BUF = 8 << 20  # buffer of the fallback copy
 READAHEAD = 64 << 20  # source bytes advised (WILLNEED) ahead of the copy
 WRITEBACK = 32 << 20  # start writeback of the output every this many bytes

@@ -5,7 +5,6 @@ and the copy operations that fill it, and each shard's header."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
@@ -17,13 +16,7 @@ from mbolt.core.moe_map import PAGE, WEIGHT_ROLES, MoeMap
 from mbolt.core.packed import PACK_PAD_MAX, PackedLayer, PackedRole, packed_kvs, packed_name, slot_stride
 from mbolt.core.routemap import ROUTE_MAP_VERSION
 
-CHUNK = 64 << 20  # bytes per copy_file_range call (progress granularity)
-SPLIT = 16 << 20  # copy ranges are cut to this size
-BUF = 8 << 20  # buffer of the fallback copy
-READAHEAD = 64 << 20  # source bytes advised (WILLNEED) ahead of the copy
-WRITEBACK = 32 << 20  # start writeback of the output every this many bytes
-
-Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+SPLIT = 16 << 20  # copy ranges are cut to this size (progress granularity, readahead steps)
 
 # ---- the logical tensors of a file (packed blobs expanded into their virtual tensors) ----
 

@@ -37,8 +37,8 @@ from mbolt.core.gguf_set import SET_ID_KEY, combine_shards, is_set_key, set_path
 from mbolt.core.header import parse_header, encode_kv
 from mbolt.core.moe_map import PAGE, MoeMap, moe_map
 from mbolt.core.routemap import check_perm, identity_perm, is_route_map_key, sidecar_dict, sidecar_path
-from mbolt.rewrite.copy import Copier, Readahead, Writeback, interrupt_on_terminate
-from mbolt.rewrite.outplan import (Progress, ReorderResult, SplitSpec, assign_shards, copy_ops, plan_output,
+from mbolt.rewrite.copy import Copier, Progress, Readahead, Writeback, interrupt_on_terminate
+from mbolt.rewrite.outplan import (ReorderResult, SplitSpec, assign_shards, copy_ops, plan_output,
                                    route_map_kvs, shard_headers, shard_sizes)
 from mbolt.rewrite.setwriter import JOURNAL_SUFFIX, check_outputs, fsync_dir, output_lock, recover_interrupted
 
