@@ -200,7 +200,10 @@ def test_gap_aware_tsp_uses_the_gap():
     blind = plan_orders(co, "tsp")
     aware = plan_orders(co, "tsp", geometry=geo, gap=300)
     assert geo.far_weights(300) == (1.0,)
-    assert evaluate(train, aware, geo, gap=300)["reads_per_token"] <= evaluate(train, blind, geo, gap=300)["reads_per_token"]
+    # the gap changes the order, and the reads it scores (5.45 against 5.57 per token on this seed):
+    # a planner that ignored the gap would give the blind order and equal reads
+    assert not np.array_equal(aware, blind)
+    assert evaluate(train, aware, geo, gap=300)["reads_per_token"] < evaluate(train, blind, geo, gap=300)["reads_per_token"]
 
 
 def test_groups_cover_every_expert_once():
