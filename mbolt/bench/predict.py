@@ -34,8 +34,7 @@ def counts(trace: Trace, perm: np.ndarray, mm: MoeMap, layout: str, gap: int = 0
     if layout == "packed" and pad:
         # evaluate() assumes slots of exactly expert_bytes; the file pads them by `pad`, so
         # positions are farther apart by pad each: every expert merged into a run reads a pad
-        miss_experts = ev["useful_bytes_per_token"] / geo.expert_bytes
-        ev["bytes_per_token"] = ev["useful_bytes_per_token"] + pad * max(miss_experts - ev["reads_per_token"], 0.0)
+        ev["bytes_per_token"] = ev["useful_bytes_per_token"] + pad * max(ev["misses_per_token"] - ev["reads_per_token"], 0.0)
     # The device reads whole pages (buffered: the page cache; O_DIRECT: the store aligns each read):
     # a read starting inside a page reads one page more. Converters align tensors to 32 B only, so a
     # stock file's slices straddle pages; mbolt's rewrites start every slice on a page.
@@ -149,8 +148,9 @@ def predict(model: str, plan_path: str | None, trace: Trace, probe_path: str, *,
                 c = counts(trace, p, mm, lay, gap, cache_slots, pad if lay == "packed" else 0, rewritten=True)
                 rows.append({"layout": name, **_timed(c, pr, direct, qd, n_calls)})
     T0 = rows[0]["io_ms_per_token"]
-    slice_b = float(sum(w.slice_bytes for w in mm.moe_layers[0].weights))
-    miss0 = base["useful_bytes_per_token"] / slice_b
+    miss0 = base["misses_per_token"]
+    # the law's slice: the mean expert bytes of a missed expert (layers of mixed types differ)
+    slice_b = base["useful_bytes_per_token"] / max(miss0, 1e-12)
     for r in rows:
         g = T0 / r["io_ms_per_token"] if r["io_ms_per_token"] else float("nan")
         r["g_measured_model"] = g
@@ -175,8 +175,8 @@ def _packed_pad(mm: MoeMap) -> int:
     """Padding per expert slot the rewriter will use for a packed file (4 KiB / 512 B slots)."""
     from mbolt.core.packed import slot_stride
 
-    eb = mm.moe_layers[0].expert_bytes
-    return int(slot_stride(eb)[0] - eb)
+    # layers of other types have other slots: the widest padding bounds what a merge reads through
+    return max(int(slot_stride(layer.expert_bytes)[0] - layer.expert_bytes) for layer in mm.moe_layers)
 
 
 def predict_rounds(arms: list[dict], trace: Trace, probe_d: dict, rounds_of: dict[str, list[int]],

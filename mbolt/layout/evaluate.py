@@ -45,8 +45,11 @@ PRESETS: dict[str, tuple[tuple[str, ...], tuple[int, ...]]] = {
 @dataclass(frozen=True)
 class Geometry:
     layout: str  # "reorder" | "packed"
-    slice_bytes: tuple[int, ...]  # per role, in file order
+    slice_bytes: tuple[int, ...]  # per role, in file order (the first MoE layer's)
     roles: tuple[str, ...] = ("gate", "up", "down")
+    # (layer, slice bytes per role) for every MoE layer of a file whose layers differ (a Q4_K_M
+    # file keeps some down projections in Q6_K; "UD" quants mix types per layer); () = uniform
+    per_layer: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:
@@ -65,6 +68,13 @@ class Geometry:
     def expert_bytes(self) -> int:
         return int(sum(self.slice_bytes))
 
+    def for_layer(self, layer: int) -> "Geometry":
+        """The geometry of one layer (itself where the file is uniform)."""
+        for l, sizes in self.per_layer:
+            if l == layer:
+                return Geometry(self.layout, sizes, self.roles)
+        return self if not self.per_layer else Geometry(self.layout, self.slice_bytes, self.roles)
+
     def far_weights(self, gap: int, far_credit: float = 1.0, max_d: int = 8) -> tuple[float, ...]:
         """Objective weights for pairs at distance d = 2, 3, ...: the share of regions in which
         the (d-1) slices between them fit in the merge gap, times `far_credit` (a pair at d > 1
@@ -78,10 +88,13 @@ class Geometry:
         return tuple(out)
 
     def with_layout(self, layout: str) -> "Geometry":
-        return Geometry(layout, self.slice_bytes, self.roles)
+        return Geometry(layout, self.slice_bytes, self.roles, self.per_layer)
 
     def to_dict(self) -> dict:
-        return {"layout": self.layout, "slice_bytes": list(self.slice_bytes), "roles": list(self.roles)}
+        d = {"layout": self.layout, "slice_bytes": list(self.slice_bytes), "roles": list(self.roles)}
+        if self.per_layer:
+            d["per_layer"] = {str(l): list(sizes) for l, sizes in self.per_layer}
+        return d
 
 
 def geometry_preset(name: str, layout: str = "reorder") -> Geometry:
@@ -92,12 +105,16 @@ def geometry_preset(name: str, layout: str = "reorder") -> Geometry:
 
 
 def geometry_from_model(moemap, layout: str = "reorder") -> Geometry:
-    """Slice sizes per role from a GGUF's MoE map (first MoE layer; roles in file order)."""
+    """Slice sizes per role from a GGUF's MoE map, per MoE layer where the layers differ (roles
+    in file order)."""
     layers = [l for l in moemap.layers if not l.dense and l.weights]
     if not layers:
         raise MboltError(f"{moemap.path}: no routed expert weight tensors")
-    ws = layers[0].weights
-    return Geometry(layout, tuple(int(t.slice_bytes) for t in ws), tuple(t.role for t in ws))
+    sizes = {l.index: tuple(int(t.slice_bytes) for t in l.weights) for l in layers}
+    first = sizes[layers[0].index]
+    roles = tuple(t.role for t in layers[0].weights)
+    per_layer = tuple(sorted(sizes.items())) if len(set(sizes.values())) > 1 else ()
+    return Geometry(layout, first, roles, per_layer)
 
 
 def lru_hits(sets: np.ndarray, n_experts: int, slots: int) -> np.ndarray:
@@ -160,7 +177,7 @@ def evaluate(trace: Trace, perm: np.ndarray, geometry: Geometry, gap: int = 0, c
         n_sel += int(valid.sum())
         n_hit += int((valid & ~want).sum())
         memo: dict[int, tuple[float, float]] = {}
-        for s in geometry.regions:
+        for s in geometry.for_layer(layer).regions:
             if s not in memo:
                 _, _, rr, bb = merge_ranges_batched(p * s, p * s + s, gap, want)
                 memo[s] = (float(rr.sum()), float(bb.sum()))
@@ -173,6 +190,7 @@ def evaluate(trace: Trace, perm: np.ndarray, geometry: Geometry, gap: int = 0, c
         "useful_bytes_per_token": float(useful.sum() / N),
         "runs_per_token_layer": runs / max(n_token_layers, 1),
         "hit_rate": n_hit / max(n_sel, 1),
+        "misses_per_token": (n_sel - n_hit) / N,
         "n_tokens": N,
         "layout": geometry.layout,
         "gap": int(gap),

@@ -30,10 +30,11 @@ def plan_orders(co: Coact, method: str, *, geometry: Geometry | None = None, gap
     """perm [n_layers, E] for every layer (identity where nothing was recorded)."""
     L, E = co.n_layers, co.n_experts
     perm = identity_perm(L, E)
-    if method == "tsp" and gap > 0 and geometry is not None and "far" not in opts:
-        opts["far"] = geometry.far_weights(gap, far_credit)
+    gap_aware = method == "tsp" and gap > 0 and geometry is not None and "far" not in opts
     for l in co.layers:
         o = dict(opts)
+        if gap_aware:  # each layer's own slice sizes decide which neighbours a gap joins
+            o["far"] = geometry.for_layer(l).far_weights(gap, far_credit)
         if clusters is not None and method == "mbolt-chain":
             o["clusters"] = clusters[l]
         perm[l] = order(co.counts[l], co.heat[l], method, **o)
