@@ -13,27 +13,23 @@ from mbolt.core.mbtrace import read_trace
 
 
 def naive_stock_reads_per_token(model_path, held) -> float:
-    """Per token and layer: the selected experts' slices in gate/up/down, merged when they touch."""
+    """Per token, layer and tensor (gate/up/down): the selected experts' slices, merged when they
+    touch (never across two tensors: a layout is read as it is scored)."""
     r = GGUFReader(model_path)
     by_name = {t.name: t for t in r.tensors}
     total = 0
     for t in range(held.n_tokens):
         for layer in range(held.n_layers):
-            ids = [int(e) for e in held.experts[t, layer] if e >= 0]
-            if not ids:
-                continue
-            ranges = []
+            ids = sorted(int(e) for e in held.experts[t, layer] if e >= 0)
             for proj in ("gate", "up", "down"):
                 ten = by_name[f"blk.{layer}.ffn_{proj}_exps.weight"]
                 size = int(ten.n_bytes) // held.n_experts
-                ranges += [(ten.data_offset + e * size, ten.data_offset + (e + 1) * size) for e in ids]
-            ranges.sort()
-            reads, end = 0, -1
-            for s, e in ranges:
-                if s > end:
-                    reads += 1
-                end = max(end, e)
-            total += reads
+                reads, end = 0, -1
+                for e in ids:
+                    if ten.data_offset + e * size > end:
+                        reads += 1
+                    end = ten.data_offset + (e + 1) * size
+                total += reads
     return total / held.n_tokens
 
 

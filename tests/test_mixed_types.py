@@ -69,3 +69,39 @@ def test_evaluator_predict_and_store_agree(mixed):
     assert c.reads == pytest.approx(ev["reads_per_token"] * N, rel=1e-12)
     assert c.bytes == pytest.approx(ev["bytes_per_token"] * N, rel=1e-12)
     assert pr["useful_bytes_per_token"] == ev["useful_bytes_per_token"] and pr["reads_per_token"] == ev["reads_per_token"]
+
+
+def test_touching_tensors_are_read_as_the_evaluator_scores(tmp_path):
+    """The tensor-boundary case: the last expert of one tensor and the first of the next, both
+    selected, with no padding between the tensors. The store reads them as two reads, as the
+    per-tensor evaluator counts them (it used to join them into one)."""
+    p = write_synth(tmp_path / "t.gguf", SynthConfig(arch="qwen3moe", n_layers=1, n_experts=E, n_used=K, hidden=64,
+                                                      expert_ff=64, expert_type="F32", seed=2))
+    mm = moe_map(p)
+    ws = mm.moe_layers[0].weights
+    ends = [w.data_offset + w.nbytes for w in ws]
+    assert any(e == w.data_offset for e, w in zip(ends, ws[1:]))  # some tensors touch
+    ex = np.array([[[E - 1, 0]]], np.int16)
+    tr = Trace(1, E, K, ex, np.full(1, DECODE, np.uint8), np.zeros(1, np.int32), np.arange(1, dtype=np.int32))
+    ev = evaluate(tr, np.arange(E)[None, :], geometry_from_model(mm, "reorder"))
+    with ExpertStore(p, mm=mm, drop_pages=False) as s:
+        s.read(0, [E - 1, 0])
+        assert s.counters.reads == ev["reads_per_token"] == 2 * len(ws)
+
+
+@pytest.mark.parametrize("slots", [2, 3, 5])
+def test_cache_hits_and_reads_agree_with_the_store(mixed, slots):
+    """One LRU rule (a hit is an expert resident as of the previous token) in the evaluator and
+    the store: the same hits, misses and reads over the same trace."""
+    tr = _trace(seed=slots)
+    mm = moe_map(mixed)
+    ev = evaluate(tr, np.tile(np.arange(E), (L, 1)), geometry_from_model(mm, "reorder"), cache_slots=slots)
+    with ExpertStore(mixed, mm=mm, cache_slots=slots, drop_pages=False) as s:
+        for t in range(N):
+            for l in range(L):
+                s.read(l, tr.experts[t, l])
+        c = s.snapshot()
+    assert c.hits / (c.hits + c.misses) == pytest.approx(ev["hit_rate"], abs=1e-12)
+    assert c.misses == pytest.approx(ev["misses_per_token"] * N, abs=1e-9)
+    assert c.reads == pytest.approx(ev["reads_per_token"] * N, abs=1e-9)
+    assert 0 < c.hits < c.hits + c.misses

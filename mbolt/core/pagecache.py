@@ -156,14 +156,15 @@ MADV_DONTNEED = 4
 def joined(spans, gap: int = PAGE) -> list[tuple[int, int]]:
     """Spans closer than `gap` (only alignment padding between them) as one span: the page cache
     keeps large folios (up to 2 MiB here) that can straddle two adjacent expert tensors, and a
-    range drop removes only folios that lie wholly inside the range."""
-    out: list[list[int]] = []
-    for a, b in sorted(spans):
-        if out and a - out[-1][1] < gap:
-            out[-1][1] = max(out[-1][1], b)
-        else:
-            out.append([a, b])
-    return [(a, b) for a, b in out]
+    range drop removes only folios that lie wholly inside the range. The one merge rule
+    (`core.ranges.merge_ranges`: a hole of at most its gap joins), with a hole under `gap`."""
+    from mbolt.core.ranges import merge_ranges
+
+    spans = list(spans)
+    if not spans:
+        return []
+    s, e = merge_ranges([a for a, _ in spans], [b for _, b in spans], max(int(gap) - 1, 0))
+    return [(int(a), int(b)) for a, b in zip(s, e)]
 
 
 def inward(spans) -> list[tuple[int, int]]:

@@ -115,6 +115,13 @@ class ExpertStore:
         self.cache_slots = max(0, min(int(cache_slots), E))
         self._ranges = {l.index: expert_ranges(self.mm, l.index) for l in self.mm.moe_layers}
         self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
+        # the role columns of each tensor of a layer (a packed blob holds every role)
+        self._tensor_cols = {}
+        for l in self.mm.moe_layers:
+            groups: dict[str, list[int]] = {}
+            for i, t in enumerate(l.weights):
+                groups.setdefault(t.container or t.name, []).append(i)
+            self._tensor_cols[l.index] = list(groups.values())
         self._slots: dict[int, OrderedDict] = {l: OrderedDict() for l in self._ranges}
         self._pinned: dict[int, set[int]] = {l: set() for l in self._ranges}
         # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.
@@ -283,8 +290,14 @@ class ExpertStore:
     def _read(self, layer, missed, keep):
         R = self._ranges[layer][missed]  # [m, n_roles, 2]
         starts = R[..., 0].reshape(-1)
-        ends = starts + R[..., 1].reshape(-1)
-        rs, re_ = merge_ranges(starts, ends, self.merge_gap)
+        # merged per tensor, as the planner's evaluator scores a layout: two tensors that happen to
+        # touch (the last slice of one, the first of the next) are two reads; a packed blob's roles
+        # are one tensor
+        parts = [merge_ranges(R[:, cols, 0].reshape(-1), (R[:, cols, 0] + R[:, cols, 1]).reshape(-1), self.merge_gap)
+                 for cols in self._tensor_cols[layer]]
+        rs, re_ = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+        order = np.argsort(rs, kind="stable")
+        rs, re_ = rs[order], re_[order]
         if self.direct:
             a = rs - rs % ALIGN
             b = re_ + (-re_) % ALIGN
