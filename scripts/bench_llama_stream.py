@@ -278,13 +278,18 @@ def run_model(name: str, quiet: bool, rounds: int | None = None, tag: str = "") 
         log(cname, f"{time.perf_counter() - t0:.0f}s", json.dumps({s["arm"]: round(s.get("decode_tokens_per_s") or 0, 2)
                                                                     for s in res.summary}))
         out[qd] = res.to_dict()
+    out["warm"] = run_warm(name, meta, ids, n_new, rounds, tag)
+    return {"meta": meta, "runs": out}
+
+
+def run_warm(name: str, meta: dict, ids, n_new: int, rounds: int | None = None, tag: str = "") -> dict:
+    """The warm control: plain llama.cpp against the callback without reads (its own overhead)."""
     wname = f"llama_stream_{name}_warm{tag}"
     res = run_ab(warm_arms(name), mode="decode", rounds=rounds or meta["rounds"], name=wname, prompts=ids,
                  n_new=n_new, engine="llama.cpp")
     res.notes.append("warm control: every page resident by design (not cold)")
     write_result(RESULTS / f"{wname}.json", res)
-    out["warm"] = res.to_dict()
-    return {"meta": meta, "runs": out}
+    return res.to_dict()
 
 
 def _row(res: dict, arm: str) -> dict:
@@ -360,7 +365,8 @@ def prepare_no_prereg(name: str) -> dict:
 def main() -> None:
     global QDS
     ap = argparse.ArgumentParser()
-    ap.add_argument("stage", choices=["prepare", "run", "smoke"])
+    ap.add_argument("stage", choices=["prepare", "run", "warm", "smoke"],
+                    help="warm: only the warm callback-overhead control of prepared models")
     ap.add_argument("--models", default=",".join(MODELS), help="models (s64k, q30b8)")
     ap.add_argument("--families", default=FAMILIES, help="synth archs llama.cpp runs, one 64 KiB-slice file each")
     ap.add_argument("--s-assumed", type=float, default=None,
@@ -389,6 +395,16 @@ def main() -> None:
                 skipped[n] = str(e)
                 log(n, "SKIPPED:", e)
         write_text_atomic(BENCH / "prepare.json", json.dumps({"skipped": skipped}, indent=1) + "\n")
+        return
+    if args.stage == "warm":
+        for n in names:
+            if paths(n)["bench"].exists():
+                meta = json.loads(paths(n)["bench"].read_text())
+                w = run_warm(n, meta, meta["prompt_ids"], meta["new_tokens"])
+                plain, cb = _row(w, "plain"), _row(w, "callback")
+                log(n, f"callback {cb['decode_tokens_per_s']:.1f} / plain {plain['decode_tokens_per_s']:.1f} tok/s = "
+                       f"{cb['decode_tokens_per_s'] / plain['decode_tokens_per_s']:.2f}x (goal >= "
+                       f"{GOALS['callback_overhead_min']})")
         return
     t0 = time.perf_counter()
     # models measured in an earlier run keep their entries (each model's result files are its own)
