@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -265,11 +266,13 @@ def readahead(path: str | os.PathLike, kb: int | None):
     def on_term(signum, frame):
         raise SystemExit(128 + signum)
 
-    prev = signal.signal(signal.SIGTERM, on_term)
+    main = threading.current_thread() is threading.main_thread()  # only it may set a handler
+    prev = signal.signal(signal.SIGTERM, on_term) if main else None
     try:
         yield int(kb)
     finally:
         try:
             f.write_text(str(old))
         finally:
-            signal.signal(signal.SIGTERM, prev)
+            if main:
+                signal.signal(signal.SIGTERM, prev)
