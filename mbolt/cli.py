@@ -150,6 +150,37 @@ def inspect_cmd(
 
 
 @user_errors
+def expert_map_cmd(
+    model: Path = typer.Argument(..., help="A MoE GGUF (stock, reorder or packed), or any shard of a set."),
+    out: Path = typer.Option(None, "-o", "--out", help="Where the expert map goes (JSON; docs/expert_map.md)."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an earlier expert map."),
+    as_json: bool = typer.Option(False, "--json", help="Print the expert map as JSON."),
+):
+    """Write the expert map for engines: every original expert's byte ranges in the file (per
+    projection, shard named), tensor types, alignment and route map, for reading experts with
+    plain pread without parsing GGUF metadata."""
+    import json as _json
+
+    from mbolt.core.atomic import write_text_atomic
+    from mbolt.core.moe_map import moe_map
+    from mbolt.core.routemap import expert_map_dict
+
+    if out is None and not as_json:
+        raise MboltError("expert-map: give -o map.json, or --json to print it")
+    m = moe_map(model)
+    if out is not None:
+        output(out, "json", inputs=[model, *m.paths], force=force, what="expert map", make_parent=True)
+    d = expert_map_dict(m)
+    if out is not None:
+        write_text_atomic(out, _json.dumps(d) + "\n")
+    if as_json:
+        print_json(d)
+        return
+    console.print(f"wrote {out}: {len(d['layers'])} MoE layers x {d['n_experts']} experts, layout {d['layout']}, "
+                  f"{len(d['files'])} file(s)", highlight=False)
+
+
+@user_errors
 def cache_cmd(
     trace: Path = typer.Argument(..., help="A routing trace (.mbtrace, or a file the importers read)."),
     budgets: str = typer.Option("4,8,16", "--cache-slots", help="Expert slots per layer to replay, comma separated."),
@@ -970,6 +1001,7 @@ COMMANDS = [
     ("predict", predict_cmd, "Measure and predict"),
     ("cache", cache_cmd, "Measure and predict"),
     ("inspect", inspect_cmd, "Models and traces"),
+    ("expert-map", expert_map_cmd, "Models and traces"),
     ("synth", synth_cmd, "Models and traces"),
     ("generate", generate_cmd, "Models and traces"),
     ("trace-stats", trace_stats_cmd, "Models and traces"),

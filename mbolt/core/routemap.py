@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.gguf_set import open_model_header, vaddr
+from mbolt.core.gguf_set import FILE_SHIFT, open_model_header, vaddr
 from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import MoeLayer, MoeMap
 
@@ -219,6 +219,35 @@ def sidecar_dict(moemap: MoeMap) -> dict:
         "data_offset + pos[l][e] * stride, where pos is the inverse of perm[l]",
         "layers": layers,
     }
+
+
+EXPERT_MAP_VERSION = 1
+
+
+def expert_map_dict(moemap: MoeMap) -> dict:
+    """The expert map for engines (docs/expert_map.md): for every MoE layer and ORIGINAL expert,
+    the byte ranges [file, offset, bytes] of its slice in each routed weight tensor (one per
+    projection; a packed file's projections lie side by side in one slot), with the tensor types,
+    the file's alignment and the route map. Plain `pread` of a range gives the expert's bytes,
+    whatever the layout (stock, reorder, packed) or the number of shards."""
+    rm = moemap.route_map
+    layers = []
+    for layer in moemap.moe_layers:
+        R = expert_ranges(moemap, layer)
+        files, offs = R[..., 0] >> FILE_SHIFT, R[..., 0] & ((1 << FILE_SHIFT) - 1)
+        layers.append({
+            "layer": layer.index,
+            "projections": [w.role for w in layer.weights],
+            "types": [w.type for w in layer.weights],
+            "perm": rm.perm[layer.index].tolist(),
+            "experts": [[[int(files[e, r]), int(offs[e, r]), int(R[e, r, 1])] for r in range(R.shape[1])]
+                        for e in range(R.shape[0])],
+        })
+    return {"format": "mbolt.expert-map", "version": EXPERT_MAP_VERSION, "layout": rm.layout,
+            "files": [Path(p).name for p in moemap.paths], "fingerprint": moemap.header.fingerprint,
+            "source_fingerprint": rm.source_fingerprint, "alignment": moemap.header.alignment,
+            "arch": moemap.arch, "n_layers": moemap.n_layers, "n_experts": moemap.n_experts,
+            "n_used": moemap.n_used, "layers": layers}
 
 
 def read_sidecar(path: str | os.PathLike, fingerprint: str | None = None) -> RouteMap:
