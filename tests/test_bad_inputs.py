@@ -334,6 +334,12 @@ CASES = [
     ("demo-workdir-is-file", lambda w: (["demo", "--workdir", str(w / "p.txt")], "--workdir is a file")),
     ("demo-workdir-not-empty", lambda w: (["demo", "--workdir", str(w)], "not empty")),
     ("demo-bad-size", lambda w: (["demo", "--workdir", str(w / "new"), "--size", "huge"], "'huge'")),
+    ("expertmap-missing", lambda w: (["expert-map", str(w / "nope.gguf"), "-o", str(w / "m.json")],
+                                     "nope.gguf: no such file")),
+    ("expertmap-text", lambda w: (["expert-map", str(w / "p.txt"), "-o", str(w / "m.json")], "not a GGUF")),
+    ("expertmap-over-its-model", lambda w: (["expert-map", str(w / M), "-o", str(w / M), "--force"],
+                                            "is an input of this command")),
+    ("expertmap-no-output", lambda w: (["expert-map", str(w / M)], "give -o map.json")),
 ]
 
 
@@ -358,7 +364,7 @@ def test_suite_covers_every_command():
     from mbolt.cli import COMMANDS
 
     aliases = {"stats": "trace-stats", "import": "import-trace", "synthtrace": "synth-trace",
-               "tracemerge": "trace-merge"}
+               "tracemerge": "trace-merge", "expertmap": "expert-map"}
     covered = {aliases.get(c[0].split("-")[0], c[0].split("-")[0]) for c in CASES}
     assert covered == {n for n, _, _ in COMMANDS}
     assert len(CASES) >= 60
