@@ -68,7 +68,7 @@ def test_demo_tiny_end_to_end(tmp_path, monkeypatch):
     # converged = the A/A interval inside the tolerance and every arm's interval within the
     # precision; else the time budget once another pass would overrun it
     stop, rule = ab["stop"], ab["stop"]["rule"]
-    n, per_round = stop["rounds"], stop["elapsed_s"] / stop["rounds"]
+    per_round = stop["elapsed_s"] / stop["rounds"]
     aa_ci = by_arm["stock (A/A)"]["speedup_ci95"]
     tol = summary["ab"]["aa_tolerance"]
     aa_inside = aa_ci is not None and 1 - tol <= aa_ci[0] and aa_ci[1] <= 1 + tol

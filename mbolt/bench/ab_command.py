@@ -14,6 +14,7 @@ from pathlib import Path
 from mbolt.bench.ab import FORCED_PREFILL, run_ab, write_result
 from mbolt.bench.arms import parse_arm
 from mbolt.bench.stats import StopRule
+from mbolt.core.atomic import check_output
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import parse_size, readahead
 
@@ -52,13 +53,6 @@ class AbRequest:
     probe_json: Path | None = None
     plot: Path | None = None
     force: bool = False
-
-
-def _output(path, kind, *, inputs=(), force=False, what="output", make_parent=False):
-    from mbolt.core.atomic import check_output
-
-    return check_output(path, kind=kind, inputs=[i for i in inputs if i is not None], force=force, what=what,
-                        make_parent=make_parent)
 
 
 def run_ab_request(req: AbRequest, progress=None, announce=print):
@@ -105,11 +99,11 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
         raise MboltError(f"--name {name!r}: a result name, not a path (the result goes to --out-dir)")
     if out_dir.exists() and not out_dir.is_dir():
         raise MboltError(f"{out_dir}: --out-dir is a file, not a directory")
-    inputs = [a.path for a in arm_list] + [replay_trace, prompts, probe_json, prereg]
-    result_path = _output(out_dir / f"{name or 'ab'}.json", "json", inputs=inputs, force=force,
-                         what="result", make_parent=True)
+    inputs = [i for i in [a.path for a in arm_list] + [replay_trace, prompts, probe_json, prereg] if i is not None]
+    result_path = check_output(out_dir / f"{name or 'ab'}.json", kind="json", inputs=inputs, force=force,
+                               what="result", make_parent=True)
     if plot is not None:
-        _output(plot, "png", inputs=inputs + [result_path], force=force, what="plot")
+        check_output(plot, kind="png", inputs=inputs + [result_path], force=force, what="plot")
     trace = None
     prompt_ids = None
     if replay_trace is not None:

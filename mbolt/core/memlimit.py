@@ -179,13 +179,14 @@ def _own_group_values(v1_name: str, v2_name: str) -> list[int]:
     except OSError:
         return []
     out = []
+    v2 = _v2_root()
     for line in lines:
         _, ctrls, rel = line.split(":", 2)
         rel = rel.lstrip("/")
         if "memory" in ctrls.split(","):
             f = V1_ROOT / rel / v1_name
-        elif ctrls == "" and _v2_root() is not None:
-            f = _v2_root() / rel / v2_name
+        elif ctrls == "" and v2 is not None:
+            f = v2 / rel / v2_name
         else:
             continue
         try:

@@ -42,7 +42,6 @@ import numpy as np
 from mbolt.engine.pages import ExpertPages
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.core.routemap import expert_ranges
 from mbolt.engine.store import ExpertStore, proc_read_bytes
 
 
@@ -88,14 +87,13 @@ PREFILL_CHUNK = 8  # under a budget the prompt is evaluated this many tokens at 
 
 def expert_bytes_all_layers(mm: MoeMap) -> int:
     """Bytes of one expert in every MoE layer (what one slot of the per-layer cache costs)."""
-    return int(sum(int(expert_ranges(mm, l.index)[0, :, 1].sum()) for l in mm.moe_layers))
+    return sum(l.expert_bytes for l in mm.moe_layers)
 
 
 def prefill_bytes(mm: MoeMap) -> int:
     """What a prompt chunk's layer needs beyond the cache: the union of PREFILL_CHUNK tokens' experts
     in the largest layer (its experts are read before its matmul; the victims go at the next layer)."""
-    per = max(int(expert_ranges(mm, l.index)[0, :, 1].sum()) for l in mm.moe_layers)
-    return per * min(mm.n_experts, PREFILL_CHUNK * mm.n_used)
+    return max(l.expert_bytes for l in mm.moe_layers) * min(mm.n_experts, PREFILL_CHUNK * mm.n_used)
 
 
 def own_bytes() -> int:
