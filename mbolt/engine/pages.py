@@ -43,6 +43,8 @@ class FilePages:
         self.spans = inward(joined(spans))
         self.dense_tensors = _dense_spans(mm, spans, file)  # whole tensors: every page with a dense byte
         self.dense_spans = inward(self.dense_tensors)
+        # every page holding a dense byte (a gap under a page between two tensors holds no whole page)
+        self.dense_pages = [(a // PAGE * PAGE, -(-b // PAGE) * PAGE) for a, b in joined(self.dense_tensors)]
         self.fd = os.open(self.path, os.O_RDONLY)
         self._probe: tuple[int, int] | None = None  # (address, size) of the mincore mapping
         self._vec = (ctypes.c_ubyte * 0)()
@@ -88,8 +90,7 @@ class FilePages:
         try:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             buf = bytearray(RESET_CHUNK)
-            for a, b in joined(self.dense_tensors):
-                a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE  # every page holding a dense byte
+            for a, b in self.dense_pages:
                 while a < b:
                     n = os.preadv(fd, [memoryview(buf)[:min(RESET_CHUNK, b - a)]], a)
                     if n <= 0:
@@ -103,8 +104,7 @@ class FilePages:
         page tables, and a mapped page survives any page-cache drop, so no drop of expert pages
         (whole 2 MiB blocks) can take a dense page the engine has not used yet."""
         sink = 0
-        for a, b in self.dense_tensors:
-            a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE
+        for a, b in self.dense_pages:
             for addr, n in self._addresses(a, b):
                 sink += int(np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))[::PAGE].sum())
 
@@ -113,8 +113,7 @@ class FilePages:
         reclaim a dense weight under a memory limit (each such page came back through a page fault
         with readahead: about 300 major faults per token, issue 19). Returns the bytes locked."""
         n = 0
-        for a, b in joined(self.dense_tensors):
-            a, b = a // PAGE * PAGE, -(-b // PAGE) * PAGE
+        for a, b in self.dense_pages:
             for addr, size in self._addresses(a, b):
                 if self.lib.mlock(ctypes.c_void_p(addr), size) != 0:
                     raise MboltError(f"{self.path}: mlock of {size} B of dense weights failed (errno "
