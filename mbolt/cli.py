@@ -181,6 +181,85 @@ def expert_map_cmd(
 
 
 @user_errors
+def export_coact_cmd(
+    trace: list[Path] = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Where the profile goes (coactivation JSON)."),
+    model: Path = typer.Option(None, "--model", help="The GGUF the trace was made on: checked, and its name and "
+                               "quantisation fill the profile's model and quant fields."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an earlier profile."),
+    as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON."),
+):
+    """Write the trace's decode co-activation in the original mbolt's exchange format
+    (coactivation_*.json: heat, strong pairs with lift, clusters, chain order per layer), the
+    profiles colibri's community builds expert maps from."""
+    import json as _json
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from mbolt.core.atomic import write_text_atomic
+    from mbolt.layout.profile import export_profile
+    from mbolt.trace.formats import load_traces
+
+    tr = load_traces(trace)
+    name = quant = ""
+    if model is not None:
+        from mbolt.core.compat import check_compatible
+        from mbolt.core.moe_map import moe_map
+        from mbolt.layout.profile import model_labels
+
+        mm = moe_map(model)
+        check_compatible(tr, mm, ", ".join(map(str, trace)))
+        name, quant = model_labels(mm)
+    output(out, "json", inputs=[*trace, model], force=force, what="co-activation profile")
+    with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                  TimeElapsedColumn(), console=err_console, transient=True) as bar:
+        task = bar.add_task("grouping layers", total=len(tr.moe_layers()))
+        d = export_profile(tr, model=str(name), quant=quant, progress=lambda l: bar.advance(task))
+    write_text_atomic(out, _json.dumps(d) + "\n")
+    info = {"out": str(out), "n_layers": d["n_layers"], "moe_layers": len(d["layers"]),
+            "n_expert_per_layer": d["n_expert_per_layer"], "k": d["k"], "n_decode_tokens": d["n_decode_tokens"],
+            "pairs": sum(len(r["pairs"]) for r in d["layers"])}
+    if as_json:
+        print_json(info)
+        return
+    console.print(f"wrote {out}: {info['moe_layers']} MoE layers x {info['n_expert_per_layer']} experts, k={info['k']}, "
+                  f"{info['n_decode_tokens']:,} decode tokens, {info['pairs']:,} strong pairs", highlight=False)
+
+
+@user_errors
+def export_heat_cmd(
+    trace: list[Path] = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged)."),
+    out: Path = typer.Option(..., "-o", "--out", help="Where the heat goes (.coli_usage text)."),
+    engine: str = typer.Option(None, "--engine", help="colibri's engine name (e.g. qwen3_moe, glm_moe_dsa, olmoe): "
+                               "its id goes in the header; without it colibri takes the file only as PIN=<path>."),
+    phase: str = typer.Option("decode", "--phase", help="decode, prefill or all: which tokens count."),
+    force: bool = typer.Option(False, "--force", help="Overwrite an earlier export."),
+    as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON."),
+):
+    """Write the trace's heat (tokens that selected each expert, per layer) as colibri's
+    .coli_usage, so colibri pins from an mbolt trace."""
+    import numpy as np
+
+    from mbolt.core.atomic import write_text_atomic
+    from mbolt.core.trace import select_phase
+    from mbolt.layout.coact import coactivation
+    from mbolt.trace.formats import load_traces
+    from mbolt.trace.formats.colibri import engine_id, usage_text
+
+    tr = select_phase(load_traces(trace), phase)
+    output(out, "coli-usage", inputs=trace, force=force, what=".coli_usage")
+    heat = coactivation(tr).heat
+    write_text_atomic(out, usage_text(heat, engine))
+    info = {"out": str(out), "n_layers": tr.n_layers, "n_experts": tr.n_experts, "tokens": tr.n_tokens,
+            "phase": phase, "nonzero": int(np.count_nonzero(heat)), "engine_id": engine_id(engine) if engine else 0}
+    if as_json:
+        print_json(info)
+        return
+    console.print(f"wrote {out}: {info['nonzero']:,} non-zero counts over {tr.n_layers} layers x {tr.n_experts} experts "
+                  f"from {tr.n_tokens:,} {phase} tokens; engine id {info['engine_id']}", highlight=False)
+
+
+@user_errors
 def cache_cmd(
     trace: Path = typer.Argument(..., help="A routing trace (.mbtrace, or a file the importers read)."),
     budgets: str = typer.Option("4,8,16", "--cache-slots", help="Expert slots per layer to replay, comma separated."),
@@ -427,6 +506,9 @@ def reorder_cmd(
     split_max_size: str = typer.Option(None, "--split-max-size", help="Write a set: at most this much tensor data "
                                        "per shard (e.g. 4G, 500M)."),
     no_split: bool = typer.Option(False, "--no-split", help="Write one file, even from a split set."),
+    align: str = typer.Option(None, "--align", help="Alignment in bytes (a power of two, e.g. 4096, 64K): every tensor "
+                              "starts aligned (general.alignment) and packed slots are padded to it (64K for Windows "
+                              "unbuffered reads). Default: 4 KiB tensors, slots padded to 4 KiB where it costs <= 12.5%."),
     force: bool = typer.Option(False, "--force", help="Replace a previous mbolt output (never an input, nor the "
                                "model an input was made from, nor any other file)."),
     as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
@@ -440,16 +522,19 @@ def reorder_cmd(
 
     from mbolt.report.rewrite_tables import reorder_table
     from mbolt.core.memlimit import parse_size
+    from mbolt.core.packed import check_align
     from mbolt.rewrite.outplan import SplitSpec
     from mbolt.rewrite.reorder import reorder_file
 
     split = SplitSpec(no_split, split_max_tensors, parse_size(split_max_size, "--split-max-size"))
     split.check()
+    align_bytes = None if align is None else check_align(parse_size(align, "--align"))
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task(f"writing {dst.name}", total=None)
         r = reorder_file(src, dst, plan=plan, trace=trace or None, identity=identity, layout=layout, force=force,
-                         progress=lambda d, t: bar.update(task, completed=d, total=t), split=split)
+                         progress=lambda d, t: bar.update(task, completed=d, total=t), split=split,
+                         align=align_bytes)
     show(as_json, r.to_dict(), lambda: reorder_table(r))
 
 
@@ -522,9 +607,11 @@ def trace_stats_cmd(
 
 @user_errors
 def import_trace_cmd(
-    src: Path = typer.Argument(..., help="MBOLT_TRACE, nuthatch text or NUTHTRC1 trace (auto-detected)."),
+    src: Path = typer.Argument(..., help="A routing trace: the original mbolt's MBOLT_TRACE, nuthatch text or NUTHTRC1, "
+                               "colibri ROUTE_TRACE, iliria FAROUTE1 or llama.cpp moe-trace CSV (auto-detected)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace path."),
-    fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text or nuthatch-bin."),
+    fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text, nuthatch-bin, "
+                            "colibri-route, faroute or moe-csv."),
     n_layers: int = typer.Option(None, "--layers", min=1, max=4096, help="Model layers (when the file implies fewer)."),
     n_experts: int = typer.Option(None, "--experts", min=1, max=32767, help="Experts per layer (when the file implies fewer)."),
     prefill_tokens: int = typer.Option(0, "--prefill-tokens", min=0, help="NUTHTRC1: leading positions that were the prompt."),
@@ -858,9 +945,12 @@ def trace_merge_cmd(
 
 @user_errors
 def plan_cmd(
-    trace: list[Path] = typer.Argument(..., help="A .mbtrace (or an importable trace: MBOLT_TRACE, nuthatch text/bin); "
-                                       "several traces of the same model are merged (as `mbolt trace-merge`)."),
+    trace: list[Path] = typer.Argument(..., help="A .mbtrace or any importable trace (see `mbolt import-trace`); "
+                                       "several traces of the same model are merged (as `mbolt trace-merge`). "
+                                       "A colibri .coli_usage (heat only) gives a --method heat plan."),
     out: Path = typer.Option(None, "-o", "--out", help="Write the plan JSON here."),
+    fmt: str = typer.Option("mbolt", "--format", help="mbolt (plan.json) or perms (the original mbolt's perms.json: "
+                            "clique/chain/heat perms and heat, plus this plan's perm; `reorder --plan` reads both)."),
     method: str = typer.Option("tsp", "--method", help="stock, heat, heat-tsp, mbolt-chain or tsp."),
     train_frac: float = typer.Option(0.5, "--train-frac", min=0.0, max=1.0,
                                      help="Leading share of tokens to train on, in (0, 1] (rest held out)."),
@@ -888,7 +978,7 @@ def plan_cmd(
         task = bar.add_task(f"planning ({method})")
         res = plan_file(trace if len(trace) > 1 else trace[0], out, method=method, train_frac=train_frac, holdout_domain=holdout_domain,
                         phase=phase, model=model, geometry=geometry, layout=layout, gap=gap, cache_slots=cache,
-                        compare=compare, bound=bound, force=force, heldout_out=heldout,
+                        compare=compare, bound=bound, force=force, heldout_out=heldout, fmt=fmt,
                         progress=lambda m: bar.update(task, description=f"planned {m}"))
     if as_json:
         print_json(res)
@@ -1001,11 +1091,13 @@ COMMANDS = [
     ("predict", predict_cmd, "Measure and predict"),
     ("cache", cache_cmd, "Measure and predict"),
     ("inspect", inspect_cmd, "Models and traces"),
-    ("expert-map", expert_map_cmd, "Models and traces"),
+    ("expert-map", expert_map_cmd, "Exchange with other engines"),
+    ("export-coact", export_coact_cmd, "Exchange with other engines"),
+    ("export-heat", export_heat_cmd, "Exchange with other engines"),
     ("synth", synth_cmd, "Models and traces"),
     ("generate", generate_cmd, "Models and traces"),
     ("trace-stats", trace_stats_cmd, "Models and traces"),
-    ("import-trace", import_trace_cmd, "Models and traces"),
+    ("import-trace", import_trace_cmd, "Exchange with other engines"),
     ("synth-trace", synth_trace_cmd, "Models and traces"),
 ]
 for _name, _fn, _panel in COMMANDS:

@@ -340,6 +340,16 @@ CASES = [
     ("expertmap-over-its-model", lambda w: (["expert-map", str(w / M), "-o", str(w / M), "--force"],
                                             "is an input of this command")),
     ("expertmap-no-output", lambda w: (["expert-map", str(w / M)], "give -o map.json")),
+    ("exportcoact-text", lambda w: (["export-coact", str(w / "p.txt"), "-o", str(w / "c.json")], "p.txt")),
+    ("exportcoact-over-trace", lambda w: (["export-coact", str(w / T), "-o", str(w / T), "--force"],
+                                          "is an input of this command")),
+    ("exportcoact-other-model", lambda w: (["export-coact", str(w / T), "-o", str(w / "c.json"), "--model",
+                                            str(w / "other.gguf")], "3 x 4")),
+    ("exportheat-text", lambda w: (["export-heat", str(w / "p.txt"), "-o", str(w / "u.coli_usage")], "p.txt")),
+    ("exportheat-over-plan", lambda w: (["export-heat", str(w / T), "-o", str(w / P), "--force"],
+                                        "not a previous .coli_usage")),
+    ("exportheat-bad-phase", lambda w: (["export-heat", str(w / T), "-o", str(w / "u.coli_usage"), "--phase",
+                                         "prefill"], "no prefill tokens")),
 ]
 
 
@@ -364,7 +374,8 @@ def test_suite_covers_every_command():
     from mbolt.cli import COMMANDS
 
     aliases = {"stats": "trace-stats", "import": "import-trace", "synthtrace": "synth-trace",
-               "tracemerge": "trace-merge", "expertmap": "expert-map"}
+               "tracemerge": "trace-merge", "expertmap": "expert-map",
+               "exportcoact": "export-coact", "exportheat": "export-heat"}
     covered = {aliases.get(c[0].split("-")[0], c[0].split("-")[0]) for c in CASES}
     assert covered == {n for n, _, _ in COMMANDS}
     assert len(CASES) >= 60

@@ -127,7 +127,7 @@ def json_default(o):
 
 # ---- the output rule ----
 
-KINDS = ("gguf-model", "gguf-mbolt", "mbtrace", "plan", "json", "png", "text", "other")
+KINDS = ("gguf-model", "gguf-mbolt", "mbtrace", "plan", "json", "png", "coli-usage", "text", "other")
 
 
 def file_kind(path: str | os.PathLike) -> str:
@@ -148,7 +148,10 @@ def file_kind(path: str | os.PathLike) -> str:
         return "png"
     text = head.lstrip()
     if text.startswith(b"{") or text.startswith(b"["):
-        return "plan" if b'"format": "mbolt.plan"' in head or b'"format":"mbolt.plan"' in head else "json"
+        plan = any(f'"format":{sp}"mbolt.{k}"'.encode() in head for sp in ("", " ") for k in ("plan", "perms"))
+        return "plan" if plan else "json"
+    if head.startswith(b"-1 ") or head.startswith(b"-2 "):  # colibri's .coli_usage header records
+        return "coli-usage"
     try:
         head.decode("utf-8")
         return "text"

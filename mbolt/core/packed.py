@@ -41,16 +41,31 @@ def packed_name(layer: int) -> str:
     return f"blk.{layer}.{PACKED_SUFFIX}"
 
 
-def slot_stride(expert_bytes: int) -> tuple[int, str]:
+def slot_stride(expert_bytes: int, align: int | None = None) -> tuple[int, str]:
     """(slot bytes, alignment granule) of a packed slot holding `expert_bytes`: the one rule.
 
-    A slot is padded to 4 KiB, else 512 B (O_DIRECT's sector), when the padding costs at most
-    PACK_PAD_MAX of the expert; otherwise it is left unpadded (granule "")."""
+    By default a slot is padded to 4 KiB, else 512 B (O_DIRECT's sector), when the padding costs
+    at most PACK_PAD_MAX of the expert; otherwise it is left unpadded (granule ""). An explicit
+    `align` (`reorder --align`, e.g. 64 KiB for Windows unbuffered reads) always pads to it."""
+    if align:
+        return -(-expert_bytes // align) * align, size_label(align)
     for granule, what in ((PAGE, "4 KiB"), (512, "512 B")):
         stride = -(-expert_bytes // granule) * granule
         if stride - expert_bytes <= expert_bytes * PACK_PAD_MAX:
             return stride, what
     return expert_bytes, ""
+
+
+def size_label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 and not n % (1 << 20) else f"{n >> 10} KiB" if n >= 1024 and not n % 1024 \
+        else f"{n} B"
+
+
+def check_align(align: int) -> int:
+    """--align: a power of two from 32 B (GGUF's default) to 16 MiB (llama.cpp needs a power of two)."""
+    if not 32 <= align <= 1 << 24 or align & (align - 1):
+        raise MboltError(f"--align {align}: must be a power of two from 32 to {1 << 24} bytes (e.g. 4096, 65536)")
+    return align
 
 
 @dataclass

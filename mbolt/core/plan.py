@@ -20,6 +20,7 @@ from mbolt.core.routemap import check_perm, inverse_perm
 
 MIN_TRAIN_TOKENS = 2
 FORMAT = "mbolt.plan"
+PERMS_FORMAT = "mbolt.perms"  # the original mbolt's perms.json, as mbolt writes it (the original has no format key)
 VERSION = 1
 
 
@@ -70,13 +71,37 @@ def save_plan(path: str | os.PathLike, plan: Plan) -> Path:
     return Path(path)
 
 
+def perms_as_plan(d: dict, where: str) -> dict:
+    """The original mbolt's perms.json ({n_layers, n_expert, n_tokens, layers: [{layer,
+    clique_perm, chain_perm, heat_perm, heat}]}) as a plan dict: each layer's order is its
+    ``perm`` when mbolt wrote the file (the plan's own method), else the original's suggested
+    ``chain_perm``."""
+    extra = d.get("mbolt") if isinstance(d.get("mbolt"), dict) else {}
+    layers = []
+    for l, rec in enumerate(d["layers"]):
+        if not isinstance(rec, dict):
+            raise MboltError(f"{where}: layer {l}: record is a {type(rec).__name__}, expected an object")
+        key = "perm" if "perm" in rec else "chain_perm"
+        if key not in rec:
+            raise MboltError(f"{where}: layer {l}: no chain_perm")
+        layers.append({"layer": rec.get("layer", l), "perm": rec[key], "heat": rec.get("heat", [])
+                       or [0] * len(rec[key])})
+    method = extra.get("method") if isinstance(extra.get("method"), str) else "perms:chain"
+    return {"format": FORMAT, "version": VERSION, "method": method, "n_layers": d.get("n_layers"),
+            "n_experts": d.get("n_expert"), "fingerprint": str(extra.get("fingerprint", "")),
+            "meta": {"from": "perms.json"}, "layers": layers}
+
+
 def load_plan(path: str | os.PathLike, n_layers: int | None = None, n_experts: int | None = None) -> Plan:
     from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_range, read_json
 
     where = str(path)
     d = read_json(path, "plan file")
+    if isinstance(d, dict) and d.get("format", PERMS_FORMAT) == PERMS_FORMAT and isinstance(d.get("layers"), list) and d["layers"] \
+            and isinstance(d["layers"][0], dict) and "chain_perm" in d["layers"][0]:
+        d = perms_as_plan(d, where)
     if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise MboltError(f"{where}: not an mbolt plan (format field missing)")
+        raise MboltError(f"{where}: not an mbolt plan nor a perms.json (format field missing)")
     if d.get("version") != VERSION:
         raise MboltError(f"{where}: unsupported plan version {d.get('version')}")
     L = check_range(d.get("n_layers"), f"{where}: n_layers", 1, MAX_LAYERS)

@@ -216,8 +216,9 @@ def sidecar_dict(moemap: MoeMap) -> dict:
         "arch": moemap.arch,
         "n_used": moemap.n_used,
         "how_to_locate": "slice of original expert e in a tensor of layer l starts at "
-        "data_offset + pos[l][e] * stride, where pos is the inverse of perm[l]",
+        "data_offset + pos[l][e] * stride, where pos is the inverse of perm[l]; or read expert_map",
         "layers": layers,
+        "expert_map": expert_map_dict(moemap),  # the same map `mbolt expert-map` writes (docs/expert_map.md)
     }
 
 

@@ -16,71 +16,13 @@ null control: with `structure="none"` no order should beat `heat` on held-out to
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import DECODE, Trace
-
-
-@dataclass
-class Profile:
-    model: str
-    n_layers: int
-    n_experts: int
-    k: int
-    n_tokens: int
-    heat: np.ndarray  # [L, E] counts over n_tokens
-    pairs: list[np.ndarray]  # per layer float [P, 4]: i, j, count, lift
-    chain_order: np.ndarray | None  # [L, E] published chain order, if present
-    path: str = ""
-
-
-def load_profile(path: str | os.PathLike) -> Profile:
-    where = str(path)
-    from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_range, read_json
-
-    d = read_json(path, "co-activation profile")
-    if not isinstance(d, dict):
-        raise MboltError(f"{where}: not a co-activation profile (not a JSON object)")
-    try:
-        # The Qwen profiles name n_layers, n_decode_tokens and each record's "layer"; the GLM-5.2
-        # overlay lists MoE layers only ("moe_order"), counts tokens in profile_rows.decode_rows
-        # and adds a fifth pair column (category support), which is not used here.
-        L = check_range(d.get("n_layers", len(d["layers"])), f"{where}: n_layers", 1, MAX_LAYERS)
-        E = check_range(d["n_expert_per_layer"], f"{where}: n_expert_per_layer", 1, MAX_EXPERTS)
-        k = check_range(d["k"], f"{where}: k", 1, E)
-        n_tok = d["n_decode_tokens"] if "n_decode_tokens" in d else d["profile_rows"]["decode_rows"]
-        N = check_range(n_tok, f"{where}: n_decode_tokens", 1, 1 << 26)
-        layers = sorted(d["layers"], key=lambda r: r["layer"] if "layer" in r else r["moe_order"])
-        if len(layers) != L:
-            raise MboltError(f"{where}: {len(layers)} layer records for {L} layers")
-        heat = np.zeros((L, E))
-        pairs = []
-        chain = np.zeros((L, E), np.int64)
-        have_chain = True
-        for l, rec in enumerate(layers):
-            h = np.asarray(rec["heat"], dtype=np.float64)
-            if h.shape != (E,):
-                raise MboltError(f"{where}: layer {l}: heat has {h.size} entries, expected {E}")
-            heat[l] = h
-            raw = rec.get("pairs") or []
-            p = np.asarray([row[:4] for row in raw] or np.zeros((0, 4)), dtype=np.float64).reshape(-1, 4)
-            if len(p) and (p[:, :2].min() < 0 or p[:, :2].max() >= E):
-                raise MboltError(f"{where}: layer {l}: pair expert id outside 0..{E - 1}")
-            pairs.append(p)
-            co = rec.get("chain_order")
-            if co is None or sorted(co) != list(range(E)):
-                have_chain = False
-            else:
-                chain[l] = co
-    except (KeyError, TypeError, ValueError, OverflowError) as e:
-        raise MboltError(f"{where}: malformed co-activation profile ({e!r})") from None
-    if k < 1 or k > E:
-        raise MboltError(f"{where}: k={k} with {E} experts")
-    return Profile(str(d.get("model", d.get("artifact", ""))), L, E, k, N, heat, pairs, chain if have_chain else None, where)
+from mbolt.layout.profile import Profile, entropy_bits, load_profile
 
 
 # ---------------------------------------------------------------- sampler
@@ -156,8 +98,8 @@ def synth_trace_like(profile: Profile | str | os.PathLike, n_tokens: int | None 
     if N < 1:
         raise MboltError("synth-trace: need at least one token")
     rng = np.random.default_rng(seed)
-    ex = np.zeros((N, prof.n_layers, prof.k), np.int16)
-    for l in range(prof.n_layers):
+    ex = np.full((N, prof.n_layers, prof.k), -1, np.int16)  # layers the profile does not list: dense
+    for l in prof.layers():
         if (prof.heat[l] > 0).sum() < prof.k:
             raise MboltError(f"{prof.path}: layer {l}: fewer than k={prof.k} experts ever selected")
         b, A = fit_layer(prof.heat[l], prof.pairs[l], prof.k, prof.n_tokens, n_fit=n_fit, rng=rng)
@@ -171,11 +113,6 @@ def synth_trace_like(profile: Profile | str | os.PathLike, n_tokens: int | None 
     return trace, match_report(trace, prof)
 
 
-def _entropy_bits(h: np.ndarray) -> float:
-    p = h[h > 0] / h.sum()
-    return float(-(p * np.log2(p)).sum())
-
-
 def match_report(trace: Trace, prof: Profile) -> dict:
     """Published vs sampled: heat entropy per layer, lift percentiles of the published pairs,
     the published pairs' summed count per token, and the heat correlation."""
@@ -184,9 +121,9 @@ def match_report(trace: Trace, prof: Profile) -> dict:
     co = coactivation(trace)
     N = trace.n_tokens
     ent_pub, ent_smp, lift_pub, lift_smp, pc_pub, pc_smp, corr = [], [], [], [], [], [], []
-    for l in range(prof.n_layers):
-        ent_pub.append(_entropy_bits(prof.heat[l]))
-        ent_smp.append(_entropy_bits(co.heat[l]))
+    for l in prof.layers():
+        ent_pub.append(entropy_bits(prof.heat[l]))
+        ent_smp.append(entropy_bits(co.heat[l]))
         corr.append(float(np.corrcoef(prof.heat[l], co.heat[l])[0, 1]))
         p = prof.pairs[l]
         if not len(p):

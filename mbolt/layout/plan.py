@@ -8,6 +8,7 @@ split, heat, groups and the trace's model fingerprint. The plan.json format itse
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -17,10 +18,10 @@ from mbolt.core.errors import MboltError
 from mbolt.layout.coact import Coact, coactivation, groups as find_groups
 from mbolt.layout.evaluate import Geometry, evaluate, geometry_preset
 from mbolt.layout.methods import METHODS, order
-from mbolt.core.plan import Plan, save_plan
+from mbolt.core.plan import PERMS_FORMAT, Plan, save_plan
 from mbolt.core.routemap import identity_perm
 from mbolt.core.trace import Trace, split_trace
-from mbolt.trace.formats import load_traces
+from mbolt.trace.formats import Usage, load_traces
 
 # ---------------------------------------------------------------- building
 
@@ -65,19 +66,25 @@ def make_plan(trace: Trace, method: str = "tsp", *, train_frac: float = 0.5, hol
     }
     if groups:
         meta["groups"] = layer_groups(co, groups)
-        meta["groups_method"] = _groups_method(co, groups)
+        meta["groups_method"] = groups_method(co, groups)
     return Plan(method, trace.n_layers, trace.n_experts, perm, co.heat.copy(), meta)
 
 
-def _groups_method(co: Coact, how: str) -> str:
+def groups_method(co: Coact, how: str) -> str:
     if how == "auto":  # networkx modularity costs ~2 s per 512-expert layer
         return "modularity" if co.n_experts <= 256 else "spectral"
     return how
 
 
-def layer_groups(co: Coact, how: str = "auto") -> list:
-    m = _groups_method(co, how)
-    return [find_groups(co, l, method=m) if l in set(co.layers.tolist()) else None for l in range(co.n_layers)]
+def layer_groups(co: Coact, how: str = "auto", progress=None) -> list:
+    """Each MoE layer's groups (None for layers without routing); `progress(layer)` after each."""
+    m = groups_method(co, how)
+    out: list = [None] * co.n_layers
+    for l in co.layers:
+        out[l] = find_groups(co, int(l), method=m)
+        if progress:
+            progress(int(l))
+    return out
 
 
 # ---------------------------------------------------------------- comparing methods
@@ -149,16 +156,118 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
 # ---------------------------------------------------------------- the `mbolt plan` stage
 
 
+# ---------------------------------------------------------------- other formats
+
+
+HEAT_METHODS = ("heat", "stock")
+
+
+def plan_from_usage(usage: Usage, method: str, where: str, model=None) -> Plan:
+    """A plan from heat alone (colibri's .coli_usage): hottest first, or stock. Co-activation
+    orders need tokens, so every other method is refused."""
+    if method not in HEAT_METHODS:
+        raise MboltError(f"{where}: holds heat only (.coli_usage: counts per expert, no tokens); --method {method} "
+                         "needs which experts route together: use --method heat (or a trace with tokens)")
+    perm = identity_perm(usage.n_layers, usage.n_experts)
+    layers = usage.moe_layers()
+    if model is not None:
+        moe = {layer.index for layer in model.moe_layers}
+        stray = [int(l) for l in layers if int(l) not in moe]
+        if stray:
+            raise MboltError(f"{where}: counts at layer {stray[0]}, which is not an MoE layer of {model.path}")
+    for l in layers:
+        perm[l] = order(np.zeros((usage.n_experts,) * 2), usage.heat[l], method)
+    meta = {"fingerprint": "", "heat_only": True, "source": where, "moe_layers": layers.tolist(),
+            "notes": list(usage.notes)}
+    return Plan(method, usage.n_layers, usage.n_experts, perm, usage.heat.copy(), meta)
+
+
+def perms_dict(plan: Plan, train: Trace) -> dict:
+    """The original mbolt's perms.json of a plan: per layer clique_perm (the groups, hottest
+    first), chain_perm (its chain through them), heat_perm and the training heat; mbolt adds
+    each layer's `perm` (the plan's own order, which `reorder` uses) and an "mbolt" object."""
+    co = coactivation(train)
+    groups = plan.meta.get("groups") or layer_groups(co)
+    layers = []
+    for l in range(plan.n_layers):
+        heat = plan.heat[l]
+        g = groups[l] if groups[l] is not None else [[e] for e in range(plan.n_experts)]
+        layers.append({
+            "layer": l,
+            "clique_perm": [e for grp in g for e in grp],
+            "chain_perm": order(co.counts[l], heat, "mbolt-chain", clusters=g).tolist(),
+            "heat_perm": order(co.counts[l], heat, "heat").tolist(),
+            "heat": [float(h) for h in heat],
+            "perm": plan.perm[l].tolist(),
+        })
+    return {"format": PERMS_FORMAT, "n_layers": plan.n_layers, "n_expert": plan.n_experts, "n_tokens": train.n_tokens,
+            "train_frac": plan.meta.get("split", {}).get("train_frac"), "train_tokens": train.n_tokens,
+            "mbolt": {"method": plan.method, "fingerprint": plan.meta.get("fingerprint", ""),
+                      "note": "reorder takes each layer's perm; tools of the original take chain_perm"},
+            "layers": layers}
+
+
+# ---------------------------------------------------------------- the `mbolt plan` stage
+
+PLAN_FORMATS = ("mbolt", "perms")
+
+
+def _check_plan_outputs(out, heldout_out, inputs, force, fingerprints) -> None:
+    # the one output rule, before any work: never the trace, the model, nor the model the
+    # trace was recorded from; --force replaces only an earlier plan / held-out trace
+    from mbolt.core.atomic import check_output
+
+    if out is not None and heldout_out is not None and Path(out).resolve() == Path(heldout_out).resolve():
+        raise MboltError(f"{out}: given both as the plan and as the held-out trace")
+    for o, kind, what in ((out, "plan", "plan"), (heldout_out, "mbtrace", "held-out trace")):
+        if o is not None:
+            check_output(o, kind=kind, inputs=inputs, force=force, protected_fingerprints=fingerprints, what=what)
+
+
+def _usage_plan_file(path, out, method, model, fmt, force, compare, heldout_out) -> dict:
+    from mbolt.trace.formats import load_usage
+
+    if fmt != "mbolt":
+        raise MboltError(f"{path}: holds heat only: --format {fmt} needs co-activation")
+    if compare or heldout_out is not None:
+        raise MboltError(f"{path}: holds heat only (no tokens): nothing to score or hold out (--compare, --heldout)")
+    mm = None
+    if model is not None:
+        from mbolt.core.moe_map import moe_map
+
+        mm = moe_map(model)
+    usage = load_usage(path, n_layers=mm.n_layers if mm else None, n_experts=mm.n_experts if mm else None)
+    _check_plan_outputs(out, None, [i for i in (path, model) if i is not None], force, ())
+    plan = plan_from_usage(usage, method, str(path), mm)
+    result = {"trace": str(path), "method": method, "heat_only": True, "n_layers": plan.n_layers,
+              "n_experts": plan.n_experts, "moe_layers": len(plan.meta["moe_layers"]), "notes": usage.notes}
+    if out is not None:
+        save_plan(out, plan)
+        result["out"] = str(out)
+    return result
+
+
 def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 0.5,
               holdout_domain: str | None = None, phase: str = "decode", model=None, geometry: str | None = None,
               layout: str = "reorder", gap: int = 0, cache_slots: int = 0, compare: bool = False,
-              bound: str = "auto", force: bool = True, progress=None, heldout_out=None) -> dict:
+              bound: str = "auto", force: bool = True, progress=None, heldout_out=None, fmt: str = "mbolt") -> dict:
     """What `mbolt plan` does: build (and save) a plan; with `compare`, score every method;
-    with `heldout_out`, write the held-out tokens as an .mbtrace (what `mbolt ab --replay` reads)."""
+    with `heldout_out`, write the held-out tokens as an .mbtrace (what `mbolt ab --replay` reads).
+    `fmt` "perms" writes the original mbolt's perms.json instead of plan.json; a heat-only input
+    (.coli_usage) gives a heat plan, unscored."""
     from mbolt.layout.evaluate import geometry_from_model
+    from mbolt.trace.formats import is_heat_only
 
     if gap < 0 or cache_slots < 0:
         raise MboltError("--gap and --cache must be >= 0")
+    if fmt not in PLAN_FORMATS:
+        raise MboltError(f"unknown plan format {fmt!r} (choose from {', '.join(PLAN_FORMATS)})")
+    paths = list(trace_path) if isinstance(trace_path, (list, tuple)) else [trace_path]
+    heat_only = [p for p in paths if is_heat_only(p)]
+    if heat_only:
+        if len(paths) > 1:
+            raise MboltError(f"{heat_only[0]}: a heat-only file cannot be merged with other traces")
+        return _usage_plan_file(paths[0], out, method, model, fmt, force, compare, heldout_out)
     trace = load_traces(trace_path)  # one path, or several traces of one model merged
     trace_path = ", ".join(map(str, trace_path)) if isinstance(trace_path, (list, tuple)) else trace_path
     if model is not None:
@@ -172,16 +281,8 @@ def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 
             trace.fingerprint = mm.source_fingerprint
     else:
         geo = geometry_preset(geometry or "unit", layout)
-    # the one output rule, before any work: never the trace, the model, nor the model the
-    # trace was recorded from; --force replaces only an earlier plan / held-out trace
-    from mbolt.core.atomic import check_output
-
-    if out is not None and heldout_out is not None and Path(out).resolve() == Path(heldout_out).resolve():
-        raise MboltError(f"{out}: given both as the plan and as the held-out trace")
-    for o, kind, what in ((out, "plan", "plan"), (heldout_out, "mbtrace", "held-out trace")):
-        if o is not None:
-            check_output(o, kind=kind, inputs=[i for i in (trace_path, model) if i is not None], force=force,
-                         protected_fingerprints=tuple(f for f in (trace.fingerprint,) if f), what=what)
+    _check_plan_outputs(out, heldout_out, [i for i in (trace_path, model) if i is not None], force,
+                        tuple(f for f in (trace.fingerprint,) if f))
     plan = make_plan(trace, method, train_frac=train_frac, holdout_domain=holdout_domain, phase=phase,
                      geometry=geo, gap=gap)
     if progress:
@@ -205,6 +306,12 @@ def plan_file(trace_path, out=None, *, method: str = "tsp", train_frac: float = 
                                             progress=progress)
     if out is not None:
         plan.meta["evaluation"] = {k: result[k] for k in ("train", "heldout") if k in result}
-        save_plan(out, plan)
+        if fmt == "perms":
+            from mbolt.core.atomic import json_default, write_text_atomic
+
+            write_text_atomic(out, json.dumps(perms_dict(plan, train), default=json_default) + "\n")
+        else:
+            save_plan(out, plan)
         result["out"] = str(out)
+        result["format"] = fmt
     return result

@@ -11,6 +11,12 @@ def _f(x, nd=1):
 
 
 def plan_summary(res: dict) -> str:
+    if res.get("heat_only"):
+        line = (f"[bold]{res['method']}[/] plan from heat only: {res['n_layers']} layers x {res['n_experts']} experts, "
+                f"{res['moe_layers']} layers with counts; not scored (no tokens)")
+        for note in res.get("notes", []):
+            line += f"\nnote: {note}"
+        return line + (f"\nwrote [bold]{res['out']}[/]" if "out" in res else "")
     s = res["split"]
     g = res["geometry"]
     line = (f"[bold]{res['method']}[/] plan: {res['n_layers']} layers x {res['n_experts']} experts, k={res['k']}; "

@@ -13,7 +13,8 @@ from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import SET_ID_KEY, split_vaddr, vaddr
 from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
 from mbolt.core.moe_map import PAGE, WEIGHT_ROLES, MoeMap
-from mbolt.core.packed import PACK_PAD_MAX, PackedLayer, PackedRole, packed_kvs, packed_name, slot_stride
+from mbolt.core.packed import (PACK_PAD_MAX, PackedLayer, PackedRole, packed_kvs, packed_name, size_label,
+                                slot_stride)
 from mbolt.core.routemap import ROUTE_MAP_VERSION
 
 SPLIT = 16 << 20  # copy ranges are cut to this size (progress granularity, readahead steps)
@@ -139,9 +140,13 @@ class ReorderResult:
         return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"throughput_bytes_s": self.throughput}
 
 
-def plan_output(m: MoeMap, perm: np.ndarray, layout: str) -> tuple[list[OutTensor], list[PackedLayer], list[str]]:
+def plan_output(m: MoeMap, perm: np.ndarray, layout: str, align: int | None = None,
+                ) -> tuple[list[OutTensor], list[PackedLayer], list[str]]:
     """The output tensors (each a list of source byte ranges), the packed metadata and
-    alignment notes. `perm` [n_layers, E] names original expert ids per output position."""
+    alignment notes. `perm` [n_layers, E] names original expert ids per output position;
+    `align` (None: 4 KiB where cheap) pads packed slots and sets general.alignment."""
+    A = out_alignment(m, align)
+    unit = align or PAGE
     in_pos = m.route_map.pos
     tensors = logical_tensors(m)
     notes: list[str] = []
@@ -168,7 +173,7 @@ def plan_output(m: MoeMap, perm: np.ndarray, layout: str) -> tuple[list[OutTenso
             done_layers.add(t.layer)
             ws = sorted(weights_by_layer[t.layer], key=lambda w: w.data_offset)
             raw = sum(w.slice_bytes for w in ws)
-            stride, granule = slot_stride(raw)
+            stride, granule = slot_stride(raw, align)
             pl = PackedLayer(t.layer, stride)
             off = 0
             for w in ws:
@@ -184,7 +189,7 @@ def plan_output(m: MoeMap, perm: np.ndarray, layout: str) -> tuple[list[OutTenso
                     pieces.append((None, stride - raw))
             packed.append(pl)
             out.append(OutTensor(packed_name(t.layer), (stride, len(q)), GGMLQuantizationType.I8, pieces))
-            if granule == "4 KiB":
+            if granule == size_label(unit):
                 slot_ok.append((t.layer, stride, stride - raw))
             else:
                 slot_bad.append((t.layer, raw, granule))
@@ -193,24 +198,31 @@ def plan_output(m: MoeMap, perm: np.ndarray, layout: str) -> tuple[list[OutTenso
         is_weight = t.role in WEIGHT_ROLES
         out.append(OutTensor(t.name, t.ne, t.type, pieces))
         if is_weight:
-            (slice_ok if t.slice_bytes % PAGE == 0 else slice_bad).append((t.name, t.slice_bytes))
-    notes.append("every tensor starts 4 KiB aligned (general.alignment 4096)")
+            (slice_ok if t.slice_bytes % unit == 0 else slice_bad).append((t.name, t.slice_bytes))
+    u = size_label(unit)
+    notes.append(f"every tensor starts {size_label(A)} aligned (general.alignment {A})")
     if slice_ok:
-        notes.append(f"{len(slice_ok)} expert tensors: every slice 4 KiB aligned")
+        notes.append(f"{len(slice_ok)} expert tensors: every slice {u} aligned")
     if slice_bad:
         name, sb = slice_bad[0]
-        notes.append(f"{len(slice_bad)} expert tensors: slices not 4 KiB aligned (e.g. {name}: {sb} B, not a "
-                     "multiple of 4 KiB); only their first slice is")
+        notes.append(f"{len(slice_bad)} expert tensors: slices not {u} aligned (e.g. {name}: {sb} B, not a "
+                     f"multiple of {u}); only their first slice is (a tensor's slices are back to back)")
     if slot_ok:
         pads = sorted({pad for _, _, pad in slot_ok})
-        notes.append(f"{len(slot_ok)} packed layers: every expert slot 4 KiB aligned (slot {slot_ok[0][1]} B"
+        notes.append(f"{len(slot_ok)} packed layers: every expert slot {u} aligned (slot {slot_ok[0][1]} B"
                      + (f", {pads[-1]} B padding per slot at most)" if pads[-1] else ", no padding)"))
     if slot_bad:
         layer, raw, granule = slot_bad[0]
-        notes.append(f"{len(slot_bad)} packed layers: expert slots NOT 4 KiB aligned (e.g. layer {layer}: "
+        notes.append(f"{len(slot_bad)} packed layers: expert slots NOT {u} aligned (e.g. layer {layer}: "
                      f"{raw} B per expert; padding would cost more than {PACK_PAD_MAX:.0%})"
                      + (f"; {granule} aligned" if granule else ""))
     return out, packed, notes
+
+
+def out_alignment(m: MoeMap, align: int | None) -> int:
+    """general.alignment of the output: the source's, raised to `align` (default 4 KiB), so every
+    tensor (so every expert tensor) starts aligned."""
+    return max(m.header.alignment, align or PAGE)
 
 
 def place_tensors(tensors: list[OutTensor], alignment: int) -> int:

@@ -35,11 +35,12 @@ from mbolt.core.atomic import clean_stale_parts
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import SET_ID_KEY, combine_shards, is_set_key, set_paths, split_vaddr
 from mbolt.core.header import parse_header, encode_kv
-from mbolt.core.moe_map import PAGE, MoeMap, moe_map
+from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.routemap import check_perm, identity_perm, is_route_map_key, sidecar_dict, sidecar_path
 from mbolt.rewrite.copy import Copier, Progress, Readahead, Writeback, interrupt_on_terminate
-from mbolt.rewrite.outplan import (ReorderResult, SplitSpec, assign_shards, copy_ops, plan_output,
+from mbolt.rewrite.outplan import (ReorderResult, SplitSpec, assign_shards, copy_ops, out_alignment, plan_output,
                                    route_map_kvs, shard_headers, shard_sizes)
+from mbolt.core.packed import check_align
 from mbolt.rewrite.setwriter import JOURNAL_SUFFIX, check_outputs, fsync_dir, output_lock, recover_interrupted
 
 # ---- the rewrite ----
@@ -59,6 +60,7 @@ def reorder(
     split: SplitSpec | None = None,
     inputs: tuple = (),
     protect: tuple = (),
+    align: int | None = None,
 ) -> ReorderResult:
     """Rewrite `src` (a path, or the model already opened) into `dst` with experts in `perm`
     order ([n_layers, E] original ids per position; None = identity) and the given layout.
@@ -89,7 +91,9 @@ def reorder(
     if heat.shape != (L, E):
         raise MboltError(f"plan heat has shape {heat.shape}, expected ({L}, {E})")
 
-    tensors, packed, notes = plan_output(m, perm, layout)
+    if align is not None:
+        check_align(align)
+    tensors, packed, notes = plan_output(m, perm, layout, align)
     n_shards = assign_shards(tensors, split, len(m.paths))
     out_paths = set_paths(dst, n_shards)
     side = sidecar_path(out_paths[0]) if sidecar else None
@@ -111,7 +115,7 @@ def reorder(
         others = [p for p in other_outputs(dst) if p not in out_paths]
         check_outputs(others, None, all_inputs, force, protected)
         res = _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side,
-                     in_paths, removed, stack, progress, t0)
+                     in_paths, removed, stack, progress, t0, out_alignment(m, align))
         for p in others:
             for q in (p, sidecar_path(p)):
                 with contextlib.suppress(FileNotFoundError):
@@ -130,7 +134,7 @@ def other_outputs(dst: Path) -> list[Path]:
 
 
 def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, out_paths, side, in_paths,
-           removed, stack, progress, t0) -> ReorderResult:
+           removed, stack, progress, t0, A) -> ReorderResult:
     in_rm = m.route_map
     src = Path(m.path)
     n_shards = len(out_paths)
@@ -138,7 +142,6 @@ def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, ou
     header = m.header
     with src.open("rb") as f:  # metadata is copied verbatim from shard 1's header bytes
         head_src = f.read(header.header_size)
-    A = max(header.alignment, PAGE)  # every tensor (so every expert tensor) starts 4 KiB aligned
     kv_bytes = []
     for k, kv in header.kv.items():
         if is_route_map_key(k) or is_set_key(k):
@@ -225,7 +228,7 @@ def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, ou
                 side_tmp = Path(tmp)
                 with os.fdopen(fd, "w") as f:
                     os.fchmod(f.fileno(), 0o666 & ~umask)
-                    f.write(json.dumps(sidecar_dict(out_map), indent=1) + "\n")
+                    f.write(json.dumps(sidecar_dict(out_map)) + "\n")
                     f.flush()
                     os.fsync(f.fileno())
         except OSError as e:
@@ -267,6 +270,7 @@ def reorder_file(
     force: bool = False,
     progress: Progress | None = None,
     split: SplitSpec | None = None,
+    align: int | None = None,
 ) -> ReorderResult:
     """`mbolt reorder`: the perm comes from a plan file, traces (merged, then planned inline
     with the default method) or the identity (a control for the whole pipeline). The model
@@ -298,4 +302,4 @@ def reorder_file(
         rows = np.arange(p.n_layers)[:, None]
         heat = np.asarray(p.heat, np.float32)[rows, p.perm]  # plan heat is per original id; the map's per position
     return reorder(m, dst, perm, heat=heat, method=method, layout=layout, force=force, progress=progress,
-                   split=split, inputs=(plan, *traces), protect=made_from)
+                   split=split, inputs=(plan, *traces), protect=made_from, align=align)

@@ -23,7 +23,17 @@ Formats (`fmt`; "auto" detects them from the first bytes):
     the prompt. A file whose token field is a record counter (one layer per token, as nuthatch's
     own text reader numbers lines) is regrouped by layer order like the text format.
 
-Forward passes (``mbolt`` and ``nuthatch-text``): a pass where every layer routed one token is a
+``colibri-route``
+    colibri's ``ROUTE_TRACE`` log, with gates (`mbolt.trace.formats.colibri`).
+``faroute``
+    iliria's ``FAROUTE1`` binary route trace (`mbolt.trace.formats.iliria`).
+``moe-csv``
+    llama.cpp's ``examples/moe-trace`` CSV ``layer,expert`` (`mbolt.trace.formats.moe_csv`).
+``coli-usage``
+    colibri's ``.coli_usage`` heat histogram: counts per expert, no tokens. It is read by
+    `load_usage` (heat order, pins); `load_trace` refuses it, naming what it can drive.
+
+Forward passes (``mbolt``, ``nuthatch-text`` and the three formats above): a pass where every layer routed one token is a
 decode step; otherwise it is a prefill of T tokens (T = the most rows any layer has). During
 prefill llama.cpp's last layer routes only the output token, so a layer with fewer rows covers
 the *last* rows of the pass; its other tokens get -1 there. Each prefill pass starts a new
@@ -53,11 +63,17 @@ from mbolt.core.errors import MboltError
 from mbolt.core.mbtrace import MAGIC as MBTRACE_MAGIC
 from mbolt.core.mbtrace import read_trace
 from mbolt.core.trace import Trace
+from mbolt.trace.formats.colibri import (Usage, looks_like_route_trace, looks_like_usage, read_route_trace,
+                                         read_usage)
 from mbolt.trace.formats.common import check_override, read_bytes_of
+from mbolt.trace.formats.iliria import FAROUTE_MAGIC, read_faroute
+from mbolt.trace.formats.moe_csv import looks_like_moe_csv, read_moe_csv
 from mbolt.trace.formats.mbolt_dump import MBOLT_MAGIC, import_mbolt
 from mbolt.trace.formats.nuthatch import NUTH_MAGIC, import_nuthatch_bin, import_nuthatch_text
 
-FORMATS = ("mbtrace", "mbolt", "nuthatch-text", "nuthatch-bin")
+FORMATS = ("mbtrace", "mbolt", "nuthatch-text", "nuthatch-bin", "colibri-route", "faroute", "moe-csv", "coli-usage")
+HEAT_ONLY = ("coli-usage",)
+_READERS = {"colibri-route": read_route_trace, "faroute": read_faroute, "moe-csv": read_moe_csv}
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -74,14 +90,22 @@ def detect_format(path: str | os.PathLike) -> str:
         return "mbtrace"
     if head.startswith(NUTH_MAGIC):
         return "nuthatch-bin"
+    if head.startswith(FAROUTE_MAGIC):
+        return "faroute"
     if len(head) >= 4 and struct.unpack_from("<I", head)[0] == MBOLT_MAGIC:
         return "mbolt"
     text = head.decode("ascii", "replace")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
+    for fmt, looks in (("coli-usage", looks_like_usage), ("colibri-route", looks_like_route_trace),
+                       ("moe-csv", looks_like_moe_csv)):
+        if looks(first):
+            return fmt
     if first and all(tok.isdigit() for tok in first.split()) and len(first.split()) >= 2:
         return "nuthatch-text"
-    raise MboltError(f"{path}: unknown trace format (not .mbtrace, MBOLT_TRACE, NUTHTRC1 or "
-                     f"nuthatch text; first bytes {head[:8]!r})")
+    if not head:
+        raise MboltError(f"{path}: empty file")
+    raise MboltError(f"{path}: unknown trace format (not .mbtrace, MBOLT_TRACE, NUTHTRC1, nuthatch text, colibri "
+                     f"ROUTE_TRACE or .coli_usage, FAROUTE1 or llama.cpp moe-trace CSV; first bytes {head[:8]!r})")
 
 
 def load_trace(path: str | os.PathLike, fmt: str = "auto", *, n_layers: int | None = None,
@@ -101,12 +125,27 @@ def load_trace(path: str | os.PathLike, fmt: str = "auto", *, n_layers: int | No
         tr = read_trace(path)
         check_override(path, tr, n_layers, n_experts)
         return tr
+    if fmt in HEAT_ONLY:
+        raise MboltError(f"{path}: a .coli_usage file holds heat only (counts per expert, no tokens): it drives "
+                         "`mbolt plan --method heat` and pins, not a co-activation order, a replay or an import")
     data = read_bytes_of(path)
+    if fmt in _READERS:
+        return _READERS[fmt](path, data, n_layers, n_experts)
     if fmt == "mbolt":
         return import_mbolt(path, data, n_layers, n_experts)
     if fmt == "nuthatch-bin":
         return import_nuthatch_bin(path, data, n_layers, n_experts, prefill_tokens)
     return import_nuthatch_text(path, data, n_layers, n_experts)
+
+
+def load_usage(path: str | os.PathLike, *, n_layers: int | None = None, n_experts: int | None = None) -> Usage:
+    """A heat-only file (colibri's .coli_usage) as per-layer counts."""
+    path = Path(path)
+    return read_usage(path, read_bytes_of(path), n_layers, n_experts)
+
+
+def is_heat_only(path: str | os.PathLike) -> bool:
+    return detect_format(path) in HEAT_ONLY
 
 
 def load_traces(paths, fmt: str = "auto", **kw) -> Trace:

@@ -96,10 +96,13 @@ def check_ids(where: str, ids: np.ndarray, starts: np.ndarray, counts: np.ndarra
 
 def assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray,
               kr: np.ndarray, ntok: np.ndarray, n_layers: int, n_experts: int, K: int, loc,
-              span) -> Trace:
+              span, *, gates: np.ndarray | None = None, strided_bug: bool = True) -> Trace:
     """Records (layer, kr, ntok rows of ids at starts) in file order -> Trace.
 
-    `loc(r)` names record r for messages; `span(lo, hi)` names records lo..hi-1.
+    `loc(r)` names record r for messages; `span(lo, hi)` names records lo..hi-1. `gates`, when
+    the format has them, are the routing weights laid out as `ids`. `strided_bug`: look for
+    llama.cpp's strided-view export bug (formats written from llama.cpp's ffn_moe_topk only).
+    Ids of -1 are padding (a row with fewer than K experts).
     """
     R = len(layer)
     name = Path(where).name
@@ -128,7 +131,7 @@ def assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray,
     # --- strided-view export bug ------------------------------------------------------------
     corrupt = np.zeros(P, bool)
     evidence = np.zeros(P, bool)
-    for p in np.flatnonzero(prefill_pass):
+    for p in np.flatnonzero(prefill_pass & strided_bug):
         lo = pass_start[p]
         hi = pass_start[p + 1] if p + 1 < P else R
         seen = ok = False
@@ -159,6 +162,7 @@ def assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray,
                 corrupt[p] = True
 
     experts = np.full((N, n_layers, K), -1, np.int16)
+    weights = None if gates is None else np.zeros((N, n_layers, K), np.float32)
     tok0 = base[pass_of] + T[pass_of] - ntok  # first token row of each record
     in_corrupt = corrupt[pass_of]
 
@@ -176,6 +180,8 @@ def assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray,
         idx = np.arange(int(c.sum()), dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
         kk = kr[rec]
         experts[tok0[rec] + idx // kk, layer[rec], idx % kk] = ids[starts[rec] + idx]
+        if weights is not None:
+            weights[tok0[rec] + idx // kk, layer[rec], idx % kk] = gates[starts[rec] + idx]
         i = j
 
     # --- corrupt passes: keep the real rows only ----------------------------------------------
@@ -226,7 +232,8 @@ def assemble(where: str, ids: np.ndarray, starts: np.ndarray, layer: np.ndarray,
             notes.append(f"{name}: removed {gone} prompt tokens left with no real routing "
                          f"(positions kept for the others)")
     experts, phase, seq, pos = experts[keep], phase[keep], seq[keep], pos[keep]
-    return Trace(n_layers, n_experts, K, experts, phase, seq, pos, notes=notes)
+    return Trace(n_layers, n_experts, K, experts, phase, seq, pos, None if weights is None else weights[keep],
+                 notes=notes)
 
 
 def record_span(offs: np.ndarray, byte0: int, lo: int, hi: int) -> str:
