@@ -269,7 +269,9 @@ def cache_cmd(
                                       help="Held-out mode: leading share of tokens that trains, in (0, 1]."),
     phase: str = typer.Option("decode", "--phase", help="Tokens replayed: decode, prefill or all."),
     nuthatch_lines: bool = typer.Option(False, "--nuthatch-lines",
-                                        help="Read a nuthatch text export line by line, as nuthatch's trace_replay did."),
+                                        help="Read a nuthatch text export line by line and count hits per access, as "
+                                        "nuthatch's trace_replay did (reproduces its table; otherwise a hit is an "
+                                        "expert cached as of the previous token, as plan and the store count)."),
     plot: Path = typer.Option(None, "--plot", help="Also draw the hit-rate curves into this PNG."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier --plot PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
@@ -291,7 +293,7 @@ def cache_cmd(
         output(plot, "png", inputs=[trace], force=force, what="plot")
     t = nuthatch_lines_trace(trace) if nuthatch_lines else load_trace(trace)
     sweep = cache_sweep(t, bs, in_sample=in_sample, pin_share=pin_share, train_share=train_share,
-                        phase="all" if nuthatch_lines else phase)
+                        phase="all" if nuthatch_lines else phase, per_access=nuthatch_lines)
     if plot is not None:
         from mbolt.report.plots import plot_cache
 

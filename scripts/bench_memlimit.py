@@ -243,7 +243,8 @@ def run(models: list[str], plan: list[tuple[int, float]], rounds: int, out_dir: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "run", "smoke"])
+    ap.add_argument("stage", choices=["prepare", "run", "smoke", "policies"],
+                    help="policies: recompute only the cache-policy replay of the results files (no timing)")
     ap.add_argument("--models", default="q864,q72")
     ap.add_argument("--configs", default="128:0.25,128:0.4,128:0.6,8192:0.4",
                     help="readahead KiB:budget share of the model file, comma-separated")
@@ -259,6 +260,14 @@ def main() -> None:
     if a.stage == "prepare":
         for m in models:
             prepare(m)
+        return
+    if a.stage == "policies":
+        for m in models:
+            dst = RESULTS / f"memlimit_{m}.json"
+            d = json.loads(dst.read_text())
+            d["cache_policies"] = policies(m, d["configs"])
+            write_text_atomic(dst, json.dumps(d, indent=1, default=float) + "\n")
+            print(m, json.dumps(d["cache_policies"]["rows"]))
         return
     plan = [(int(c.split(":")[0]), float(c.split(":")[1])) for c in a.configs.split(",")]
     run(models, plan, a.rounds, RESULTS)

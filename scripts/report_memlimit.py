@@ -66,7 +66,8 @@ def full(runs: list[dict]) -> str:
                            f"{fmt(r['hit_rate'], '.2f')} | {fmt(r['ttft_s'])} s | {fmt(r['peak_mb'], '.0f')} |")
         cp = d.get("cache_policies", {})
         if cp.get("rows"):
-            out.append(f"\nHeld-out cache replay ({cp['held_out_tokens']} bench tokens; pins from {cp['train']}):\n")
+            out.append(f"\nHeld-out cache replay ({cp['held_out_tokens']} bench tokens; pins from {cp['train']}; "
+                       "counted with the one cache rule, `bench_memlimit.py policies`):\n")
             out.append("| slots/layer | LRU hit rate | learned pins hit rate | pinned |")
             out.append("|---|---|---|---|")
             for r in cp["rows"]:

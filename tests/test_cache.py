@@ -122,11 +122,11 @@ def _clean_decode(data_dir):
 def test_granite_reproduces_nuthatch(data_dir):
     t = nuthatch_lines_trace(data_dir / "granite3moe.trace.txt")
     assert t.n_tokens == 1629
-    r4 = cache_sweep(t, [4], in_sample=True, phase="all").rows[0]
+    r4 = cache_sweep(t, [4], in_sample=True, phase="all", per_access=True).rows[0]
     assert round(100 * r4["learned-pin"], 1) == 22.4
     assert round(100 * r4["lru"], 1) == 4.7
     assert round(100 * r4["os"], 1) == 0.0
-    held = cache_sweep(_clean_decode(data_dir), [4, 16]).rows
+    held = cache_sweep(_clean_decode(data_dir), [4, 16], per_access=True).rows
     assert [round(100 * held[0][p], 1) for p in ("learned-pin", "lru")] == [20.0, 4.8]
     assert [round(100 * held[1][p], 1) for p in ("learned-pin", "lru")] == [69.6, 64.2]
     for r in held:
@@ -137,7 +137,7 @@ def test_granite_held_out_through_the_importer(data_dir):
     from mbolt.trace.formats import load_trace
 
     t = load_trace(data_dir / "granite3moe.trace.txt")
-    rows = cache_sweep(t, [4, 16], phase="decode").rows
+    rows = cache_sweep(t, [4, 16], phase="decode", per_access=True).rows
     assert [round(100 * rows[0][p], 1) for p in ("learned-pin", "lru", "os")] == [20.0, 4.8, 0.0]
     assert [round(100 * rows[1][p], 1) for p in ("learned-pin", "lru")] == [69.6, 64.2]
 
@@ -156,3 +156,43 @@ def test_cache_cli_json(data_dir):
     assert round(100 * row["learned-pin"], 1) == 22.4 and round(100 * row["lru"], 1) == 4.7
     r = CliRunner().invoke(app, ["cache", str(data_dir / "granite3moe.trace.txt"), "--cache-slots", "x"])
     assert r.exit_code == 2
+
+
+def _naive_token_lru(experts: np.ndarray, slots: int) -> int:
+    """Hits of the one cache rule, written out plainly: a layer's list, most recent last; a
+    token's experts are hits if in the list before the token; then each moves to the end."""
+    hits = 0
+    for layer in range(experts.shape[1]):
+        cache: list[int] = []
+        for row in experts[:, layer]:
+            ids = [int(e) for e in row if e >= 0]
+            hits += sum(e in cache for e in ids)
+            for e in ids:
+                if e in cache:
+                    cache.remove(e)
+                cache.append(e)
+            del cache[:max(0, len(cache) - slots)]
+    return hits
+
+
+def test_one_cache_rule_in_evaluator_replay_and_store(data_dir, tmp_path):
+    """`--cache-slots N` means one thing: the evaluator (plan, predict), the replay (`mbolt
+    cache`) and the streaming store count the same hits on the real granite routing, equal to a
+    plain LRU written here; nuthatch's per-access counting differs when N < k."""
+    from mbolt.engine.store import ExpertStore
+    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.layout.evaluate import lru_hits
+
+    tr = _clean_decode(data_dir)
+    model = write_synth(tmp_path / "g.gguf", SynthConfig(n_layers=24, n_experts=32, n_used=8, hidden=32,
+                                                         expert_ff=16, seed=1))
+    for slots in (4, 8, 16):
+        want = _naive_token_lru(tr.experts, slots)
+        assert int(lru_hits(tr.experts, 32, slots).sum()) == want
+        assert replay(tr, LruPolicy(24, slots)).hits == want
+        with ExpertStore(model, cache_slots=slots, drop_pages=False) as s:
+            for t in range(tr.n_tokens):
+                for l in range(24):
+                    s.read(l, tr.experts[t, l])
+            assert s.snapshot().hits == want
+    assert replay(tr, LruPolicy(24, 4), per_access=True).hits != _naive_token_lru(tr.experts, 4)

@@ -137,9 +137,10 @@ def test_slot_budget_keeps_cached_experts_resident(files):
         run = s.generate([PROMPTS[0]], 4)
         # the slot cache serves hits, and exactly its experts stay resident
         assert run.hits > 0
-        kept = [sp for layer, slots in s.store._slots.items() for sp in s.pages.expert_spans_of(layer, list(slots))]
+        cached = {layer.index: s.store.cached(layer.index) for layer in s.mm.moe_layers}
+        kept = [sp for layer, slots in cached.items() for sp in s.pages.expert_spans_of(layer, slots)]
         assert s.pages.resident(kept) == 1.0
-        gone = [sp for layer, slots in s.store._slots.items()
+        gone = [sp for layer, slots in cached.items()
                 for sp in s.pages.expert_spans_of(layer, sorted(set(range(32)) - set(slots)))]
         assert s.pages.resident(gone) == 0.0
     with pytest.raises(MboltError, match="below the 4 experts"):

@@ -1,8 +1,12 @@
 """Cache-policy replay: one loop, interchangeable policies (nuthatch's Replay/CachePolicy shape).
 
-Every policy answers `access(layer, expert) -> hit`. `replay(trace, policy)` walks the tokens in
-order, each token's MoE layers in order and each layer's experts in rank order, and counts hits.
-A miss is an expert that must be read from disk.
+`replay(trace, policy)` walks the tokens in order and each token's MoE layers in order; every
+policy answers `step(layer, experts) -> hits` with the one cache rule of `mbolt.core.lru` (a hit
+is an expert resident as of the previous token: what the planner's evaluator and the streaming
+store count, so `--cache-slots` means one thing everywhere). A miss is an expert that must be
+read from disk. `per_access=True` counts as nuthatch did instead: every access checks and
+updates the cache, so an expert can be evicted between two accesses of one token; it is kept to
+reproduce nuthatch's reference table (`mbolt cache --nuthatch-lines`).
 
 Policies (budget = expert slots per layer; the OS policy pools the same total):
 - `LruPolicy`        per-layer LRU, starts empty.
@@ -17,7 +21,7 @@ Policies (budget = expert slots per layer; the OS policy pools the same total):
                      pinned set: so it is an upper bound for every policy with `budget` slots per
                      layer, whatever their start state. `scope="global"` bounds the OS policy.
 
-How nuthatch counted (chen3feng/nuthatch src/cache: cache_policy.cc Replay, trace_sweep.cc,
+How nuthatch counted (per access; chen3feng/nuthatch src/cache: cache_policy.cc Replay, trace_sweep.cc,
 learned_pin_policy.cc): every record of the trace in file order, no warm-up, hit rate =
 hits / accesses; pin = (3*budget + 3) // 4 (= ceil(0.75 * budget)); pin set from a usage histogram
 of the same trace (in-sample); OS capacity budget * n_layers. `nuthatch_lines_trace` rebuilds
@@ -29,13 +33,13 @@ on granite it makes no difference at the printed precision).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.lru import SlotLru
 from mbolt.core.trace import DECODE, Trace, select_phase, split_trace
 
 POLICIES = ("learned-pin", "lru", "os", "belady")
@@ -74,43 +78,32 @@ def pin_count(budget: int, share: float) -> int:
 
 
 class CachePolicy:
+    """`step(layer, experts)`: one token at one layer, hits against the cache as it stood (the
+    one rule, `mbolt.core.lru`); `access(layer, expert)`: one access, nuthatch's counting."""
+
     name = "policy"
 
     def start(self, layers: np.ndarray, experts: np.ndarray) -> None:  # noqa: B027
         """Called once before the loop with the whole access sequence (only Belady looks)."""
 
-    def access(self, layer: int, expert: int) -> bool:
+    def step(self, layer: int, experts: list[int]) -> list[bool]:
         raise NotImplementedError
 
-
-class _Lru:
-    __slots__ = ("cap", "d")
-
-    def __init__(self, cap: int):
-        self.cap = cap
-        self.d: OrderedDict = OrderedDict()
-
-    def access(self, key) -> bool:
-        d = self.d
-        if key in d:
-            d.move_to_end(key)
-            return True
-        if self.cap <= 0:
-            return False
-        d[key] = None
-        if len(d) > self.cap:
-            d.popitem(last=False)
-        return False
+    def access(self, layer: int, expert: int) -> bool:
+        raise NotImplementedError
 
 
 class LruPolicy(CachePolicy):
     name = "lru"
 
     def __init__(self, n_layers: int, slots: int):
-        self.layers = [_Lru(slots) for _ in range(n_layers)]
+        self.layers = [SlotLru(slots) for _ in range(n_layers)]
+
+    def step(self, layer, experts):
+        return self.layers[layer].step(experts)[0]
 
     def access(self, layer, expert):
-        return self.layers[layer].access(expert)
+        return self.layers[layer].touch(expert)
 
 
 class LearnedPinPolicy(CachePolicy):
@@ -122,26 +115,35 @@ class LearnedPinPolicy(CachePolicy):
         # Hottest first; ties -> lowest expert id (stable sort on -count).
         order = np.argsort(-usage, axis=1, kind="stable")
         self.pinned = [set(order[l, : self.pin].tolist()) for l in range(usage.shape[0])]
-        self.layers = [_Lru(self.lru_slots) for _ in range(usage.shape[0])]
+        self.layers = [SlotLru(self.lru_slots) for _ in range(usage.shape[0])]
+
+    def step(self, layer, experts):
+        pinned, lru = self.pinned[layer], self.layers[layer]
+        rest = [e for e in experts if e not in pinned]
+        hits = dict(zip(rest, lru.step(rest)[0]))
+        return [e in pinned or hits[e] for e in experts]
 
     def access(self, layer, expert):
-        if expert in self.pinned[layer]:
-            return True
-        return self.layers[layer].access(expert)
+        return expert in self.pinned[layer] or self.layers[layer].touch(expert)
 
 
 class OsPolicy(CachePolicy):
     name = "os"
 
     def __init__(self, capacity: int):
-        self.lru = _Lru(capacity)
+        self.lru = SlotLru(capacity)
+
+    def step(self, layer, experts):
+        return self.lru.step([(layer, e) for e in experts])[0]
 
     def access(self, layer, expert):
-        return self.lru.access((layer, expert))
+        return self.lru.touch((layer, expert))
 
 
 class BeladyPolicy(CachePolicy):
-    """Clairvoyant optimum with a free initial fill (see the module docstring)."""
+    """Clairvoyant optimum with a free initial fill (see the module docstring): after each step
+    the cache keeps, of what it held and what the token asked for, the `slots` keys needed
+    soonest (a newcomer needed later than all of them is not admitted)."""
 
     name = "belady"
 
@@ -161,36 +163,30 @@ class BeladyPolicy(CachePolicy):
             self._next[i] = last.get(k, n)
             last[k] = i
         self._i = 0
-        if self.scope == "layer":
-            self._cache = [dict() for _ in range(self.n_layers)]  # expert -> next use
-            self._cap = self.slots
-        else:
-            self._cache = [dict()]
-            self._cap = self.slots  # caller passes the pooled capacity
-        self._filled = [0] * len(self._cache)  # distinct experts admitted for free
+        n_caches = self.n_layers if self.scope == "layer" else 1
+        self._cache = [dict() for _ in range(n_caches)]  # key -> next use
+        self._filled = [0] * n_caches  # distinct keys admitted for free
+
+    def step(self, layer, experts):
+        slot = layer if self.scope == "layer" else 0
+        c = self._cache[slot]
+        hits = []
+        for e in experts:
+            key = e if self.scope == "layer" else (layer, e)
+            nxt = int(self._next[self._i])
+            self._i += 1
+            hit = key in c
+            if not hit and self.slots > 0 and self._filled[slot] < self.slots:
+                self._filled[slot] += 1  # the initial fill: resident from the start
+                hit = True
+            hits.append(hit)
+            c[key] = nxt
+        while len(c) > self.slots:
+            del c[max(c, key=c.__getitem__)]
+        return hits
 
     def access(self, layer, expert):
-        i = self._i
-        self._i += 1
-        nxt = int(self._next[i])
-        c = self._cache[layer if self.scope == "layer" else 0]
-        key = expert if self.scope == "layer" else (layer, expert)
-        if key in c:
-            c[key] = nxt
-            return True
-        if self._cap <= 0:
-            return False
-        slot = layer if self.scope == "layer" else 0
-        if self._filled[slot] < self._cap:
-            # The initial fill: the first `cap` distinct items are resident from the start.
-            self._filled[slot] += 1
-            c[key] = nxt
-            return True
-        victim = max(c, key=c.__getitem__)
-        if c[victim] > nxt:  # bypass when the newcomer is the farthest-needed item
-            del c[victim]
-            c[key] = nxt
-        return False
+        return self.step(layer, [expert])[0]
 
 
 # ---- the loop ----
@@ -210,15 +206,22 @@ class ReplayStats:
         return self.hits / self.accesses if self.accesses else 0.0
 
 
-def replay(trace: Trace, policy: CachePolicy) -> ReplayStats:
-    """Feed every access of `trace` to `policy` in order; count hits. The one replay loop."""
+def replay(trace: Trace, policy: CachePolicy, per_access: bool = False) -> ReplayStats:
+    """Feed `trace` to `policy` token by token, layer by layer (`step`: the one cache rule), or
+    access by access (`per_access`: nuthatch's counting); count hits. The one replay loop."""
     layers, experts = accesses(trace)
     policy.start(layers, experts)
     hits = 0
-    acc = policy.access
-    for lay, e in zip(layers.tolist(), experts.tolist()):
-        if acc(lay, e):
-            hits += 1
+    if per_access:
+        acc = policy.access
+        for lay, e in zip(layers.tolist(), experts.tolist()):
+            hits += acc(lay, e)
+        return ReplayStats(len(layers), hits)
+    for row in np.asarray(trace.experts).tolist():
+        for lay, ids in enumerate(row):
+            ids = [e for e in ids if e >= 0]
+            if ids:
+                hits += sum(policy.step(lay, ids))
     return ReplayStats(len(layers), hits)
 
 
@@ -235,21 +238,24 @@ class CacheSweep:
     pin_share: float
     phase: str
     notes: list[str] = field(default_factory=list)
+    counting: str = "per token (the one cache rule)"
 
     def to_dict(self) -> dict:
         return {
-            "mode": self.mode, "phase": self.phase, "pin_share": self.pin_share,
+            "mode": self.mode, "phase": self.phase, "pin_share": self.pin_share, "counting": self.counting,
             "train_tokens": self.train_tokens, "test_tokens": self.test_tokens,
             "rows": self.rows, "notes": self.notes,
         }
 
 
 def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
-                pin_share: float = 0.75, train_share: float = 0.5, phase: str = "decode") -> CacheSweep:
+                pin_share: float = 0.75, train_share: float = 0.5, phase: str = "decode",
+                per_access: bool = False) -> CacheSweep:
     """Hit rate of every policy at every per-layer budget.
 
     Held-out (default): the pin set comes from the first `train_share` of the tokens and every
     policy is measured on the rest. `in_sample`: pin set and measurement on the same tokens.
+    `per_access`: nuthatch's counting (see `replay`).
     """
     trace = select_phase(trace, phase)
     if in_sample:
@@ -269,13 +275,14 @@ def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
         pin = LearnedPinPolicy(usage, b, pin_share)
         row = {"budget": b, "pin": pin.pin, "lru_slots": pin.lru_slots}
         for pol in (pin, LruPolicy(L, b), OsPolicy(b * n_moe), BeladyPolicy(L, b)):
-            st = replay(test, pol)
+            st = replay(test, pol, per_access)
             row[pol.name] = st.hit_rate
             row["accesses"] = st.accesses
-        row["belady_global"] = replay(test, BeladyPolicy(L, b * n_moe, scope="global")).hit_rate
+        row["belady_global"] = replay(test, BeladyPolicy(L, b * n_moe, scope="global"), per_access).hit_rate
         rows.append(row)
     return CacheSweep([int(b) for b in budgets], rows, "in-sample" if in_sample else "held-out",
-                      train.n_tokens, test.n_tokens, pin_share, phase, list(trace.notes))
+                      train.n_tokens, test.n_tokens, pin_share, phase, list(trace.notes),
+                      "per access (nuthatch)" if per_access else "per token (the one cache rule)")
 
 
 def nuthatch_lines_trace(path: str | Path) -> Trace:

@@ -38,15 +38,15 @@ import mmap
 import os
 import resource
 import time
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.lru import SlotLru
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.core.pagecache import DROP_ALIGN, drop_cached, willneed, willneed_bytes
+from mbolt.core.pagecache import drop_cached, drop_mapped, willneed, willneed_bytes
 from mbolt.core.ranges import merge_ranges
 from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr
 from mbolt.core.routemap import expert_ranges
@@ -112,7 +112,6 @@ class ExpertStore:
             if not 0 <= resident_frac <= 1:
                 raise MboltError(f"--resident-frac must be within 0..1, got {resident_frac}")
             cache_slots = int(round(resident_frac * E))
-        self.cache_slots = max(0, min(int(cache_slots), E))
         self._ranges = {l.index: expert_ranges(self.mm, l.index) for l in self.mm.moe_layers}
         self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
         # the role columns of each tensor of a layer (a packed blob holds every role)
@@ -122,8 +121,10 @@ class ExpertStore:
             for i, t in enumerate(l.weights):
                 groups.setdefault(t.container or t.name, []).append(i)
             self._tensor_cols[l.index] = list(groups.values())
-        self._slots: dict[int, OrderedDict] = {l: OrderedDict() for l in self._ranges}
-        self._pinned: dict[int, set[int]] = {l: set() for l in self._ranges}
+        # the one slot cache rule (mbolt.core.lru); the bytes of a cached expert (when kept) beside it
+        self._lru: dict[int, SlotLru] = {l: SlotLru(0) for l in self._ranges}
+        self._kept: dict[int, dict] = {l: {} for l in self._ranges}
+        self.cache_slots = max(0, min(int(cache_slots), E))
         # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.
         self.pad_gap = max((layer.slot_padding for layer in self.mm.moe_layers), default=0)
         self.merge_gap = max(self.gap, self.pad_gap)
@@ -174,13 +175,24 @@ class ExpertStore:
         self.counters = StoreCounters()
         self._dev0 = proc_read_bytes()
 
+    @property
+    def cache_slots(self) -> int:
+        return self._cache_slots
+
+    @cache_slots.setter
+    def cache_slots(self, n: int) -> None:
+        self._cache_slots = int(n)
+        for lru in self._lru.values():
+            lru.slots = self._cache_slots
+
     def clear_cache(self) -> None:
-        for d in self._slots.values():
-            d.clear()
+        for layer in self._lru:
+            self._lru[layer].clear()
+            self._kept[layer].clear()
 
     def cached(self, layer: int) -> list[int]:
         """The experts of a layer's slot cache, least recently used first."""
-        return list(self._slots[layer])
+        return list(self._lru[layer].order)
 
     def pin(self, layer: int, experts) -> None:
         """Keep these experts (original ids) in the layer's slot cache once read: the LRU evicts
@@ -189,12 +201,13 @@ class ExpertStore:
         experts = [int(e) for e in experts]
         if len(experts) >= max(self.cache_slots, 1):
             raise MboltError(f"{self.path}: layer {layer}: {len(experts)} pins leave no LRU slot of {self.cache_slots}")
-        self._pinned[layer] = set(experts)
+        self._lru[layer].pinned = set(experts)
 
     def forget(self, layer: int, expert: int) -> None:
         """Take an expert out of the slot cache without calling on_evict (its bytes are gone
         already, e.g. reclaimed by the kernel): the next request reads it again."""
-        self._slots[layer].pop(int(expert), None)
+        self._lru[layer].discard(int(expert))
+        self._kept[layer].pop(int(expert), None)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -232,15 +245,16 @@ class ExpertStore:
         c = self.counters
         c.calls += 1
         c.experts += len(ids)
-        slots = self._slots[layer]
+        lru, kept = self._lru[layer], self._kept[layer]
         out: dict[int, dict[str, np.ndarray]] = {}
         missed = []
         for e in ids:
-            # A hit is an expert resident as of the previous call (the evaluator's rule).
-            if self.cache_slots and e in slots and (slots[e] is not None or not want):
+            # A hit is an expert resident as of the previous call (mbolt.core.lru); a call that
+            # wants bytes needs them kept (an expert cached by a call that did not keep them is read)
+            if e in lru and (e in kept or not want):
                 c.hits += 1
                 if want:
-                    out[e] = slots[e]
+                    out[e] = kept[e]
             else:
                 missed.append(e)
         c.misses += len(missed)
@@ -250,17 +264,13 @@ class ExpertStore:
             if want:
                 out.update(got)
         if self.cache_slots:
-            # Every requested expert becomes most recently used, in request (rank) order.
-            for e in ids:
-                if e in got:
-                    slots[e] = got[e] if want else None
-                slots.move_to_end(e)
-            pinned = self._pinned[layer]
-            while len(slots) > self.cache_slots:
-                gone = next((e for e in slots if e not in pinned), None)  # least recently used, unpinned
-                if gone is None:
-                    break  # a prefill's union of pinned experts: they stay, the cache is over by that much
-                del slots[gone]
+            for e in got:
+                if want:
+                    kept[e] = got[e]
+                else:
+                    kept.pop(e, None)
+            for gone in lru.admit(ids):
+                kept.pop(gone, None)
                 if self.on_evict is not None:
                     self.on_evict(layer, gone)
         return out
@@ -413,10 +423,8 @@ class ExpertStore:
             for f in np.unique(files):
                 sel = files == f
                 base = int(f) << FILE_SHIFT
-                a = (int(starts[sel].min()) - base) // DROP_ALIGN * DROP_ALIGN
-                b = min(-(-(int((starts + sizes)[sel].max()) - base) // DROP_ALIGN) * DROP_ALIGN, self.file_sizes[int(f)])
-                self._maps[int(f)].madvise(mmap.MADV_DONTNEED, a, b - a)  # unmap our pages so fadvise may drop them
-                drop_cached(self.fds[int(f)], a, b)
+                drop_mapped(self._maps[int(f)], self.fds[int(f)], int(starts[sel].min()) - base,
+                            int((starts + sizes)[sel].max()) - base, self.file_sizes[int(f)])
             c.drop_time += time.perf_counter() - t1
         return got
 

@@ -9,10 +9,10 @@ Layouts:
   occupies [pos[e] * slice, (pos[e]+1) * slice) in each; a token's ranges merge per tensor.
 - `packed`: one region per layer, each expert's gate|up|down contiguous (slice = their sum).
 
-Cache (`cache_slots` N > 0): a per-layer LRU of N experts; an expert selected by a token is a
-hit if it is among the N most recently used experts of that layer as of the previous token
-(every selected expert, hit or miss, becomes most recently used, in rank order). Hits need no
-read.
+Cache (`cache_slots` N > 0): the one slot cache rule (`mbolt.core.lru`): a per-layer LRU of N
+experts; an expert selected by a token is a hit if it is among the N most recently used experts
+of that layer as of the previous token (every selected expert, hit or miss, becomes most
+recently used, in rank order). Hits need no read.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.lru import SlotLru
 from mbolt.core.ranges import merge_ranges_batched
 from mbolt.core.routemap import inverse_perm
 from mbolt.core.trace import Trace
@@ -118,27 +119,25 @@ def geometry_from_model(moemap, layout: str = "reorder") -> Geometry:
 
 
 def lru_hits(sets: np.ndarray, n_experts: int, slots: int) -> np.ndarray:
-    """[N, L, k] expert ids -> bool [N, L, k] LRU hits (see module doc), vectorised over layers."""
+    """[N, L, k] expert ids -> bool [N, L, k] hits of the one slot cache (`mbolt.core.lru`): one
+    `SlotLru` per layer stepped token by token, as the store and the replay step theirs."""
     N, L, k = sets.shape
     hits = np.zeros(sets.shape, bool)
     if slots <= 0 or N == 0:
         return hits
-    last = np.full((L, n_experts + 1), -1, dtype=np.int64)  # last-use stamp; column E = padding
-    li = np.arange(L)[:, None]
-    ids = np.where(sets >= 0, sets, n_experts).astype(np.int64)
-    for t in range(N):
-        e = ids[t]  # [L, k]
-        le = last[li, e]  # [L, k]
-        # rank of each selected expert in its layer's recency order: experts used more recently
-        newer = (last[:, None, :n_experts] > le[:, :, None]).sum(axis=2)
-        hits[t] = (le >= 0) & (newer < slots) & (e < n_experts)
-        last[li, e] = t * k + np.arange(k)[None, :]
-        last[:, n_experts] = -1
+    caches = [SlotLru(slots) for _ in range(L)]
+    rows = np.asarray(sets).tolist()
+    for t, row in enumerate(rows):
+        for layer, ids in enumerate(row):
+            if ids[0] < 0 and max(ids) < 0:
+                continue
+            h, _ = caches[layer].step([e for e in ids if e >= 0])
+            hits[t, layer, [i for i, e in enumerate(ids) if e >= 0]] = h
     return hits
 
 
 def evaluate(trace: Trace, perm: np.ndarray, geometry: Geometry, gap: int = 0, cache_slots: int = 0,
-             per_layer: bool = False) -> dict:
+             per_layer: bool = False, hits: np.ndarray | None = None) -> dict:
     """Reads and bytes per token of `trace` under expert order `perm` [n_layers, E].
 
     Returns reads_per_token, bytes_per_token (bytes actually read, holes read through included),
@@ -156,7 +155,10 @@ def evaluate(trace: Trace, perm: np.ndarray, geometry: Geometry, gap: int = 0, c
         raise MboltError("evaluate: no tokens to evaluate")
     E = trace.n_experts
     pos = inverse_perm(perm).astype(np.int64)
-    hits = lru_hits(trace.experts, E, cache_slots) if cache_slots > 0 else None
+    if cache_slots > 0 and hits is None:  # hits depend on the tokens, not the order: callers scoring
+        hits = lru_hits(trace.experts, E, cache_slots)  # many orders pass them in
+    elif cache_slots <= 0:
+        hits = None
     reads = np.zeros(trace.n_layers)
     nbytes = np.zeros(trace.n_layers)
     useful = np.zeros(trace.n_layers)

@@ -122,9 +122,13 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
         perms[name] = np.asarray(p)
         perms[name + ":seconds"] = None
     names = list(methods) + list(extra_perms or {})
+    from mbolt.layout.evaluate import lru_hits
+
+    hits = {part: lru_hits(t.experts, t.n_experts, cache_slots) if cache_slots > 0 and t is not None else None
+            for part, t in (("train", train), ("heldout", held))}
     for name in names:
-        tr = evaluate(train, perms[name], geometry, gap, cache_slots)
-        ho = evaluate(held, perms[name], geometry, gap, cache_slots) if held is not None else None
+        tr = evaluate(train, perms[name], geometry, gap, cache_slots, hits=hits["train"])
+        ho = evaluate(held, perms[name], geometry, gap, cache_slots, hits=hits["heldout"]) if held is not None else None
         rows.append({"method": name, "plan_seconds": perms[name + ":seconds"], "train": tr, "heldout": ho})
     base = next((r for r in rows if r["method"] == "stock"), None)
     for r in rows:
