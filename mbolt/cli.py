@@ -1103,7 +1103,9 @@ COMMANDS = [
     ("synth-trace", synth_trace_cmd, "Models and traces"),
 ]
 for _name, _fn, _panel in COMMANDS:
-    app.command(_name, rich_help_panel=_panel)(_fn)
+    # the list in `mbolt --help`: a docstring's first paragraph as one line (rich keeps line breaks)
+    _short = " ".join((_fn.__doc__ or "").strip().split("\n\n")[0].split())
+    app.command(_name, rich_help_panel=_panel, short_help=_short)(_fn)
 
 
 def main() -> None:

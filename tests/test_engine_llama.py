@@ -146,3 +146,23 @@ def test_k_quant_experts_match_llama_cpp(tmp_path, qtype):
         diff = np.abs(mine - theirs)
         assert diff.max() <= 2e-3 and diff.mean() <= 5e-5, (diff.max(), diff.mean())
         _check_routing(m.last_routing, r.topk(), qtype)
+
+
+def test_native_name_filter_gives_the_python_callbacks_routing(tmp_path, monkeypatch):
+    """The C filter in front of the eval callback (engine/llama/native.py) passes on exactly
+    the ffn_moe_topk nodes: the routing equals the pure-Python callback's, layer by layer."""
+    from mbolt.engine.llama import native
+
+    path = write_synth(tmp_path / "m.gguf", SynthConfig(arch="qwen3moe", n_experts=16, n_used=4, seed=6))
+    with _runner(path) as r:
+        assert r.native_filter  # CI has a C compiler (it builds llama.cpp)
+        r.eval(PROMPT)
+        fast = r.topk()
+    monkeypatch.setattr(native, "_LIB", None)  # as without a compiler
+    with _runner(path) as r:
+        assert not r.native_filter
+        r.eval(PROMPT)
+        slow = r.topk()
+    assert sorted(fast) == sorted(slow) == list(range(4))
+    for layer in fast:
+        np.testing.assert_array_equal(fast[layer], slow[layer])

@@ -156,9 +156,17 @@ class LlamaRunner:
         self.on_topk = on_topk
         self._cb_error: BaseException | None = None
         self._cb = None
+        self.native_filter = False
         if capture or on_topk is not None:
+            from mbolt.engine.llama.native import topk_filter
+
             self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
-            set_fields(cp, cb_eval=self._cb, cb_eval_user_data=None)
+            self._filter = topk_filter(self._cb, _NAME_OFFSET)  # names compared in C, when it builds
+            if self._filter is not None:
+                set_fields(cp, cb_eval=self._filter.cb, cb_eval_user_data=self._filter.user_data)
+                self.native_filter = True
+            else:
+                set_fields(cp, cb_eval=self._cb, cb_eval_user_data=None)
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise MboltError(f"{path}: llama.cpp could not create a context")
@@ -170,7 +178,8 @@ class LlamaRunner:
     # ---- eval callback ----
 
     def _eval_cb(self, t_ptr, ask, user):
-        # called for every graph node: compare the name's first bytes before building anything
+        # called for every graph node (only for ffn_moe_topk-N behind the native filter): compare
+        # the name's first bytes before building anything
         if ctypes.string_at(t_ptr + _NAME_OFFSET, len(_TOPK_PREFIX)) != _TOPK_PREFIX:
             return not ask
         t = GgmlTensor.from_address(t_ptr)

@@ -51,11 +51,6 @@ class Usage:
     heat: np.ndarray  # float64 [n_layers, n_experts]
     engine_id: int | None = None
     notes: list[str] = field(default_factory=list)
-    fingerprint: str = ""  # unknown: the file names no model
-
-    @property
-    def k(self) -> int:  # not recorded; what the consistency checks compare against
-        return 1
 
     def moe_layers(self) -> np.ndarray:
         return np.flatnonzero(self.heat.sum(axis=1) > 0)
