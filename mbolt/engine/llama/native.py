@@ -3,8 +3,8 @@
 llama.cpp's scheduler asks the eval callback about every graph node (thousands per token), and
 a Python callback costs about a microsecond per question even when it only compares a name: on a
 small warm model that was 0.59x of plain llama.cpp's decode speed (results/
-llama_stream_s64k_warm.json). This filter answers in C for every node whose name does not start
-with ``ffn_moe_topk``, and hands the others to the Python callback.
+llama_stream_s64k_warm.json). This filter answers every question in C (yes for the nodes named
+``ffn_moe_topk-N``) and hands only those nodes, once computed, to the Python callback.
 
 It is compiled once with the system C compiler into ``$XDG_CACHE_HOME/mbolt`` (the file name
 carries a hash of the source and of the tensor-name offset). Without a compiler `topk_filter`
@@ -29,11 +29,15 @@ typedef bool (*eval_cb)(void * t, bool ask, void * user);
 
 struct mbolt_filter { eval_cb python; long name_offset; };
 
-/* ggml_backend_sched_eval_callback: only ffn_moe_topk-N nodes reach Python */
+/* ggml_backend_sched_eval_callback: the scheduler asks about every node (ask), then hands over
+   the ones we asked for once computed; only computed ffn_moe_topk-N nodes reach Python */
 bool mbolt_topk_filter(void * t, bool ask, void * user) {
     const struct mbolt_filter * f = (const struct mbolt_filter *) user;
     if (strncmp((const char *) t + f->name_offset, "ffn_moe_topk-", 13) != 0) {
         return !ask;
+    }
+    if (ask) {
+        return true;
     }
     return f->python(t, ask, NULL);
 }
