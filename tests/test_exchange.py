@@ -195,7 +195,7 @@ def test_heat_only_plans_heat_refuses_tsp_and_gives_the_route_map_its_heat(tmp_p
 def test_export_heat_is_the_trace_heat(data_dir, tmp_path):
     truth = granite_rows(data_dir)
     p = tmp_path / "g.coli_usage"
-    r = run("export-heat", data_dir / "granite3moe.trace.txt", "-o", p, "--engine", "granite")
+    r = run("export-heat", data_dir / "granite3moe.trace.txt", "-o", p, "--colibri-engine", "granite")
     assert r.exit_code == 0, r.output
     want = np.zeros((24, 32))
     for t in range(64):

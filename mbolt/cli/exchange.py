@@ -91,7 +91,7 @@ def export_coact_cmd(
 def export_heat_cmd(
     trace: list[Path] = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged)."),
     out: Path = typer.Option(..., "-o", "--out", help="Where the heat goes (.coli_usage text)."),
-    engine: str = typer.Option(None, "--engine", help="colibri's engine name (e.g. qwen3_moe, glm_moe_dsa, olmoe): "
+    engine: str = typer.Option(None, "--colibri-engine", help="colibri's engine name (e.g. qwen3_moe, glm_moe_dsa, olmoe): "
                                "its id goes in the header; without it colibri takes the file only as PIN=<path>."),
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all: which tokens count."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier export."),
