@@ -256,6 +256,65 @@ def test_fuzz_nuthatch_bin(data, tmp_path):
     _check(_load_trace, p, "NUTHTRC1")
 
 
+def _faroute_bytes() -> bytes:
+    import struct
+
+    head = b"FAROUTE1" + struct.pack("<IIQIIII", 2, 24, 4096, 8, 4, 2, 0)
+    recs = [(0, 0, 0, 0, 4), (0, 0, 0, 1, 1), (0, 0, 1, 0, 2), (0, 0, 1, 1, 3), (1, 1, 0, 0, 5), (1, 1, 0, 1, 6),
+            (2, 0, 0, 0, 1), (2, 0, 0, 1, 2), (3, 1, 0, 0, 0), (3, 1, 0, 1, 7)]
+    return head + b"".join(struct.pack("<QQHHHH", i, c, l, r, k, e) for i, (c, l, r, k, e) in enumerate(recs))
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_faroute(data, tmp_path):
+    seed = _faroute_bytes()
+    p = tmp_path / "x.bin"
+    p.write_bytes(data.draw(st.one_of(_mutate(seed), st.binary(max_size=400).map(lambda b: seed[:16] + b)),
+                            "bytes"))
+    _check(_load_trace, p, "FAROUTE1")
+
+
+@FUZZ
+@given(text=st.text(alphabet="0123456789 :.\n-x", max_size=400), junk=st.binary(max_size=4))
+def test_fuzz_colibri_route_trace(text, junk, tmp_path):
+    p = tmp_path / "x.txt"
+    p.write_bytes(b"0 0 1 3:0.5000 4:0.2500\n" + text.encode() + junk)
+    _check(_load_trace, p, "colibri ROUTE_TRACE")
+
+
+@FUZZ
+@given(text=st.text(alphabet="0123456789,\n-x", max_size=400), junk=st.binary(max_size=4))
+def test_fuzz_moe_trace_csv(text, junk, tmp_path):
+    p = tmp_path / "x.csv"
+    p.write_bytes(b"0,1\n0,2\n" + text.encode() + junk)
+    _check(_load_trace, p, "llama.cpp moe-trace CSV")
+
+
+def _huge_usage(tmp_path):
+    """A few bytes that name the largest table the limits allow one by one."""
+    p = tmp_path / "huge.coli_usage"
+    p.write_bytes(b"-1 4000 32000\n4000 31999 1\n")
+    return p
+
+
+@FUZZ
+@given(text=st.text(alphabet="0123456789 \n-x", max_size=400), junk=st.binary(max_size=4))
+def test_fuzz_coli_usage(text, junk, tmp_path):
+    from mbolt.trace.formats import load_usage
+
+    p = tmp_path / "x.coli_usage"
+    p.write_bytes(b"-1 4 8\n-2 1 5\n" + text.encode() + junk)
+    _check(lambda path: load_usage(path), _huge_usage(tmp_path), ".coli_usage")
+
+    def read(path):
+        u = load_usage(path)
+        assert u.heat.shape == (u.n_layers, u.n_experts) and (u.heat >= 0).all()
+        return u
+
+    _check(read, p, ".coli_usage")
+
+
 # ---- JSON files: plan.json, route-map sidecar, probe figures ----
 
 _json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True),

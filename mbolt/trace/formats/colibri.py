@@ -33,6 +33,7 @@ from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, infer_n_layer
 
 USAGE_VERSION = 1
 MAX_COUNT = (1 << 32) - 1  # counts are %u
+MAX_USAGE_CELLS = 1 << 22
 
 
 def engine_id(name: str) -> int:
@@ -119,6 +120,8 @@ def read_usage(path: Path, data: bytes, n_layers=None, n_experts=None) -> Usage:
         if L > n_layers:
             raise MboltError(f"{where}: counts at layer {L - 1}, the model has {n_layers} layers")
         L = n_layers
+    # the dense table is allocated from these counts: bounded (real models: < 100 layers x 1,024)
+    check_cells(f"{where}: layers x experts", (L, E), MAX_USAGE_CELLS)
     key = arr[:, 0] * E + arr[:, 1]
     uniq, cnt = np.unique(key, return_counts=True)
     if (cnt > 1).any():
