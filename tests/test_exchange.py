@@ -377,3 +377,19 @@ def test_export_heat_force_replaces_only_an_earlier_usage_file(data_dir, tmp_pat
     notes.write_text("my notes\n")
     r = run("export-heat", src, "-o", notes, "--force")
     assert r.exit_code == 2 and notes.read_text() == "my notes\n"
+
+
+def test_exports_of_a_trace_without_decode_tokens_name_it(data_dir, tmp_path):
+    from mbolt.core.mbtrace import read_trace, write_trace
+
+    model = tmp_path / "m.gguf"
+    assert run("synth", model, "--layers", "2", "--experts", "8", "--k", "2").exit_code == 0
+    assert run("trace", model, "-o", tmp_path / "t.mbtrace", "--n-prompts", "3").exit_code == 0
+    t = read_trace(tmp_path / "t.mbtrace")
+    pre = tmp_path / "prefill.mbtrace"
+    write_trace(pre, t.select(t.phase == PREFILL))
+    r = run("export-coact", pre, "-o", tmp_path / "c.json")
+    assert r.exit_code == 2 and "prefill.mbtrace: no decode tokens" in r.output
+    r = run("export-heat", pre, "-o", tmp_path / "u.coli_usage")
+    assert r.exit_code == 2 and "prefill.mbtrace has no decode tokens (--phase all" in r.output
+    assert run("export-heat", pre, "-o", tmp_path / "u.coli_usage", "--phase", "all").exit_code == 0

@@ -75,7 +75,8 @@ def export_coact_cmd(
     with Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=err_console, transient=True) as bar:
         task = bar.add_task("grouping layers", total=len(tr.moe_layers()))
-        d = export_profile(tr, model=str(name), quant=quant, progress=lambda l: bar.advance(task))
+        d = export_profile(tr, model=str(name), quant=quant, progress=lambda l: bar.advance(task),
+                           where=", ".join(map(str, trace)))
     write_text_atomic(out, _json.dumps(d) + "\n")
     info = {"out": str(out), "n_layers": d["n_layers"], "moe_layers": len(d["layers"]),
             "n_expert_per_layer": d["n_expert_per_layer"], "k": d["k"], "n_decode_tokens": d["n_decode_tokens"],
@@ -107,7 +108,7 @@ def export_heat_cmd(
     from mbolt.trace.formats import load_traces
     from mbolt.trace.formats.colibri import engine_id, usage_text
 
-    tr = select_phase(load_traces(trace), phase)
+    tr = select_phase(load_traces(trace), phase, ", ".join(map(str, trace)))
     output(out, "coli-usage", inputs=trace, force=force, what=".coli_usage")
     heat = coactivation(tr).heat
     write_text_atomic(out, usage_text(heat, engine))

@@ -51,18 +51,19 @@ class Trace:
         return np.flatnonzero((self.experts >= 0).any(axis=(0, 2)))
 
 
-def select_phase(trace: Trace, phase: str) -> Trace:
-    """The tokens of one phase ("decode", "prefill") or all of them ("all")."""
+def select_phase(trace: Trace, phase: str, where: str = "trace") -> Trace:
+    """The tokens of one phase ("decode", "prefill") or all of them ("all"); `where` names the
+    trace in messages."""
     if phase == "all":
         return trace
     if phase not in PHASES:
         raise MboltError(f"unknown phase {phase!r} (decode, prefill, all)")
     if trace.n_tokens == 0:
-        raise MboltError("trace has no tokens")
+        raise MboltError(f"{where} has no tokens")
     sub = trace.select(np.asarray(trace.phase) == PHASES[phase])
     if sub.n_tokens == 0:
-        hint = " (use --phase all to plan on prefill tokens)" if phase == "decode" else ""
-        raise MboltError(f"trace has no {phase} tokens{hint}")
+        hint = " (--phase all counts its prefill tokens)" if phase == "decode" else ""
+        raise MboltError(f"{where} has no {phase} tokens{hint}")
     return sub
 
 

@@ -131,7 +131,7 @@ def model_labels(mm) -> tuple[str, str]:
     return name, quant
 
 
-def export_profile(trace: Trace, *, model: str = "", quant: str = "", progress=None) -> dict:
+def export_profile(trace: Trace, *, model: str = "", quant: str = "", progress=None, where: str = "trace") -> dict:
     """The trace's decode tokens as a co-activation profile in the original mbolt's format.
 
     Heat and pairs count every decode token; clusters are the groups `mbolt plan` records
@@ -141,6 +141,10 @@ def export_profile(trace: Trace, *, model: str = "", quant: str = "", progress=N
     from mbolt.layout.methods import order
     from mbolt.layout.plan import groups_method, layer_groups
 
+    from mbolt.core.trace import DECODE
+
+    if not (np.asarray(trace.phase) == DECODE).any():
+        raise MboltError(f"{where}: no decode tokens (the co-activation profile counts decode tokens only)")
     dec = select_phase(trace, "decode")
     co = coactivation(dec)
     groups = layer_groups(co, "auto", progress=progress)
