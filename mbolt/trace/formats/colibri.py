@@ -29,7 +29,7 @@ import numpy as np
 from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import Trace
-from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, infer_n_layers
+from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, decode_ascii, infer_n_experts, infer_n_layers
 
 USAGE_VERSION = 1
 MAX_COUNT = (1 << 32) - 1  # counts are %u
@@ -64,10 +64,7 @@ def looks_like_usage(first_line: str) -> bool:
 
 def read_usage(path: Path, data: bytes, n_layers=None, n_experts=None) -> Usage:
     where = str(path)
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError as e:
-        raise MboltError(f"{where}: not a .coli_usage file (non-ASCII byte at {e.start})") from None
+    text = decode_ascii(where, data, "a .coli_usage file")
     dims = version = eid = None
     recs: list[tuple[int, int, int]] = []
     linenos: list[int] = []
@@ -157,10 +154,7 @@ def looks_like_route_trace(first_line: str) -> bool:
 
 def read_route_trace(path: Path, data: bytes, n_layers=None, n_experts=None) -> Trace:
     where = str(path)
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError as e:
-        raise MboltError(f"{where}: not a ROUTE_TRACE log (non-ASCII byte at {e.start})") from None
+    text = decode_ascii(where, data, "a ROUTE_TRACE log")
     heads: list[tuple[int, int, int]] = []
     sels: list[list[tuple[int, float]]] = []
     linenos: list[int] = []
@@ -195,13 +189,7 @@ def read_route_trace(path: Path, data: bytes, n_layers=None, n_experts=None) -> 
         ids[r, :len(s)] = [a for a, _ in s]
         gates[r, :len(s)] = [g for _, g in s]
     lines = np.asarray(linenos)
-    E = int(ids.max()) + 1
-    if n_experts is not None:
-        if E > n_experts:
-            r = int(np.argmax(ids.max(axis=1)))
-            raise MboltError(f"{where}: line {lines[r]}: expert id {int(ids[r].max())} out of range "
-                             f"(n_experts={n_experts})")
-        E = n_experts
+    E = infer_n_experts(where, ids, n_experts, lambda i: f"line {lines[i // K]}")
     # records: the lines of one MoE call (one layer of one forward), rows 0.. in order
     new_rec = np.ones(len(H), bool)
     new_rec[1:] = (H[1:, 0] != H[:-1, 0]) | (H[1:, 2] != H[:-1, 2])

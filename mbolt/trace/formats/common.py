@@ -251,6 +251,25 @@ def layer_span(layers: list[int]) -> str:
 # nuthatch text
 
 
+def infer_n_experts(where, ids: np.ndarray, n_experts, loc) -> int:
+    """Experts per layer: the largest id + 1, or `n_experts` when given (an id beyond it is an
+    error naming where it is: `loc(i)` for the flat index i into `ids`)."""
+    E = int(ids.max()) + 1
+    if n_experts is not None:
+        if E > n_experts:
+            i = int(np.argmax(ids))
+            raise MboltError(f"{where}: {loc(i)}: expert id {int(ids.flat[i])} out of range (n_experts={n_experts})")
+        E = n_experts
+    return E
+
+
+def decode_ascii(where: str, data: bytes, what: str) -> str:
+    try:
+        return data.decode("ascii")
+    except UnicodeDecodeError as e:
+        raise MboltError(f"{where}: not {what} (non-ASCII byte at {e.start})") from None
+
+
 def infer_n_layers(where, layer: np.ndarray, n_layers, loc) -> int:
     L = int(layer.max()) + 1 if len(layer) else 1
     if L > MAX_LAYERS:

@@ -21,7 +21,7 @@ import numpy as np
 from mbolt.core.checks import MAX_EXPERTS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import Trace
-from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, infer_n_layers
+from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, infer_n_experts, infer_n_layers
 
 FAROUTE_MAGIC = b"FAROUTE1"
 _HEAD_V1 = struct.Struct("<8sII")
@@ -85,12 +85,7 @@ def read_faroute(path: Path, data: bytes, n_layers=None, n_experts=None) -> Trac
     if K > MAX_EXPERTS:
         i = int(np.argmax(rank))
         raise MboltError(f"{where}: {at(i)}: route_rank {K - 1} out of range")
-    E = int(expert.max()) + 1
-    if n_experts is not None:
-        if E > n_experts:
-            i = int(np.argmax(expert))
-            raise MboltError(f"{where}: {at(i)}: expert id {int(expert[i])} out of range (n_experts={n_experts})")
-        E = n_experts
+    E = infer_n_experts(where, expert, n_experts, at)
     if K > E:
         i = int(np.argmax(rank))
         raise MboltError(f"{where}: {at(i)}: route_rank {int(rank[i])} with {E} experts (k > experts)")

@@ -24,7 +24,7 @@ import numpy as np
 from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import Trace
-from mbolt.trace.formats.common import assemble, infer_n_layers
+from mbolt.trace.formats.common import assemble, infer_n_experts, infer_n_layers
 
 _LINE = re.compile(rb"^(\d+),(\d+)\r?$")
 
@@ -52,13 +52,7 @@ def read_moe_csv(path: Path, data: bytes, n_layers=None, n_experts=None) -> Trac
         if arr.max() > hi:
             i = int(np.argmax(arr))
             raise MboltError(f"{where}: line {i + 1}: {what} {int(arr[i])} out of range (at most {hi})")
-    E = int(expert.max()) + 1
-    if n_experts is not None:
-        if E > n_experts:
-            i = int(np.argmax(expert))
-            raise MboltError(f"{where}: line {i + 1}: expert id {int(expert[i])} out of range "
-                             f"(n_experts={n_experts})")
-        E = n_experts
+    E = infer_n_experts(where, expert, n_experts, lambda i: f"line {i + 1}")
     new_run = np.ones(len(vals), bool)
     new_run[1:] = layer_l[1:] != layer_l[:-1]
     rstart = np.flatnonzero(new_run)

@@ -11,8 +11,8 @@ import numpy as np
 from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import DECODE, PREFILL, Trace
-from mbolt.trace.formats.common import (MAX_CELLS_IMPORT, assemble, check_ids, infer_n_layers, record_span,
-                                        walk_records)
+from mbolt.trace.formats.common import (MAX_CELLS_IMPORT, assemble, check_ids, decode_ascii, infer_n_experts,
+                                        infer_n_layers, record_span, walk_records)
 
 NUTH_MAGIC = b"NUTHTRC1"
 NUTH_VERSION = 1
@@ -49,11 +49,7 @@ def nuthatch_text_rows(text: str, where: str) -> tuple[list[list[int]], list[int
 
 def import_nuthatch_text(path: Path, data: bytes, n_layers, n_experts) -> Trace:
     where = str(path)
-    try:
-        text = data.decode("ascii")
-    except UnicodeDecodeError as e:
-        raise MboltError(f"{where}: not a nuthatch text trace (non-ASCII byte at {e.start})") \
-            from None
+    text = decode_ascii(where, data, "a nuthatch text trace")
     rows, linenos = nuthatch_text_rows(text, where)
     if not rows:
         raise MboltError(f"{where}: no routing lines")
@@ -65,13 +61,7 @@ def import_nuthatch_text(path: Path, data: bytes, n_layers, n_experts) -> Trace:
     line_layer = M[:, 0]
     sel = M[:, 1:]
     lines = np.asarray(linenos)
-    E = int(sel.max()) + 1
-    if n_experts is not None:
-        if E > n_experts:
-            i = int(np.argmax(sel.max(axis=1)))
-            raise MboltError(f"{where}: line {lines[i]}: expert id {int(sel[i].max())} out of "
-                             f"range (n_experts={n_experts})")
-        E = n_experts
+    E = infer_n_experts(where, sel, n_experts, lambda i: f"line {lines[i // sel.shape[1]]}")
     srt = np.sort(sel, axis=1)
     dup = ((srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] >= 0)).any(axis=1)
     if dup.any():
