@@ -29,7 +29,7 @@ import numpy as np
 from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import Trace
-from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, decode_ascii, infer_n_experts, infer_n_layers
+from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, decode_ascii, infer_n_experts, infer_n_layers, numbered_lines
 
 USAGE_VERSION = 1
 MAX_COUNT = (1 << 32) - 1  # counts are %u
@@ -68,10 +68,7 @@ def read_usage(path: Path, data: bytes, n_layers=None, n_experts=None) -> Usage:
     dims = version = eid = None
     recs: list[tuple[int, int, int]] = []
     linenos: list[int] = []
-    for i, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
+    for i, line, parts in numbered_lines(text):
         try:
             a, b, c = (int(x) for x in parts) if len(parts) == 3 else (None, None, None)
         except ValueError:
@@ -158,10 +155,7 @@ def read_route_trace(path: Path, data: bytes, n_layers=None, n_experts=None) -> 
     heads: list[tuple[int, int, int]] = []
     sels: list[list[tuple[int, float]]] = []
     linenos: list[int] = []
-    for i, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
+    for i, line, parts in numbered_lines(text):
         try:
             call, row, layer = (int(x) for x in parts[:3])
             pairs = [(int(a), float(g)) for a, g in (p.split(":") for p in parts[3:])]

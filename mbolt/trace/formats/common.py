@@ -270,6 +270,14 @@ def decode_ascii(where: str, data: bytes, what: str) -> str:
         raise MboltError(f"{where}: not {what} (non-ASCII byte at {e.start})") from None
 
 
+def numbered_lines(text: str):
+    """(line number from 1, line, its whitespace-separated fields) of every non-blank line."""
+    for i, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if parts:
+            yield i, line, parts
+
+
 def infer_n_layers(where, layer: np.ndarray, n_layers, loc) -> int:
     L = int(layer.max()) + 1 if len(layer) else 1
     if L > MAX_LAYERS:

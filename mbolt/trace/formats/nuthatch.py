@@ -12,7 +12,7 @@ from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import DECODE, PREFILL, Trace
 from mbolt.trace.formats.common import (MAX_CELLS_IMPORT, assemble, check_ids, decode_ascii, infer_n_experts,
-                                        infer_n_layers, record_span, walk_records)
+                                        infer_n_layers, numbered_lines, record_span, walk_records)
 
 NUTH_MAGIC = b"NUTHTRC1"
 NUTH_VERSION = 1
@@ -27,10 +27,7 @@ def nuthatch_text_rows(text: str, where: str) -> tuple[list[list[int]], list[int
     """The lines `layer e0 .. ek` of a nuthatch text export as integer rows, with line numbers."""
     rows: list[list[int]] = []
     linenos: list[int] = []
-    for i, line in enumerate(text.splitlines(), 1):
-        parts = line.split()
-        if not parts:
-            continue
+    for i, line, parts in numbered_lines(text):
         try:
             vals = [int(x) for x in parts]
         except ValueError:
