@@ -29,7 +29,8 @@ import numpy as np
 from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS, check_cells
 from mbolt.core.errors import MboltError
 from mbolt.core.trace import Trace
-from mbolt.trace.formats.common import MAX_CELLS_IMPORT, assemble, decode_ascii, infer_n_experts, infer_n_layers, numbered_lines
+from mbolt.trace.formats.common import (MAX_CELLS_IMPORT, assemble, decode_ascii, infer_n_experts, infer_n_layers,
+                                        numbered_lines)
 
 USAGE_VERSION = 1
 MAX_COUNT = (1 << 32) - 1  # counts are %u
