@@ -124,7 +124,9 @@ def test_ram_needs_llama_engine_and_a_size(model, tmp_path):
 
 def test_budget_sizes_the_cache_and_refuses_too_small(model):
     """Outside a cgroup the runtime counts its own memory (dense weights + anonymous memory): a
-    budget of that plus 20 slots' worth (and the margin) gives about 20 slots."""
+    budget of that plus 20 slots' worth (and the margin and a prompt chunk's experts) gives about
+    20 slots during a prompt; a decode step reads only k experts per layer, so the cache then also
+    takes the rest of the prompt chunk's reserve."""
     from mbolt.engine.llama.stream import (BUDGET_MARGIN, LlamaStream, expert_bytes_all_layers, own_bytes,
                                            prefill_bytes)
 
@@ -135,7 +137,23 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
         dense = sum(b - a for a, b in s.pages.dense_tensors)
         s.budget = own_bytes() + dense + BUDGET_MARGIN + prefill_bytes(mm) + 20 * per_slot
         s.make_cold()
-        assert 15 <= s.cache_slots <= 21  # the pages locked round dense tensors up to whole pages
+        assert 15 <= s.prefill_slots <= 21  # the pages locked round dense tensors up to whole pages
+        expert = mm.moe_layers[0].expert_bytes
+        extra = (min(64, 8 * mm.n_used) - mm.n_used) * expert  # a chunk's union less a step's k experts
+        assert s.cache_slots == s.decode_slots == min(64, s.prefill_slots + extra // per_slot) or \
+            s.decode_slots == s.prefill_slots + extra // per_slot + 1  # the floors round apart by one at most
+        assert s.decode_slots > s.prefill_slots
+        s.generate([list(range(65, 65 + 16))], 8, forced=8)  # a prompt chunk, then decode steps
+        assert s.store.cache_slots == s.decode_slots
+        before = {l.index: s.store.cached(l.index) for l in mm.moe_layers}
+        s._resize_cache(s.prefill_slots)  # what the next prompt does first: shrink, victims gone
+        assert any(len(old) > s.prefill_slots for old in before.values())  # the shrink had work to do
+        for layer, old in before.items():
+            now = s.store.cached(layer)
+            assert len(now) <= s.prefill_slots and now == old[len(old) - len(now):]  # the most recent stay
+            gone = [e for e in old if e not in now]
+            if gone:
+                assert s.pages.resident(s.pages.expert_spans_of(layer, gone)) == 0.0
         assert s.locked_bytes >= sum(b - a for a, b in s.pages.dense_tensors)
         assert s.pages.resident(s.pages.dense_tensors) == 1.0
     with LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm) as s:

@@ -138,7 +138,8 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
             note = "llama.cpp: resident share of the expert tensors' pages (mincore), unmapped from llama.cpp"
             if job.ram:
                 note += (f"; inside a {job.ram} B memory cgroup: "
-                         + (f"{stream.cache_slots} expert slots/layer ({stream.pinned_per_layer} pinned), "
+                         + (f"{stream.cache_slots} expert slots/layer ({stream.prefill_slots} during a prompt, "
+                            f"{stream.pinned_per_layer} pinned), "
                             f"{stream.locked_bytes} B of dense weights locked"
                             if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
         run = stream.generate(prompts, n_new, forced=job.forced)

@@ -220,7 +220,9 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
     console.print(prompt, end="", highlight=False, markup=False)
     console.print(text, style="bold", highlight=False, markup=False)
     how = (f"mbolt streaming ({'blocking reads QD%d' % qd if blocking else 'async reads'}, gap {gap} B, "
-           f"{s.cache_slots} cache slots/layer{', every expert dropped after every token' if drop_every_token else ''})"
+           f"{s.cache_slots} cache slots/layer"
+           f"{f' ({s.prefill_slots} during the prompt)' if s.prefill_slots and s.prefill_slots != s.cache_slots else ''}"
+           f"{', every expert dropped after every token' if drop_every_token else ''})"
            if stream else "plain llama.cpp (the file mapped, nothing dropped)")
     line = (f"[dim]llama.cpp, {how}: prompt {len(ids)} tokens in {1e3 * run.prefill_s:.0f} ms, generated "
             f"{len(run.generated[0])} at {res['decode_tokens_per_s'] or 0:.1f} tok/s")

@@ -185,6 +185,15 @@ class ExpertStore:
         for lru in self._lru.values():
             lru.slots = self._cache_slots
 
+    def resize(self, slots: int) -> None:
+        """A new slot count for every layer; a shrink evicts the least recently used now."""
+        self.cache_slots = slots
+        for layer, lru in self._lru.items():
+            for gone in lru.admit(()):
+                self._kept[layer].pop(gone, None)
+                if self.on_evict is not None:
+                    self.on_evict(layer, gone)
+
     def clear_cache(self) -> None:
         for layer in self._lru:
             self._lru[layer].clear()

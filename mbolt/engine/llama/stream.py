@@ -107,12 +107,19 @@ def own_bytes() -> int:
     return n
 
 
-def slots_for_budget(mm: MoeMap, budget: int, used: int) -> int:
+def step_bytes(mm: MoeMap) -> int:
+    """What a decode step's layer needs beyond the cache: its k experts, read before the victims go."""
+    return max(l.expert_bytes for l in mm.moe_layers) * mm.n_used
+
+
+def slots_for_budget(mm: MoeMap, budget: int, used: int, reserve: int | None = None) -> int:
     """Per-layer expert slots that fit in `budget` bytes when `used` are taken already (dense
-    weights, process memory), less a margin (BUDGET_MARGIN or 5%, and a prompt chunk's experts);
-    at least the k experts a token uses."""
+    weights, process memory), less a margin (BUDGET_MARGIN or 5%) and `reserve`, what one layer
+    reads beyond the cache (default a prompt chunk's experts, `prefill_bytes`; a decode step needs
+    only `step_bytes`); at least the k experts a token uses."""
     per_slot = max(expert_bytes_all_layers(mm), 1)
-    free = budget - used - max(BUDGET_MARGIN, budget // 20) - prefill_bytes(mm)
+    reserve = prefill_bytes(mm) if reserve is None else reserve
+    free = budget - used - max(BUDGET_MARGIN, budget // 20) - reserve
     return int(min(mm.n_experts, max(mm.n_used, free // per_slot)))
 
 
@@ -149,6 +156,7 @@ class LlamaStream:
             self.evict = True  # the slot cache's victims leave memory; nothing else is dropped
             cache_slots = cache_slots or self.mm.n_used  # sized from the budget in make_cold
         self.locked_bytes = 0
+        self.prefill_slots = self.decode_slots = None  # under a budget: set by fit_budget
         self.pins, self.pinned_per_layer = pins, 0
         if pins and not reads:
             raise MboltError("pins keep experts the runtime reads: they need explicit reads")
@@ -273,13 +281,26 @@ class LlamaStream:
             used = None
         if used is None:
             used = self.locked_bytes + own_bytes()
-        self.cache_slots = self.store.cache_slots = slots_for_budget(self.mm, self.budget, used)
+        # a prompt chunk reads up to PREFILL_CHUNK * k experts at a layer, a decode step k: the
+        # cache shrinks to prefill_slots for each prompt and grows back to decode_slots after it
+        self.prefill_slots = slots_for_budget(self.mm, self.budget, used)
+        self.decode_slots = max(self.prefill_slots, slots_for_budget(self.mm, self.budget, used, step_bytes(self.mm)))
+        self.cache_slots = self.store.cache_slots = self.decode_slots
+
+    def _resize_cache(self, slots: int | None) -> None:
+        """Under a budget: the slot count of the next phase (the victims of a shrink leave memory
+        now, before the phase reads anything)."""
+        if not self.budget or not slots or self.store is None or slots == self.store.cache_slots:
+            return
+        self.cache_slots = slots
+        self.store.resize(slots)
 
     def pin_hottest(self) -> None:
         """Pin PIN_SHARE of each layer's slots to its hottest experts (route map heat is per
         position; pins name original experts), leaving at least k slots to the LRU."""
         rm = self.mm.route_map
-        n = max(0, min(int(PIN_SHARE * self.cache_slots), self.cache_slots - self.mm.n_used))
+        slots = self.prefill_slots or self.cache_slots  # pins stay through a prompt's smaller cache
+        n = max(0, min(int(PIN_SHARE * slots), slots - self.mm.n_used))
         for layer in self.moe_layers:
             hottest = np.argsort(-rm.heat[layer], kind="stable")[:n]  # positions
             self.store.pin(layer, rm.perm[layer][hottest])
@@ -318,10 +339,12 @@ class LlamaStream:
             r.reset()
             self._step = {}
             t0 = time.perf_counter()
+            self._resize_cache(self.prefill_slots)
             logits = r.eval(list(ids[:forced] if forced else ids))
             run.prefill_s += time.perf_counter() - t0
             self._seen = set()
             self.drop_experts()
+            self._resize_cache(self.decode_slots)
             out = []
             for i in range(n_new):
                 pred = int(np.argmax(logits))
