@@ -276,18 +276,20 @@ def test_fuzz_faroute(data, tmp_path):
 
 
 @FUZZ
-@given(text=st.text(alphabet="0123456789 :.\n-x", max_size=400), junk=st.binary(max_size=4))
-def test_fuzz_colibri_route_trace(text, junk, tmp_path):
+@given(text=st.text(alphabet="0123456789 :.\n-xe", max_size=400), big=st.integers(0, 10 ** 30),
+       junk=st.binary(max_size=4))
+def test_fuzz_colibri_route_trace(text, big, junk, tmp_path):
     p = tmp_path / "x.txt"
-    p.write_bytes(b"0 0 1 3:0.5000 4:0.2500\n" + text.encode() + junk)
+    p.write_bytes(b"0 0 1 3:0.5000 4:0.2500\n" + text.replace("x", str(big)).encode() + junk)
     _check(_load_trace, p, "colibri ROUTE_TRACE")
 
 
 @FUZZ
-@given(text=st.text(alphabet="0123456789,\n-x", max_size=400), junk=st.binary(max_size=4))
-def test_fuzz_moe_trace_csv(text, junk, tmp_path):
+@given(text=st.text(alphabet="0123456789,\n-x", max_size=400), big=st.integers(0, 10 ** 30),
+       junk=st.binary(max_size=4))
+def test_fuzz_moe_trace_csv(text, big, junk, tmp_path):
     p = tmp_path / "x.csv"
-    p.write_bytes(b"0,1\n0,2\n" + text.encode() + junk)
+    p.write_bytes(b"0,1\n0,2\n" + text.replace("x", str(big)).encode() + junk)
     _check(_load_trace, p, "llama.cpp moe-trace CSV")
 
 
@@ -299,12 +301,13 @@ def _huge_usage(tmp_path):
 
 
 @FUZZ
-@given(text=st.text(alphabet="0123456789 \n-x", max_size=400), junk=st.binary(max_size=4))
-def test_fuzz_coli_usage(text, junk, tmp_path):
+@given(text=st.text(alphabet="0123456789 \n-x", max_size=400), big=st.integers(0, 10 ** 30),
+       junk=st.binary(max_size=4))
+def test_fuzz_coli_usage(text, big, junk, tmp_path):
     from mbolt.trace.formats import load_usage
 
     p = tmp_path / "x.coli_usage"
-    p.write_bytes(b"-1 4 8\n-2 1 5\n" + text.encode() + junk)
+    p.write_bytes(b"-1 4 8\n-2 1 5\n" + text.replace("x", str(big)).encode() + junk)
     _check(lambda path: load_usage(path), _huge_usage(tmp_path), ".coli_usage")
 
     def read(path):

@@ -35,6 +35,7 @@ from mbolt.trace.formats.common import (MAX_CELLS_IMPORT, assemble, decode_ascii
 USAGE_VERSION = 1
 MAX_COUNT = (1 << 32) - 1  # counts are %u
 MAX_USAGE_CELLS = 1 << 22
+MAX_GATE = 1e6  # routing weights (after routed_scale) are of order 1; float32 holds them
 
 
 def engine_id(name: str) -> int:
@@ -163,13 +164,15 @@ def read_route_trace(path: Path, data: bytes, n_layers=None, n_experts=None) -> 
         except ValueError:
             raise MboltError(f"{where}: line {i}: expected '<call> <row> <layer> <id>:<gate> ...', got "
                              f"{line.strip()[:60]!r}") from None
-        if not pairs or min(call, row, layer) < 0 or layer >= MAX_LAYERS or len(pairs) > MAX_EXPERTS:
+        if not pairs or min(call, row, layer) < 0 or len(pairs) > MAX_EXPERTS:
             raise MboltError(f"{where}: line {i}: a call, row and layer >= 0 and at least one expert expected")
+        if call >= 1 << 62 or row >= 1 << 31 or layer >= MAX_LAYERS:
+            raise MboltError(f"{where}: line {i}: call {call}, row {row} or layer {layer} out of range")
         ids = [a for a, _ in pairs]
         if min(ids) < 0 or max(ids) >= MAX_EXPERTS or len(set(ids)) != len(ids):
             raise MboltError(f"{where}: line {i}: expert ids out of range or repeated: {ids}")
-        if not all(np.isfinite(g) for _, g in pairs):
-            raise MboltError(f"{where}: line {i}: a gate is not a finite number")
+        if not all(np.isfinite(g) and abs(g) <= MAX_GATE for _, g in pairs):
+            raise MboltError(f"{where}: line {i}: a gate is not a finite number of at most {MAX_GATE:g}")
         heads.append((call, row, layer))
         sels.append(pairs)
         linenos.append(i)

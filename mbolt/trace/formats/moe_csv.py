@@ -44,14 +44,14 @@ def read_moe_csv(path: Path, data: bytes, n_layers=None, n_experts=None) -> Trac
         if m is None:
             raise MboltError(f"{where}: line {i + 1}: expected '<layer>,<expert>', got "
                              f"{line[:60].decode('ascii', 'replace')!r}")
-        vals[i] = int(m.group(1)), int(m.group(2))
+        layer, expert = int(m.group(1)), int(m.group(2))
+        if layer >= MAX_LAYERS or expert >= MAX_EXPERTS:
+            raise MboltError(f"{where}: line {i + 1}: layer {layer} or expert id {expert} out of range (at most "
+                             f"{MAX_LAYERS - 1} and {MAX_EXPERTS - 1})")
+        vals[i] = layer, expert
     if not len(vals):
         raise MboltError(f"{where}: no routing lines")
     layer_l, expert = vals[:, 0], vals[:, 1]
-    for arr, hi, what in ((layer_l, MAX_LAYERS - 1, "layer"), (expert, MAX_EXPERTS - 1, "expert id")):
-        if arr.max() > hi:
-            i = int(np.argmax(arr))
-            raise MboltError(f"{where}: line {i + 1}: {what} {int(arr[i])} out of range (at most {hi})")
     E = infer_n_experts(where, expert, n_experts, lambda i: f"line {i + 1}")
     new_run = np.ones(len(vals), bool)
     new_run[1:] = layer_l[1:] != layer_l[:-1]
