@@ -211,8 +211,6 @@ def drop_cached(fd: int, a: int, b: int) -> None:
 def drop_mapped(mapping, fd: int, a: int, b: int, size: int) -> None:
     """`drop_cached` for bytes [a, b) that our own `mmap.mmap` of the file (`size` bytes) maps:
     our mapping lets go of its pages first (MADV_DONTNEED), or the kernel keeps them."""
-    import mmap
-
     a = a // DROP_ALIGN * DROP_ALIGN
     b = min(-(-b // DROP_ALIGN) * DROP_ALIGN, size)
     mapping.madvise(mmap.MADV_DONTNEED, a, b - a)

@@ -188,11 +188,8 @@ class ExpertStore:
     def resize(self, slots: int) -> None:
         """A new slot count for every layer; a shrink evicts the least recently used now."""
         self.cache_slots = slots
-        for layer, lru in self._lru.items():
-            for gone in lru.admit(()):
-                self._kept[layer].pop(gone, None)
-                if self.on_evict is not None:
-                    self.on_evict(layer, gone)
+        for layer in self._lru:
+            self._admit(layer, ())
 
     def clear_cache(self) -> None:
         for layer in self._lru:
@@ -278,11 +275,16 @@ class ExpertStore:
                     kept[e] = got[e]
                 else:
                     kept.pop(e, None)
-            for gone in lru.admit(ids):
-                kept.pop(gone, None)
-                if self.on_evict is not None:
-                    self.on_evict(layer, gone)
+            self._admit(layer, ids)
         return out
+
+    def _admit(self, layer: int, ids) -> None:
+        """`ids` become the layer's most recently used; whatever leaves the cache loses its kept
+        bytes and is handed to on_evict."""
+        for gone in self._lru[layer].admit(ids):
+            self._kept[layer].pop(gone, None)
+            if self.on_evict is not None:
+                self.on_evict(layer, gone)
 
     def reserve(self, experts_per_call: int) -> int:
         """Allocate the read arena for the largest call of `experts_per_call` misses and touch

@@ -7,7 +7,7 @@ llama_stream_s64k_warm.json). This filter answers every question in C (yes for t
 ``ffn_moe_topk-N``) and hands only those nodes, once computed, to the Python callback.
 
 It is compiled once with the system C compiler into ``$XDG_CACHE_HOME/mbolt`` (the file name
-carries a hash of the source and of the tensor-name offset). Without a compiler `topk_filter`
+carries a hash of the source; the tensor-name offset is passed at run time). Without a compiler `topk_filter`
 returns None and the runner keeps the Python callback (slower, same routing).
 """
 
@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+TOPK_PREFIX = b"ffn_moe_topk-"  # the graph nodes whose computed values are the selected experts
+
 SOURCE = r"""
 #include <stdbool.h>
 #include <string.h>
@@ -33,7 +35,7 @@ struct mbolt_filter { eval_cb python; long name_offset; };
    the ones we asked for once computed; only computed ffn_moe_topk-N nodes reach Python */
 bool mbolt_topk_filter(void * t, bool ask, void * user) {
     const struct mbolt_filter * f = (const struct mbolt_filter *) user;
-    if (strncmp((const char *) t + f->name_offset, "ffn_moe_topk-", 13) != 0) {
+    if (strncmp((const char *) t + f->name_offset, "PREFIX", PREFIX_LEN) != 0) {
         return !ask;
     }
     if (ask) {
@@ -41,7 +43,7 @@ bool mbolt_topk_filter(void * t, bool ask, void * user) {
     }
     return f->python(t, ask, NULL);
 }
-"""
+""".replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode())
 
 
 class _Filter(ctypes.Structure):

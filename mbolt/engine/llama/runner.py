@@ -18,10 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.engine.llama.native import TOPK_PREFIX
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
-_TOPK = re.compile(rb"^ffn_moe_topk-(\d+)$")
+_TOPK = re.compile(rb"^" + re.escape(TOPK_PREFIX) + rb"(\d+)$")
 
 
 class GgmlTensor(ctypes.Structure):
@@ -45,7 +46,6 @@ class GgmlTensor(ctypes.Structure):
 
 BINDING_VERSION = "0.3.36"  # the ggml_tensor prefix below is this release's include/ggml.h
 _NAME_OFFSET = GgmlTensor.name.offset
-_TOPK_PREFIX = b"ffn_moe_topk-"
 
 
 def _lib():
@@ -180,7 +180,7 @@ class LlamaRunner:
     def _eval_cb(self, t_ptr, ask, user):
         # called for every graph node (only for ffn_moe_topk-N behind the native filter): compare
         # the name's first bytes before building anything
-        if ctypes.string_at(t_ptr + _NAME_OFFSET, len(_TOPK_PREFIX)) != _TOPK_PREFIX:
+        if ctypes.string_at(t_ptr + _NAME_OFFSET, len(TOPK_PREFIX)) != TOPK_PREFIX:
             return not ask
         t = GgmlTensor.from_address(t_ptr)
         m = _TOPK.match(t.name)
