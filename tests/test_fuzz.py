@@ -275,47 +275,51 @@ def test_fuzz_faroute(data, tmp_path):
     _check(_load_trace, p, "FAROUTE1")
 
 
+def _text_file(tmp_path, name: str, head: bytes, text: str, big: int, junk: bytes):
+    """A text trace: a valid first line, then fuzzed text (each "x" a number of up to 31 digits,
+    past int64) and a few junk bytes."""
+    p = tmp_path / name
+    p.write_bytes(head + text.replace("x", str(big)).encode() + junk)
+    return p
+
+
+_BIG = st.integers(0, 10 ** 30)
+
+
 @FUZZ
-@given(text=st.text(alphabet="0123456789 :.\n-xe", max_size=400), big=st.integers(0, 10 ** 30),
-       junk=st.binary(max_size=4))
+@given(text=st.text(alphabet="0123456789 :.\n-xe", max_size=400), big=_BIG, junk=st.binary(max_size=4))
 def test_fuzz_colibri_route_trace(text, big, junk, tmp_path):
-    p = tmp_path / "x.txt"
-    p.write_bytes(b"0 0 1 3:0.5000 4:0.2500\n" + text.replace("x", str(big)).encode() + junk)
+    p = _text_file(tmp_path, "x.txt", b"0 0 1 3:0.5000 4:0.2500\n", text, big, junk)
     _check(_load_trace, p, "colibri ROUTE_TRACE")
 
 
 @FUZZ
-@given(text=st.text(alphabet="0123456789,\n-x", max_size=400), big=st.integers(0, 10 ** 30),
-       junk=st.binary(max_size=4))
+@given(text=st.text(alphabet="0123456789,\n-x", max_size=400), big=_BIG, junk=st.binary(max_size=4))
 def test_fuzz_moe_trace_csv(text, big, junk, tmp_path):
-    p = tmp_path / "x.csv"
-    p.write_bytes(b"0,1\n0,2\n" + text.replace("x", str(big)).encode() + junk)
+    p = _text_file(tmp_path, "x.csv", b"0,1\n0,2\n", text, big, junk)
     _check(_load_trace, p, "llama.cpp moe-trace CSV")
 
 
-def _huge_usage(tmp_path):
-    """A few bytes that name the largest table the limits allow one by one."""
-    p = tmp_path / "huge.coli_usage"
-    p.write_bytes(b"-1 4000 32000\n4000 31999 1\n")
-    return p
+def _load_usage(p):
+    from mbolt.trace.formats import load_usage
+
+    u = load_usage(p)
+    assert u.heat.shape == (u.n_layers, u.n_experts) and (u.heat >= 0).all()
+    return u
 
 
 @FUZZ
-@given(text=st.text(alphabet="0123456789 \n-x", max_size=400), big=st.integers(0, 10 ** 30),
-       junk=st.binary(max_size=4))
+@given(text=st.text(alphabet="0123456789 \n-x", max_size=400), big=_BIG, junk=st.binary(max_size=4))
 def test_fuzz_coli_usage(text, big, junk, tmp_path):
-    from mbolt.trace.formats import load_usage
+    p = _text_file(tmp_path, "x.coli_usage", b"-1 4 8\n-2 1 5\n", text, big, junk)
+    _check(_load_usage, p, ".coli_usage")
 
-    p = tmp_path / "x.coli_usage"
-    p.write_bytes(b"-1 4 8\n-2 1 5\n" + text.replace("x", str(big)).encode() + junk)
-    _check(lambda path: load_usage(path), _huge_usage(tmp_path), ".coli_usage")
 
-    def read(path):
-        u = load_usage(path)
-        assert u.heat.shape == (u.n_layers, u.n_experts) and (u.heat >= 0).all()
-        return u
-
-    _check(read, p, ".coli_usage")
+def test_coli_usage_naming_the_largest_table_stays_small(tmp_path):
+    """A few bytes that name the largest table the limits allow one by one."""
+    p = tmp_path / "huge.coli_usage"
+    p.write_bytes(b"-1 4000 32000\n4000 31999 1\n")
+    _check(_load_usage, p, ".coli_usage")
 
 
 # ---- JSON files: plan.json, route-map sidecar, probe figures ----

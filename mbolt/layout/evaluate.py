@@ -126,13 +126,11 @@ def lru_hits(sets: np.ndarray, n_experts: int, slots: int) -> np.ndarray:
     if slots <= 0 or N == 0:
         return hits
     caches = [SlotLru(slots) for _ in range(L)]
-    rows = np.asarray(sets).tolist()
-    for t, row in enumerate(rows):
+    for t, row in enumerate(np.asarray(sets).tolist()):
         for layer, ids in enumerate(row):
-            if ids[0] < 0 and max(ids) < 0:
-                continue
-            h, _ = caches[layer].step([e for e in ids if e >= 0])
-            hits[t, layer, [i for i, e in enumerate(ids) if e >= 0]] = h
+            at = [i for i, e in enumerate(ids) if e >= 0]  # recorded ranks (-1: not recorded)
+            if at:
+                hits[t, layer, at] = caches[layer].step([ids[i] for i in at])[0]
     return hits
 
 
@@ -155,10 +153,10 @@ def evaluate(trace: Trace, perm: np.ndarray, geometry: Geometry, gap: int = 0, c
         raise MboltError("evaluate: no tokens to evaluate")
     E = trace.n_experts
     pos = inverse_perm(perm).astype(np.int64)
-    if cache_slots > 0 and hits is None:  # hits depend on the tokens, not the order: callers scoring
-        hits = lru_hits(trace.experts, E, cache_slots)  # many orders pass them in
-    elif cache_slots <= 0:
+    if cache_slots <= 0:
         hits = None
+    elif hits is None:  # hits depend on the tokens, not the order: callers scoring many orders pass them
+        hits = lru_hits(trace.experts, E, cache_slots)
     reads = np.zeros(trace.n_layers)
     nbytes = np.zeros(trace.n_layers)
     useful = np.zeros(trace.n_layers)

@@ -60,12 +60,17 @@ def path_weight(C: np.ndarray, perm: np.ndarray, far: tuple[float, ...] = ()) ->
 # ---------------------------------------------------------------- simple methods
 
 
+def heat_order(heat: np.ndarray) -> np.ndarray:
+    """Hottest expert first, ties by lower id: the order that needs no co-activation."""
+    return np.lexsort((np.arange(len(heat)), -np.asarray(heat)))
+
+
 def _stock(C, heat, **_):
     return np.arange(len(heat))
 
 
 def _heat(C, heat, **_):
-    return np.lexsort((np.arange(len(heat)), -heat))
+    return heat_order(heat)
 
 
 def _heat_tsp(C, heat, **opts):

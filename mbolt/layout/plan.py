@@ -16,8 +16,8 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.layout.coact import Coact, coactivation, groups as find_groups
-from mbolt.layout.evaluate import Geometry, evaluate, geometry_preset
-from mbolt.layout.methods import METHODS, order
+from mbolt.layout.evaluate import Geometry, evaluate, geometry_preset, lru_hits
+from mbolt.layout.methods import METHODS, heat_order, order
 from mbolt.core.plan import PERMS_FORMAT, Plan, save_plan
 from mbolt.core.routemap import identity_perm
 from mbolt.core.trace import Trace, split_trace
@@ -122,8 +122,6 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
         perms[name] = np.asarray(p)
         perms[name + ":seconds"] = None
     names = list(methods) + list(extra_perms or {})
-    from mbolt.layout.evaluate import lru_hits
-
     hits = {part: lru_hits(t.experts, t.n_experts, cache_slots) if cache_slots > 0 and t is not None else None
             for part, t in (("train", train), ("heldout", held))}
     for name in names:
@@ -157,9 +155,6 @@ def compare_methods(train: Trace, held: Trace | None, geometry: Geometry, *, gap
     return out
 
 
-# ---------------------------------------------------------------- the `mbolt plan` stage
-
-
 # ---------------------------------------------------------------- other formats
 
 
@@ -179,8 +174,9 @@ def plan_from_usage(usage: Usage, method: str, where: str, model=None) -> Plan:
         stray = [int(l) for l in layers if int(l) not in moe]
         if stray:
             raise MboltError(f"{where}: counts at layer {stray[0]}, which is not an MoE layer of {model.path}")
-    for l in layers:
-        perm[l] = order(np.zeros((usage.n_experts,) * 2), usage.heat[l], method)
+    if method == "heat":  # stock: the identity as it is (no co-activation matrix either way)
+        for l in layers:
+            perm[l] = heat_order(usage.heat[l])
     meta = {"fingerprint": "", "heat_only": True, "source": where, "moe_layers": layers.tolist(),
             "notes": list(usage.notes)}
     return Plan(method, usage.n_layers, usage.n_experts, perm, usage.heat.copy(), meta)
@@ -200,7 +196,7 @@ def perms_dict(plan: Plan, train: Trace) -> dict:
             "layer": l,
             "clique_perm": [e for grp in g for e in grp],
             "chain_perm": order(co.counts[l], heat, "mbolt-chain", clusters=g).tolist(),
-            "heat_perm": order(co.counts[l], heat, "heat").tolist(),
+            "heat_perm": heat_order(heat).tolist(),
             "heat": [float(h) for h in heat],
             "perm": plan.perm[l].tolist(),
         })

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.trace import Trace, select_phase
+from mbolt.core.trace import DECODE, Trace, select_phase
 
 PAIR_MIN_COUNT = 5
 PAIR_MIN_LIFT = 1.5
@@ -117,9 +117,9 @@ def strong_pairs(counts: np.ndarray, heat: np.ndarray, n_tokens: int) -> list[li
 def model_labels(mm) -> tuple[str, str]:
     """(model, quant) for a profile: general.name (else the file name) and general.file_type's
     name (else the first routed tensor's type)."""
-    import gguf
-
     from pathlib import Path
+
+    import gguf
 
     name = mm.header.get("general.name")
     name = name if isinstance(name, str) and name else Path(mm.path).stem
@@ -140,8 +140,6 @@ def export_profile(trace: Trace, *, model: str = "", quant: str = "", progress=N
     from mbolt.layout.coact import coactivation
     from mbolt.layout.methods import order
     from mbolt.layout.plan import groups_method, layer_groups
-
-    from mbolt.core.trace import DECODE
 
     if not (np.asarray(trace.phase) == DECODE).any():
         raise MboltError(f"{where}: no decode tokens (the co-activation profile counts decode tokens only)")
