@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from mbolt.cli.common import console, err_console, output, print_json, user_errors
+from mbolt.cli.common import console, err_console, output, print_json, show, user_errors
 from mbolt.core.errors import MboltError
 
 
@@ -34,11 +34,8 @@ def expert_map_cmd(
     d = expert_map_dict(m)
     if out is not None:
         write_text_atomic(out, _json.dumps(d) + "\n")
-    if as_json:
-        print_json(d)
-        return
-    console.print(f"wrote {out}: {len(d['layers'])} MoE layers x {d['n_experts']} experts, layout {d['layout']}, "
-                  f"{len(d['files'])} file(s)", highlight=False)
+    show(as_json, d, lambda: f"wrote {out}: {len(d['layers'])} MoE layers x {d['n_experts']} experts, layout "
+                             f"{d['layout']}, {len(d['files'])} file(s)")
 
 
 @user_errors
@@ -81,11 +78,8 @@ def export_coact_cmd(
     info = {"out": str(out), "n_layers": d["n_layers"], "moe_layers": len(d["layers"]),
             "n_expert_per_layer": d["n_expert_per_layer"], "k": d["k"], "n_decode_tokens": d["n_decode_tokens"],
             "pairs": sum(len(r["pairs"]) for r in d["layers"])}
-    if as_json:
-        print_json(info)
-        return
-    console.print(f"wrote {out}: {info['moe_layers']} MoE layers x {info['n_expert_per_layer']} experts, k={info['k']}, "
-                  f"{info['n_decode_tokens']:,} decode tokens, {info['pairs']:,} strong pairs", highlight=False)
+    show(as_json, info, lambda: f"wrote {out}: {info['moe_layers']} MoE layers x {info['n_expert_per_layer']} experts, "
+                                f"k={info['k']}, {info['n_decode_tokens']:,} decode tokens, {info['pairs']:,} strong pairs")
 
 
 @user_errors
@@ -114,11 +108,8 @@ def export_heat_cmd(
     write_text_atomic(out, usage_text(heat, engine))
     info = {"out": str(out), "n_layers": tr.n_layers, "n_experts": tr.n_experts, "tokens": tr.n_tokens,
             "phase": phase, "nonzero": int(np.count_nonzero(heat)), "engine_id": engine_id(engine) if engine else 0}
-    if as_json:
-        print_json(info)
-        return
-    console.print(f"wrote {out}: {info['nonzero']:,} non-zero counts over {tr.n_layers} layers x {tr.n_experts} experts "
-                  f"from {tr.n_tokens:,} {phase} tokens; engine id {info['engine_id']}", highlight=False)
+    show(as_json, info, lambda: f"wrote {out}: {info['nonzero']:,} non-zero counts over {tr.n_layers} layers x "
+                                f"{tr.n_experts} experts from {tr.n_tokens:,} {phase} tokens; engine id {info['engine_id']}")
 
 
 @user_errors
