@@ -350,6 +350,17 @@ CASES = [
                                         "not a previous .coli_usage")),
     ("exportheat-bad-phase", lambda w: (["export-heat", str(w / T), "-o", str(w / "u.coli_usage"), "--phase",
                                          "prefill"], "no prefill tokens")),
+    # ---- serve and chat (they fail before listening or reading a line) ----
+    ("serve-model-missing", lambda w: (["serve", str(w / "nope.gguf")], "nope.gguf")),
+    ("serve-text", lambda w: (["serve", str(w / "p.txt")], "not a GGUF")),
+    ("serve-record-over-model", lambda w: (["serve", str(w / M), "--record-routing", str(w / M), "--force"],
+                                           "is an input")),
+    ("serve-ram-too-small", lambda w: (["serve", str(w / M), "--ram", "1M"], "a budget of 1 MiB cannot hold")),
+    ("serve-bad-port", lambda w: (["serve", str(w / M), "--port", "70000"], "--port")),
+    ("serve-bad-ram", lambda w: (["serve", str(w / M), "--ram", "lots"], "--ram: 'lots' is not a size")),
+    ("chat-model-missing", lambda w: (["chat", str(w / "nope.gguf")], "nope.gguf")),
+    ("chat-no-template", lambda w: (["chat", str(w / M), "--ram", "2G"], "no tokenizer.chat_template")),
+    ("chat-bad-temp", lambda w: (["chat", str(w / M), "--temp", "9"], "--temp")),
 ]
 
 

@@ -76,3 +76,20 @@ def test_hparam_error_is_a_user_error():
     from mbolt.core.hparams import HparamError
 
     assert issubclass(HparamError, MboltError)
+
+
+@pytest.mark.parametrize("key", ["qwen3moe.attention.head_count_kv", "qwen3moe.attention.head_count",
+                                 "qwen3moe.embedding_length", "qwen3moe.expert_used_count"])
+def test_every_bit_of_a_sizing_hparam_flipped_is_a_verdict_never_a_traceback(pair, tmp_path, key):
+    """Every one of the 32 bits of the value flipped in the rewritten file: verify (with the
+    reference engine's routing parity, which reshapes by these values) ends in exit 1 or 2 and one
+    error line, never a traceback."""
+    from mbolt.core.header import read_header
+
+    src, out = pair
+    value = int(read_header(out).kv[key].value)
+    for bit in range(32):
+        bad = _set_u32(out, tmp_path / "bad.gguf", key, value ^ (1 << bit))
+        r = CliRunner().invoke(app, ["verify", str(src), str(bad)])
+        assert r.exit_code in (1, 2) and r.exception is None or isinstance(r.exception, SystemExit), (bit, r.output)
+        assert "Traceback" not in r.output, (bit, r.output)

@@ -123,42 +123,47 @@ def test_ram_needs_llama_engine_and_a_size(model, tmp_path):
 
 
 def test_budget_sizes_the_cache_and_refuses_too_small(model):
-    """Outside a cgroup the runtime counts its own memory (dense weights + anonymous memory): a
-    budget of that plus 20 slots' worth (and the margin and a prompt chunk's experts) gives about
-    20 slots during a prompt; a decode step reads only k experts per layer, so the cache then also
-    takes the rest of the prompt chunk's reserve."""
-    from mbolt.engine.llama.stream import (BUDGET_MARGIN, LlamaStream, expert_bytes_all_layers, own_bytes,
-                                           prefill_bytes)
+    """Outside a cgroup the runtime counts its own memory (dense weights, anonymous memory, the
+    compute buffer its first prompt will touch, its read buffers): a budget of that plus the margin,
+    a prompt pass's reserve (this layer's union and the next layer read ahead) and 20 slots' worth
+    gives about 20 slots during a prompt; a decode step reads only k experts per layer, so the
+    cache then also takes the rest of the pass's reserve."""
+    from mbolt.engine.llama.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes, step_bytes
+    from mbolt.engine.llama.runtime import own_bytes
+    from mbolt.engine.llama.stream import LlamaStream
 
     mm = model["mm"]
     per_slot = expert_bytes_all_layers(mm)
     assert per_slot == sum(w.slice_bytes for w in mm.moe_layers[0].weights) * len(mm.moe_layers)
+    layer = sum(w.slice_bytes for w in mm.moe_layers[0].weights) * mm.n_experts
+    assert layer_bytes(mm) == layer
     with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm) as s:
+        assert s.n_ubatch == 512 and s.plan.prefetch  # a pass selects the whole layer: two layers reserved
+        assert s.plan.prefill_reserve == 2 * layer
         dense = sum(b - a for a, b in s.pages.dense_tensors)
-        s.budget = own_bytes() + dense + BUDGET_MARGIN + prefill_bytes(mm) + 20 * per_slot
+        s.budget = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer
+                    + 20 * per_slot)
         s.make_cold()
-        assert 15 <= s.prefill_slots <= 21  # the pages locked round dense tensors up to whole pages
-        expert = mm.moe_layers[0].expert_bytes
-        extra = (min(64, 8 * mm.n_used) - mm.n_used) * expert  # a chunk's union less a step's k experts
-        assert s.cache_slots == s.decode_slots == min(64, s.prefill_slots + extra // per_slot) or \
-            s.decode_slots == s.prefill_slots + extra // per_slot + 1  # the floors round apart by one at most
-        assert s.decode_slots > s.prefill_slots
-        s.generate([list(range(65, 65 + 16))], 8, forced=8)  # a prompt chunk, then decode steps
+        assert 15 <= s.prefill_slots <= 21  # the pages held round dense tensors up to whole pages
+        extra = (2 * layer - step_bytes(mm)) // per_slot  # the pass's reserve less a step's k experts
+        assert s.decode_slots in (min(64, s.prefill_slots + extra), min(64, s.prefill_slots + extra + 1))
+        assert s.cache_slots == s.decode_slots > s.prefill_slots
+        s.generate([list(range(65, 65 + 16))], 8, forced=8)  # a prompt pass, then decode steps
         assert s.store.cache_slots == s.decode_slots
         before = {l.index: s.store.cached(l.index) for l in mm.moe_layers}
         s._resize_cache(s.prefill_slots)  # what the next prompt does first: shrink, victims gone
         assert any(len(old) > s.prefill_slots for old in before.values())  # the shrink had work to do
-        for layer, old in before.items():
-            now = s.store.cached(layer)
+        for layer_i, old in before.items():
+            now = s.store.cached(layer_i)
             assert len(now) <= s.prefill_slots and now == old[len(old) - len(now):]  # the most recent stay
             gone = [e for e in old if e not in now]
             if gone:
-                assert s.pages.resident(s.pages.expert_spans_of(layer, gone)) == 0.0
-        assert s.locked_bytes >= sum(b - a for a, b in s.pages.dense_tensors)
+                assert s.pages.resident(s.pages.expert_spans_of(layer_i, gone)) == 0.0
+        assert s.locked_bytes >= dense and s.copied_bytes == 0  # root: everything locked
         assert s.pages.resident(s.pages.dense_tensors) == 1.0
-    with LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm) as s:
-        with pytest.raises(MboltError, match="below the .* MiB that the dense weights"):
-            s.make_cold()
+    with pytest.raises(MboltError, match=r"a budget of 8 MiB cannot hold the dense weights .* the KV cache of a "
+                                         r"4096-token context .*no context fits: give a larger --ram"):
+        LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm)
 
 
 def test_a_layer_without_expert_selection_is_an_error(model):

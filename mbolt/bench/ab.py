@@ -93,7 +93,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
            threshold: float = 0.01, aa: bool = True, name: str = "ab", prompts=None, n_new: int = 16,
            seed: int = 0, progress=None, prereg: dict | None = None, trace_path: str = "",
            tokens_per_round: int = 0, aa_tolerance: float = AA_TOLERANCE, stop: StopRule | None = None,
-           host_cache: dict | None = None, engine: str = "reference", ram: int = 0, forced: int = 0) -> AbResult:
+           host_cache: dict | None = None, engine: str = "reference", ram: int = 0, forced: int = 0,
+           followup: int = 0, n_ctx: int | None = None, n_ubatch: int = 512, drive: str = "") -> AbResult:
     """Run every arm once per round, in the orders of `arm_orders(seed)`, until the stop rule says
     so (see the module docstring). `rounds` is a shortcut for StopRule(rounds=rounds).
 
@@ -103,7 +104,10 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     `host_cache`: a `probe.host_cache` result to record in the environment (measured when None).
     `engine` "llama.cpp" (decode only): each arm runs in llama.cpp (bench.ab_llama.run_llama_arm).
     `ram` > 0 (llama.cpp): each arm-round is a fresh process inside a memory cgroup of that many
-    bytes; `forced` > 0: teacher forcing after that many prompt tokens (llama.cpp).
+    bytes; `forced` > 0: teacher forcing after that many prompt tokens (llama.cpp); `followup` > 0: a
+    session, the next that many tokens of the text fed as one more turn after the decode steps (its
+    time to first token recorded); `n_ctx`, `n_ubatch`: llama.cpp's context size and prompt pass;
+    `drive` (with `ram`): a drive profile (core.blkio) capping each arm's reads once its model has loaded.
     """
     if len(arms) < 1:
         raise MboltError("ab needs at least one arm")
@@ -134,14 +138,14 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     if engine == "llama.cpp":
         from mbolt.bench.ab_llama import check_llama_arms, run_llama_arm
 
-        check_llama_arms(arms, info, mode)
+        check_llama_arms(arms, info, mode, ram, drive)
         runner = run_llama_arm
     elif engine != "reference":
         raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
-    elif ram or forced:
-        raise MboltError("--ram and --forced run arms in llama.cpp: add --engine llama.cpp")
-    elif any(a.warm or a.callback or a.asynchronous or a.pins for a in arms):
-        raise MboltError("arm options warm, callback, async and pins are for --engine llama.cpp")
+    elif ram or forced or followup:
+        raise MboltError("--ram, --forced and --followup-tokens run arms in llama.cpp: add --engine llama.cpp")
+    elif any(a.warm or a.callback or a.asynchronous or a.pins or a.n_ubatch or a.user for a in arms):
+        raise MboltError("arm options warm, callback, async, pins, ubatch and user are for --engine llama.cpp")
     if trace is not None:
         check_compatible(trace, mm0, trace_path or "trace")
     layouts = {p: lay for p, (m, lay) in info.items()}
@@ -151,6 +155,10 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     env["readahead_kb"] = env["block"].get("read_ahead_kb")
     env["memory_limit_bytes"] = int(ram) if ram else None
     env["teacher_forced"] = int(forced)
+    if engine == "llama.cpp":
+        env["llama"] = {"n_ctx": n_ctx, "n_ubatch": int(n_ubatch), "flash_attn": "on (every arm)",
+                        "followup_tokens": int(followup), "repacking": "off (every arm)"}
+        env["drive"] = drive or "this VM's disk as it is"
     results: list[RoundResult] = []
     metric = MODE_METRIC.get(mode, "wall_s")
     block = design_block(len(arms))
@@ -169,7 +177,8 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         tr_r = round_tokens(trace, r, tokens_per_round) if trace is not None else None
         for pos, i in enumerate(order):
             a = arms[i]
-            job = ArmJob(r, pos, threshold, tr_r, prompts, n_new, prev, ram, forced)
+            job = ArmJob(r, pos, threshold, tr_r, prompts, n_new, prev, ram, forced, followup=followup, n_ctx=n_ctx,
+                         n_ubatch=n_ubatch, drive=drive)
             res = runner(a, info[a.path][0], job)
             results.append(res)
             prev = a.name
@@ -255,33 +264,42 @@ def write_result(path: str | os.PathLike, result: AbResult) -> Path:
     return p
 
 
+def _tokenize(model_path: str, texts: list[str], engine: str) -> list[list[int]]:
+    if engine == "llama.cpp":
+        from mbolt.engine.llama.runner import LlamaRunner
+
+        with LlamaRunner(model_path, vocab_only=True) as r:
+            return [r.tokenize(t, add_special=True) for t in texts]
+    from mbolt.core.header import read_header
+    from mbolt.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_header(read_header(model_path))
+    return [tok.encode(t)[:64] for t in texts]
+
+
 def load_prompt_ids(model_path: str, prompts_path=None, n: int = 2, engine: str = "reference",
-                    forced: int = 0, n_new: int = 0) -> list[list[int]]:
+                    forced: int = 0, n_new: int = 0, followup: int = 0) -> list[list[int]]:
     """Token ids of the first `n` prompts (the tracer's prompt files: jsonl or text lines).
 
     engine "llama.cpp": llama.cpp's own tokenizer (every vocabulary it loads; any shard of a set),
     whole prompts. The reference engine: mbolt's tokenizer, prompts cut to 64 tokens (its decode
     A/B prefills them; the cut is said in the result's notes by the caller).
     forced > 0 (teacher forcing): without a prompt file, the built-in text (mbolt/data/kl_text.txt)
-    cut into `n` passages; every prompt must hold forced + n_new tokens."""
-    from mbolt.core.prompts import forced_texts, prompt_texts
+    cut into `n` passages, or for passages longer than it holds (sessions) the held-out prompts of
+    mbolt/data/prompts.jsonl joined (`session_texts`); every prompt must hold forced + n_new +
+    followup tokens."""
+    from mbolt.core.prompts import forced_texts, prompt_texts, session_texts
 
+    need = forced + n_new + followup
     texts = forced_texts(prompts_path, n) if forced else prompt_texts(prompts_path, n)
-    if engine == "llama.cpp":
-        from mbolt.engine.llama.runner import LlamaRunner
-
-        with LlamaRunner(model_path, vocab_only=True) as r:
-            out = [r.tokenize(t, add_special=True) for t in texts[:n]]
-    else:
-        from mbolt.core.header import read_header
-        from mbolt.engine.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_header(read_header(model_path))
-        out = [tok.encode(t)[:64] for t in texts[:n]]
+    out = _tokenize(model_path, texts[:n], engine)
+    if forced and prompts_path is None and any(len(ids) < need for ids in out):
+        out = _tokenize(model_path, session_texts(n), engine)  # passages longer than the built-in text
     if not out or not all(out):
         raise MboltError("decode: no usable prompts")
     for i, ids in enumerate(out):
-        if forced and len(ids) < forced + n_new:
+        if forced and len(ids) < need:
             raise MboltError(f"prompt {i} has {len(ids)} tokens; teacher forcing needs {forced} + --new-tokens "
-                             f"{n_new}: give longer texts (--prompts) or fewer --new-tokens")
+                             f"{n_new}{f' + --followup-tokens {followup}' if followup else ''}: give longer texts "
+                             "(--prompts) or fewer tokens")
     return out

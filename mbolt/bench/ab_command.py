@@ -17,6 +17,7 @@ from mbolt.bench.stats import StopRule
 from mbolt.core.atomic import check_output
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import parse_size, readahead
+from mbolt.engine.llama.memory import DEFAULT_UBATCH
 
 
 @dataclass
@@ -30,6 +31,10 @@ class AbRequest:
     n_prompts: int = 2
     new_tokens: int = 8
     forced: bool = False
+    prompt_tokens: int = FORCED_PREFILL
+    followup_tokens: int = 0
+    ctx_size: int | None = None
+    ubatch: int = DEFAULT_UBATCH
     ram: str | None = None
     readahead_kb: int | None = None
     rounds: int | None = None
@@ -66,6 +71,9 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
     qd, direct, gap, cache_slots, resident_frac = req.qd, req.direct, req.gap, req.cache_slots, req.resident_frac
     tokens_per_round, name, out_dir, prereg = req.tokens_per_round, req.name, req.out_dir, req.prereg
     probe_json, plot, force = req.probe_json, req.plot, req.force
+    if (req.followup_tokens or req.prompt_tokens != FORCED_PREFILL) and not forced:
+        raise MboltError("--prompt-tokens and --followup-tokens are teacher forcing: add --forced")
+    n_forced = req.prompt_tokens if forced else 0
 
     ram_bytes = parse_size(ram, "--ram") if ram else 0
 
@@ -117,8 +125,8 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
     else:
         from mbolt.bench.ab import load_prompt_ids
 
-        prompt_ids = load_prompt_ids(arm_list[0].path, prompts, n_prompts, engine=engine,
-                                     forced=FORCED_PREFILL if forced else 0, n_new=new_tokens)
+        prompt_ids = load_prompt_ids(arm_list[0].path, prompts, n_prompts, engine=engine, forced=n_forced,
+                                     n_new=new_tokens, followup=req.followup_tokens)
     if pr is not None:
         lock = check_and_lock(pr)
         announce(f"pre-registration {pr.path}: sha256 {pr.sha256[:16]}, run {lock['runs']} "
@@ -131,7 +139,7 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
                      progress=progress,
                      prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
                      tokens_per_round=tokens_per_round, seed=seed, engine=engine, ram=ram_bytes,
-                     forced=FORCED_PREFILL if forced else 0)
+                     forced=n_forced, followup=req.followup_tokens, n_ctx=req.ctx_size, n_ubatch=req.ubatch)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 
@@ -142,7 +150,7 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
 
         # the law with s measured in this run; counts on the routing llama.cpp computes
         ref = next((a for a in arm_list if a.mode != "os"), arm_list[0])
-        routing = record_routing(ref.path, prompt_ids, new_tokens, forced=FORCED_PREFILL if forced else 0)
+        routing = record_routing(ref.path, prompt_ids, new_tokens, forced=n_forced)
         res.prediction = predict_llama(res, routing, probe_json)
     elif probe_json is not None and trace is not None:
         from mbolt.bench.predict import predict_vs_measured

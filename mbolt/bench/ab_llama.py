@@ -22,6 +22,7 @@ recorded; an arm the kernel killed is one error naming the arm and the budget.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -33,10 +34,11 @@ from mbolt.bench.arms import Arm, ArmJob, RoundResult
 from mbolt.engine.llama.stream import LlamaStream, check_llama_streamable
 from mbolt.bench.env import wait_quiet
 from mbolt.core.errors import MboltError
+from mbolt.core.memlimit import reset_own_peak
 from mbolt.core.moe_map import MoeMap
 
 
-def check_llama_arms(arms: list[Arm], info: dict, mode: str) -> None:
+def check_llama_arms(arms: list[Arm], info: dict, mode: str, ram: int = 0, drive: str = "") -> None:
     if mode != "decode":
         raise MboltError("--engine llama.cpp measures generation: use --decode (replay reads without an engine)")
     for a in arms:
@@ -52,12 +54,22 @@ def check_llama_arms(arms: list[Arm], info: dict, mode: str) -> None:
             raise MboltError(f"arm {a.name}: async is a way to issue explicit reads; an os arm issues none")
         if a.resident_frac is not None:
             raise MboltError(f"arm {a.name}: give the llama.cpp slot budget as cache=N, not frac")
+        if a.user and not ram:
+            raise MboltError(f"arm {a.name}: user runs the arm as a process of its own: it needs --ram")
+    if drive and not ram:
+        raise MboltError("--drive throttles each arm's own process: it needs --ram")
+    if drive:
+        from mbolt.core.blkio import profile
+
+        profile(drive)  # an unknown name is one line, before anything runs
 
 
 def _slots(arm: Arm) -> int:
     return arm.cache_slots if arm.mode != "os" else 0
 
 
+# an ordinary user's limits, as root: no CAP_IPC_LOCK (mlock then obeys RLIMIT_MEMLOCK) and its 8 MiB default
+ORDINARY_USER = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit", "--memlock=8388608"]
 WORKER_TIMEOUT_S = 3600  # one arm-round in a group; past it the process is killed (never a hang)
 
 
@@ -76,9 +88,12 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
 
     evict_model(mm, job.threshold)  # uncharged and cold: the group fills its own page cache
     payload = json.dumps({"arm": asdict(arm), "job": {**asdict(job), "trace": None}})
-    with MemoryGroup(job.ram) as group:
-        proc = group.popen([sys.executable, "-m", "mbolt.bench.ab_llama"], stdin=subprocess.PIPE,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-m", "mbolt.bench.ab_llama"]
+    if arm.user:
+        argv = ORDINARY_USER + argv
+    with MemoryGroup(job.ram) as group, _io_group(arm, job) as io:
+        proc = group.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           **({"also": io.path} if io is not None else {}))
         try:
             out, err = proc.communicate(payload, timeout=WORKER_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -87,6 +102,7 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
             raise MboltError(f"arm {arm.name}: no result after {WORKER_TIMEOUT_S} s inside a {job.ram} B memory "
                              "cgroup (killed)") from None
         peak, kills = group.peak(), group.oom_kills()
+        served = io.served() if io is not None else None
     if proc.returncode != 0:
         if kills:
             raise MboltError(f"arm {arm.name}: the kernel OOM-killed it inside a {job.ram} B memory cgroup "
@@ -95,7 +111,22 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
         raise MboltError(f"arm {arm.name}: its process failed inside the memory cgroup (exit {proc.returncode}): {last}")
     res = RoundResult(**json.loads(out.strip().splitlines()[-1]))
     res.peak_bytes = peak
+    if served is not None:
+        res.drive_served_bytes, res.drive_served_reads = served.bytes, served.ios
     return res
+
+
+def _io_group(arm: Arm, job: ArmJob):
+    """A block-I/O cgroup for the arm's process when the run emulates a drive (`job.drive`): the
+    worker sets the profile's cap once its model has loaded (core.blkio.throttle_own); the group's
+    cap is cleared and the group removed afterwards."""
+    import contextlib
+
+    if not job.drive:
+        return contextlib.nullcontext()
+    from mbolt.core.blkio import IoGroup
+
+    return IoGroup(arm.path)
 
 
 def worker_main() -> int:
@@ -123,7 +154,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     stream = LlamaStream(arm.path, reads=reads, gap=arm.gap, qd=arm.io_threads, cache_slots=_slots(arm),
                          evict=not arm.warm and not (job.ram and not reads), callback=arm.callback, mm=mm,
                          budget=job.ram if (job.ram and reads) else None, asynchronous=arm.asynchronous,
-                         pins=arm.pins)
+                         pins=arm.pins, n_ctx=job.n_ctx, n_ubatch=arm.n_ubatch or job.n_ubatch)
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()
@@ -140,16 +171,28 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                 note += (f"; inside a {job.ram} B memory cgroup: "
                          + (f"{stream.cache_slots} expert slots/layer ({stream.prefill_slots} during a prompt, "
                             f"{stream.pinned_per_layer} pinned), "
-                            f"{stream.locked_bytes} B of dense weights locked"
+                            f"{stream.locked_bytes} B of dense weights locked, {stream.copied_bytes} B copied"
                             if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
-        run = stream.generate(prompts, n_new, forced=job.forced)
+        peak_load = reset_own_peak() if job.ram else None  # the load touched the whole group: what follows counts
+        if job.drive:
+            from mbolt.core.blkio import throttle_own
+
+            throttle_own(arm.path, job.drive)  # throttled after the load, as a drive of that class would read
+        run = stream.generate(prompts, n_new, forced=job.forced, followup=job.followup)
     finally:
         stream.close()
     n = max(len(prompts), 1)
     return RoundResult(arm.name, rnd, position, before, after, proven, rejected, run.decode_tokens, run.decode_s,
                        run.io_s, run.prefill_s / n, run.reads, run.bytes, run.useful_bytes, run.device_bytes,
                        run.hits, run.misses, run.major_faults, note, run.ops, quiet.get("inflight_at_start"),
-                       quiet["waited_s"], prev_arm=job.prev_arm, generated=run.generated)
+                       quiet["waited_s"], prev_arm=job.prev_arm, generated=run.generated,
+                       followup_ttft_s=run.followup_s / n if job.followup else None, prompt_tokens=run.prompt_tokens,
+                       prompt_passes=run.prompt_passes, prompt_bytes=run.prompt_bytes,
+                       prompt_read_s=run.prompt_read_s, prompt_device_bytes=run.prompt_device_bytes,
+                       n_ctx=stream.n_ctx, n_ubatch=stream.n_ubatch, followup_bytes=run.followup_bytes,
+                       peak_load_bytes=peak_load, reclaimed=stream.reclaimed,
+                       tokens_sha256=hashlib.sha256(json.dumps(run.generated).encode()).hexdigest(),
+                       dense_copied_bytes=stream.copied_bytes)
 
 
 def check_same_tokens(rounds: list[RoundResult]) -> None:
@@ -175,6 +218,17 @@ def llama_summary(arms: list[Arm], rounds: list[RoundResult], summary: list[dict
             continue
         a = by_arm[row["arm"]]
         row["decode_tokens_per_s"] = float(np.median([r.tokens / r.wall_s for r in rs]))
+        row["decode_tokens_per_s_rounds"] = [r.tokens / r.wall_s for r in rs]
+        row["ttft_s"] = float(np.median([r.ttft_s for r in rs]))
+        if all(r.followup_ttft_s is not None for r in rs):
+            row["followup_ttft_s"] = float(np.median([r.followup_ttft_s for r in rs]))
+        if all(r.prompt_read_s > 0 for r in rs):
+            row["prompt_read_mb_per_s"] = float(np.median([r.prompt_bytes / r.prompt_read_s / 1e6 for r in rs]))
+            row["prompt_passes"] = float(np.median([r.prompt_passes for r in rs]))
+        peaks = [r.peak_bytes for r in rs if r.peak_bytes is not None]
+        if peaks:
+            row["peak_after_load_bytes_max"] = int(max(peaks))
+        row["reclaimed"] = int(sum(r.reclaimed for r in rs))
         row["read_share_s"] = float(np.median([r.io_s / r.wall_s for r in rs])) if a.mode != "os" else None
         row["device_bytes_per_token"] = (float(np.median([r.device_bytes / r.tokens for r in rs]))
                                          if all(r.device_bytes is not None for r in rs) else None)

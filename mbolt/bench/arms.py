@@ -26,6 +26,8 @@ class Arm:
     callback: bool = False  # --engine llama.cpp, os arm: install the eval callback anyway
     asynchronous: bool = False  # --engine llama.cpp: submit the reads (WILLNEED), let the page faults wait
     pins: bool = False  # --engine llama.cpp: pin each layer's hottest experts (the route map's training heat)
+    n_ubatch: int = 0  # --engine llama.cpp: tokens per prompt pass (0: the run's --ubatch-size)
+    user: bool = False  # --ram: run as an ordinary user would (no CAP_IPC_LOCK, RLIMIT_MEMLOCK 8 MiB)
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -34,24 +36,26 @@ class Arm:
 
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
-            "callback": bool, "async": bool, "pins": bool}
+            "callback": bool, "async": bool, "pins": bool, "ubatch": int, "user": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
-    frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins."""
+    frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins, ubatch, user."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
-            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, async, pins)")
+            raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, "
+                             "async, pins, ubatch, user)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
         except ValueError:
             raise MboltError(f"arm {spec!r}: {k} needs a {typ.__name__}, got {v!r}") from None
-        k = {"qd": "io_threads", "cache": "cache_slots", "frac": "resident_frac", "async": "asynchronous"}.get(k, k)
+        k = {"qd": "io_threads", "cache": "cache_slots", "frac": "resident_frac", "async": "asynchronous",
+             "ubatch": "n_ubatch"}.get(k, k)
         if k == "os":
             k, val = "mode", "os" if val else "read"
         kw[k] = val
@@ -127,6 +131,21 @@ class RoundResult:
     drop_s: float = 0.0  # time the store spent dropping the pages it read (outside io_s, inside wall_s)
     generated: list | None = None  # --engine llama.cpp: greedy tokens per prompt (must agree across arms)
     peak_bytes: int | None = None  # --ram: the memory cgroup's peak charge (page cache included)
+    followup_ttft_s: float | None = None  # a session's follow-up turn: time to its first token (mean over prompts)
+    prompt_tokens: int = 0
+    prompt_passes: int = 0  # passes over the experts of the prompts and follow-ups (mbolt's runtime)
+    prompt_bytes: int = 0  # what the runtime's pass reader read
+    prompt_read_s: float = 0.0  # time with a pass read outstanding
+    prompt_device_bytes: int | None = None  # /proc/self/io read_bytes during the prompts and follow-ups
+    n_ctx: int = 0
+    n_ubatch: int = 0
+    followup_bytes: int = 0  # read by the runtime's pass reader during the follow-up turn
+    peak_load_bytes: int | None = None  # --ram: the group's peak through the load (then reset: peak_bytes is after it)
+    reclaimed: int = 0  # cached experts the kernel reclaimed (read again)
+    tokens_sha256: str = ""  # of the generated tokens (the same in every arm, or the run is refused)
+    dense_copied_bytes: int = 0  # dense weights held as anonymous copies (mlock refused: an ordinary user)
+    drive_served_bytes: int | None = None  # --drive: what the device served the arm's group (the kernel's count)
+    drive_served_reads: int | None = None
 
 
 def check_same_model(arms: list[Arm]) -> dict[str, tuple[MoeMap, str]]:
@@ -163,3 +182,7 @@ class ArmJob:
     prev_arm: str | None = None
     ram: int = 0  # --engine llama.cpp: run the arm as a process inside a memory cgroup of this many bytes
     forced: int = 0  # teacher forcing: prefill this many tokens of each prompt, then feed its next tokens
+    followup: int = 0  # teacher-forced sessions: then this many tokens as one more turn on the same context
+    n_ctx: int | None = None  # llama.cpp's context size (None: the default)
+    n_ubatch: int = 512  # tokens per prompt pass, for arms that do not set their own
+    drive: str = ""  # --ram: a drive profile (core.blkio.PROFILES) set on the arm's reads once its model has loaded

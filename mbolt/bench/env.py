@@ -66,7 +66,9 @@ def git_revision(root: str | os.PathLike | None = None) -> str:
     try:
         r = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
         rev = r.stdout.strip() if r.returncode == 0 else "no commit yet"
-        d = subprocess.run(["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5)
+        # results/ and prereg locks are what a benchmark writes: they do not make the code it ran dirty
+        d = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", ".", ":(exclude)results",
+                            ":(exclude)prereg/*.lock"], capture_output=True, text=True, timeout=5)
         if d.returncode == 0 and d.stdout.strip():
             rev += " (dirty)"
         return rev

@@ -167,7 +167,7 @@ def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = AA_TOLERANCE)
     got = row["speedup_vs_baseline_median"]
     ci = row.get("speedup_ci95")
     ok = got >= pr.pass_threshold
-    aa = aa_row(summary)
+    aa = aa_row(summary, pr.baseline)
     aa_ok = aa is None or abs(aa["speedup_vs_baseline_median"] - 1.0) <= aa_tolerance
     return {
         "verdict": ("PASS" if ok else "FAIL") if aa_ok else "INCONCLUSIVE",

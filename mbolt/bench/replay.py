@@ -20,6 +20,11 @@ Policies (budget = expert slots per layer; the OS policy pools the same total):
                      distinct experts, i.e. the initial fill is free, as it is for learned-pin's
                      pinned set: so it is an upper bound for every policy with `budget` slots per
                      layer, whatever their start state. `scope="global"` bounds the OS policy.
+- `OptPolicy`        Belady's MIN under the one cache rule: the fewest misses any per-layer cache
+                     of `budget` slots can have when, like LRU, it starts empty and admits every
+                     expert a token selects (evicting the cached expert used again farthest ahead,
+                     never one the token selected). The bound beside LRU and the store's cache;
+                     `belady` above is looser (free initial fill, and it may decline to admit).
 
 How nuthatch counted (per access; chen3feng/nuthatch src/cache: cache_policy.cc Replay, trace_sweep.cc,
 learned_pin_policy.cc): every record of the trace in file order, no warm-up, hit rate =
@@ -32,6 +37,7 @@ on granite it makes no difference at the printed precision).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +48,7 @@ from mbolt.core.errors import MboltError
 from mbolt.core.lru import SlotLru
 from mbolt.core.trace import DECODE, Trace, select_phase, split_trace
 
-POLICIES = ("learned-pin", "lru", "os", "belady")
+POLICIES = ("learned-pin", "lru", "os", "belady", "opt")
 
 
 # ---- the access sequence ----
@@ -140,6 +146,20 @@ class OsPolicy(CachePolicy):
         return self.lru.touch((layer, expert))
 
 
+def next_uses(layers: np.ndarray, experts: np.ndarray) -> np.ndarray:
+    """For each access of the flat sequence (`accesses`), the index of the next access to the
+    same (layer, expert); len(sequence) when there is none."""
+    n = len(layers)
+    keys = layers.astype(np.int64) * (1 << 20) + experts
+    out = np.full(n, n, dtype=np.int64)
+    last: dict[int, int] = {}
+    for i in range(n - 1, -1, -1):
+        k = int(keys[i])
+        out[i] = last.get(k, n)
+        last[k] = i
+    return out
+
+
 class BeladyPolicy(CachePolicy):
     """Clairvoyant optimum with a free initial fill (see the module docstring): after each step
     the cache keeps, of what it held and what the token asked for, the `slots` keys needed
@@ -153,15 +173,7 @@ class BeladyPolicy(CachePolicy):
         self.n_layers, self.slots, self.scope = n_layers, slots, scope
 
     def start(self, layers, experts):
-        n = len(layers)
-        keys = layers.astype(np.int64) * (1 << 20) + experts
-        # next_use[i] = index of the next access to the same key (n = never)
-        self._next = np.full(n, n, dtype=np.int64)
-        last: dict[int, int] = {}
-        for i in range(n - 1, -1, -1):
-            k = int(keys[i])
-            self._next[i] = last.get(k, n)
-            last[k] = i
+        self._next = next_uses(layers, experts)
         self._i = 0
         n_caches = self.n_layers if self.scope == "layer" else 1
         self._cache = [dict() for _ in range(n_caches)]  # key -> next use
@@ -183,6 +195,53 @@ class BeladyPolicy(CachePolicy):
             c[key] = nxt
         while len(c) > self.slots:
             del c[max(c, key=c.__getitem__)]
+        return hits
+
+    def access(self, layer, expert):
+        return self.step(layer, [expert])[0]
+
+
+class OptPolicy(CachePolicy):
+    """Belady's MIN under the one cache rule (module docstring): the fewest misses a cache of
+    `slots` experts per layer can have on this routing. Starts empty; after each token the cache
+    holds the token's experts (the `slots` needed soonest when the token selected more, as LRU
+    keeps its last `slots`) and, in the room left, the experts it held that are needed soonest.
+    Evicting the one used again farthest ahead is optimal here as in Belady's proof (exchange:
+    keeping a sooner-needed expert instead never costs a miss); tests check it against a
+    search over every eviction choice. Needs the future: `replay` hands it the whole trace."""
+
+    name = "opt"
+
+    def __init__(self, n_layers: int, slots: int):
+        self.n_layers, self.slots = n_layers, max(int(slots), 0)
+
+    def start(self, layers, experts):
+        self._next = next_uses(layers, experts)
+        self._i = 0
+        self._cache: list[dict] = [dict() for _ in range(self.n_layers)]  # expert -> index of its next use
+        self.misses = np.zeros(self.n_layers, dtype=np.int64)  # per layer: a layer's bytes may differ
+
+    def step(self, layer, experts):
+        c = self._cache[layer]
+        hits = [e in c for e in experts]
+        self.misses[layer] += len(hits) - sum(hits)
+        want: dict = {}
+        for e in experts:  # a repeated id keeps its later access's next use
+            want[e] = int(self._next[self._i])
+            self._i += 1
+        if self.slots == 0:
+            return hits
+        for e in want:
+            c.pop(e, None)
+        if len(want) >= self.slots:
+            c.clear()
+            c.update((e, want[e]) for e in heapq.nsmallest(self.slots, want, key=want.__getitem__))
+        else:
+            over = len(c) + len(want) - self.slots
+            if over > 0:
+                for e in heapq.nlargest(over, c, key=c.__getitem__):
+                    del c[e]
+            c.update(want)
         return hits
 
     def access(self, layer, expert):
@@ -231,7 +290,7 @@ def replay(trace: Trace, policy: CachePolicy, per_access: bool = False) -> Repla
 @dataclass
 class CacheSweep:
     budgets: list[int]
-    rows: list[dict]  # per budget: {budget, pin, learned-pin, lru, os, belady, belady_global}
+    rows: list[dict]  # per budget: {budget, pin, learned-pin, lru, os, belady, opt, belady_global}
     mode: str  # "in-sample" | "held-out"
     train_tokens: int
     test_tokens: int
@@ -274,7 +333,7 @@ def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
             raise MboltError(f"budget must be positive, got {b}")
         pin = LearnedPinPolicy(usage, b, pin_share)
         row = {"budget": b, "pin": pin.pin, "lru_slots": pin.lru_slots}
-        for pol in (pin, LruPolicy(L, b), OsPolicy(b * n_moe), BeladyPolicy(L, b)):
+        for pol in (pin, LruPolicy(L, b), OsPolicy(b * n_moe), BeladyPolicy(L, b), OptPolicy(L, b)):
             st = replay(test, pol, per_access)
             row[pol.name] = st.hit_rate
             row["accesses"] = st.accesses

@@ -198,6 +198,16 @@ def non_io_per_read(rounds: list[RoundResult]) -> dict:
             "model": "(wall_s - io_s)/token = fixed + per_read * reads/token"}
 
 
+def arm_identity(a: Arm) -> dict:
+    """What makes an arm what it is: its file and every option (not its name)."""
+    from dataclasses import asdict
+
+    d = asdict(a)
+    d.pop("name")
+    d.pop("control_of")
+    return d
+
+
 def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str, str], perms: dict[str, bytes]) -> list[str]:
     """Arms that should differ in what they read but report identical counters."""
     flags = []
@@ -212,12 +222,11 @@ def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str
                     flags.append(f"A/A control {a.name} vs {b.name}: counters differ (the same arm is not deterministic)")
                 continue
             same_file_pattern = perms.get(a.path) == perms.get(b.path) and layouts.get(a.path) == layouts.get(b.path)
-            same_reader = (a.gap, a.direct, a.mode, a.cache_slots, a.resident_frac) == \
-                (b.gap, b.direct, b.mode, b.cache_slots, b.resident_frac)
+            same_reader = arm_identity(a) | {"path": ""} == arm_identity(b) | {"path": ""}
             if counters[a.name] == counters[b.name] and not (same_file_pattern and same_reader) and a.mode != "os":
                 flags.append(f"{a.name} and {b.name} should read differently but report identical counters "
                              f"(same code ran twice?)")
-            if a.path == b.path and a.options() == b.options() and (a.warm, a.callback) == (b.warm, b.callback):
+            if arm_identity(a) == arm_identity(b):
                 flags.append(f"{a.name} and {b.name} are the same arm (same file, same options)")
     return flags
 
@@ -225,10 +234,18 @@ def flag_identical(arms: list[Arm], rounds: list[RoundResult], layouts: dict[str
 AA_TOLERANCE = 0.03  # DESIGN.md: an A/A control (same file, same options) lands within +-3%
 
 
-def aa_row(summary: list[dict]) -> dict | None:
-    """The A/A control's summary row (None when the run had none or it has no valid rounds)."""
-    return next((s for s in summary if s["arm"].endswith("(A/A)")
-                 and s.get("speedup_vs_baseline_median") is not None), None)
+def aa_row(summary: list[dict], baseline: str | None = None) -> dict | None:
+    """The baseline's A/A control's summary row (None when the run had none or it has no valid
+    rounds). Other arms may have A/A copies of their own: the baseline's is `baseline`'s, else the
+    first row's, else the only one."""
+    rows = [s for s in summary if s["arm"].endswith(" (A/A)") and s.get("speedup_vs_baseline_median") is not None]
+    if not rows:
+        return None
+    for name in ([baseline] if baseline else []) + [summary[0]["arm"]]:
+        hit = next((s for s in rows if s["arm"] == f"{name} (A/A)"), None)
+        if hit is not None:
+            return hit
+    return rows[0] if baseline is None and len(rows) == 1 else None
 
 
 def aa_ok(summary: list[dict], tolerance: float = AA_TOLERANCE) -> bool | None:

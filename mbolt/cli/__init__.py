@@ -1,7 +1,7 @@
 """Thin typer layer: parse arguments, call one stage function, render with rich.
 
 Every command catches MboltError, prints its message on one line and exits 2. One module per
-panel of `mbolt --help` (start, pipeline, measure, models, exchange); `common` holds what they
+panel of `mbolt --help` (start, serve, pipeline, measure, models, exchange); `common` holds what they
 share; the table below registers them.
 """
 
@@ -12,6 +12,7 @@ from mbolt.cli.exchange import expert_map_cmd, export_coact_cmd, export_heat_cmd
 from mbolt.cli.measure import cache_cmd, predict_cmd, probe_cmd
 from mbolt.cli.models import generate_cmd, inspect_cmd, synth_cmd, synth_trace_cmd, trace_stats_cmd
 from mbolt.cli.pipeline import ab_cmd, plan_cmd, reorder_cmd, trace_cmd, trace_merge_cmd, verify_cmd
+from mbolt.cli.serve import chat_cmd, serve_cmd
 from mbolt.cli.start import demo_cmd, report_cmd
 
 __all__ = ["app", "main", "user_errors", "COMMANDS"]
@@ -20,6 +21,8 @@ __all__ = ["app", "main", "user_errors", "COMMANDS"]
 COMMANDS = [
     ("demo", demo_cmd, "Start here"),
     ("report", report_cmd, "Start here"),
+    ("serve", serve_cmd, "Run a model"),
+    ("chat", chat_cmd, "Run a model"),
     ("trace", trace_cmd, "Pipeline"),
     ("trace-merge", trace_merge_cmd, "Pipeline"),
     ("plan", plan_cmd, "Pipeline"),

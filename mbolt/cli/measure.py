@@ -108,7 +108,9 @@ def cache_cmd(
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier --plot PNG."),
     as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
 ):
-    """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady) over a trace."""
+    """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady, opt) over a trace.
+
+    opt: the fewest misses any cache of that size could have under LRU's rule (Belady's MIN)."""
     from mbolt.bench.replay import cache_sweep, nuthatch_lines_trace
     from mbolt.trace.formats import load_trace
     from mbolt.report.bench_tables import cache_table

@@ -42,14 +42,19 @@ def synth_cmd(
     shared_ff: int = typer.Option(None, "--shared-ff", help="Shared expert FFN size (qwen2moe)."),
     expert_type: str = typer.Option(None, "--type", help="Expert tensor type: F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 Q5_1 "
                                     "MXFP4, and with --fast-random Q2_K Q3_K Q4_K Q5_K Q6_K IQ4_XS IQ4_NL IQ3_XXS "
-                                    "IQ3_S IQ2_XXS IQ2_XS IQ1_S."),
+                                    "IQ3_S IQ2_XXS IQ2_XS IQ1_S, or Q4_K_M (llama-quantize's mix: gate/up Q4_K, down "
+                                    "Q6_K in about half the layers)."),
     down_type: str = typer.Option(None, "--down-type", help="Type of ffn_down_exps (default: --type); Q4_K_M "
                                   "files keep down in Q6_K."),
     layer_types: str = typer.Option(None, "--layer-types", help="Per-layer expert types over --type, "
                                     "e.g. '0-3:Q6_K,10:Q5_K'."),
     fused_gate_up: bool = typer.Option(False, "--fused-gate-up", help="One ffn_gate_up_exps tensor per layer "
                                        "(llama.cpp loads it for deepseek2 and qwen3next only)."),
-    dense_type: str = typer.Option(None, "--dense-type", help="Attention/output matrices: F32 or F16."),
+    dense_type: str = typer.Option(None, "--dense-type", help="Attention/dense FFN/shared expert/output matrices: "
+                                   "F32, F16, Q8_0, and with --fast-random Q2_K Q3_K Q4_K Q5_K Q6_K or Q4_K_M "
+                                   "(llama-quantize's mix: Q4_K, attn_v and ffn_down Q6_K in about half the layers, "
+                                   "output Q6_K). `--type Q4_K_M --dense-type Q4_K_M --fast-random`: a Q4_K_M-like "
+                                   "file."),
     seed: int = typer.Option(None, "--seed", help="Random seed (same seed, same bytes)."),
     structure: str = typer.Option(None, "--structure", help="planted (default) or none (null control)."),
     groups: int = typer.Option(None, "--groups", help="Planted expert groups (default experts / (2k))."),
@@ -57,6 +62,12 @@ def synth_cmd(
     heat_skew: float = typer.Option(None, "--heat-skew", help="Per-expert heat skew >= 0 (default 0.5)."),
     context: float = typer.Option(None, "--context", help="Context-dependent routing >= 0 (default 0: routing "
                                   "follows the token; ~1: recent tokens move it too)."),
+    routing_like: Path = typer.Option(None, "--routing-like", help="Plant a real model's routing instead of groups: "
+                                      "PROFILE is a co-activation JSON (the original mbolt's coactivation_*.json) or "
+                                      "any trace mbolt reads. Per-layer heat, the pairs' lift and how often "
+                                      "neighbouring tokens share experts are fitted on calibration text (prompts.jsonl "
+                                      "lines 1-100); needs the profile's expert count, qwen3moe/olmoe/mixtral, "
+                                      "head_dim >= 64."),
     fast_random: bool = typer.Option(False, "--fast-random", help="Random valid expert/matrix blocks: disk speed, "
                                      "routing still planted, forward pass not meaningful."),
     probs_bias: bool = typer.Option(False, "--probs-bias", help="Add blk.N.exp_probs_b.bias (glm4moe and deepseek2 "
@@ -79,11 +90,16 @@ def synth_cmd(
 
     given = dict(arch=arch, n_layers=layers, n_experts=experts, n_used=k, hidden=hidden, expert_ff=expert_ff,
                  n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, shared_ff=shared_ff,
-                 expert_type=expert_type.upper() if expert_type else None, dense_type=dense_type, seed=seed,
+                 expert_type=expert_type.upper() if expert_type else None,
+                 dense_type=dense_type.upper() if dense_type else None, seed=seed,
                  down_type=down_type, layer_types=layer_types, fused_gate_up=fused_gate_up or None,
                  structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew, context=context,
                  dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
                  expert_bias=expert_bias or None, vocab=str(vocab) if vocab else None)
+    if routing_like:
+        from mbolt.layout.stats import routing_target
+
+        given["routing_like"] = routing_target(routing_like)
     given = {key: v for key, v in given.items() if v is not None}
     if not preset and head_dim is None and (hidden or heads):  # keep heads x head_dim == hidden
         given["head_dim"] = (hidden or SynthConfig.hidden) // (heads or SynthConfig.n_heads)
@@ -94,7 +110,11 @@ def synth_cmd(
     cfg = SynthConfig.from_preset(preset, **given) if preset else SynthConfig(**given)
     output(out, "gguf-mbolt", force=force, what="synthetic model")
     cfg.validate()  # before the progress bar: an error is then the only output
-    total = synth_size(cfg)
+    if routing_like and not as_json:
+        with err_console.status(f"fitting the routing to {routing_like.name} on calibration text"):
+            total = synth_size(cfg)  # the fit, kept for the write
+    else:
+        total = synth_size(cfg)
     if total > 64 << 20 and not as_json:
         with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                       TransferSpeedColumn(), TimeRemainingColumn(), console=err_console) as bar:
@@ -106,13 +126,20 @@ def synth_cmd(
         print_json(dataclasses.asdict(info))
     else:
         g = info.geometry
+        routing = (f"routing like {routing_like.name}" if routing_like
+                   else f"structure {info.structure} ({g['n_groups']} groups)")
         console.print(
             f"wrote [bold]{info.path}[/] ({info.bytes / 1e6:,.1f} MB): {info.arch}"
             f"{' (' + info.preset + ')' if info.preset else ''}, {g['n_layers']} layers x {g['n_experts']} experts, "
             f"k={g['n_used']}, hidden {g['hidden']}, expert ff {g['expert_ff']}, experts {info.expert_type}, "
-            f"structure {info.structure} ({g['n_groups']} groups){', fast-random' if info.fast_random else ''}",
+            f"{routing}{', fast-random' if info.fast_random else ''}",
             highlight=False,
         )
+        if routing_like:
+            c = info.extra["routing_like"]["calibration"]
+            console.print(f"[dim]on the calibration text: heat entropy / max {c['entropy_norm']:.3f}, hottest 10% share "
+                          f"{c['top10_share']:.3f}, median pair lift {c['cut_lift_p50']:.2f}, consecutive overlap / "
+                          f"heat overlap {c['overlap_vs_heat']:.2f} (`mbolt trace-stats` measures them)[/]", highlight=False)
 
 
 @user_errors
@@ -142,16 +169,23 @@ def generate_cmd(
     gap: int = typer.Option(0, "--gap", min=0, help="--stream: merge gap (bytes)."),
     pins: bool = typer.Option(False, "--pins", help="--stream: keep each layer's hottest experts (by the training "
                               "heat a reorder file's route map carries) in 3/4 of the cache; the rest is LRU."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
+                                 "4096, capped by the model's training context). Under --stream its KV cache is "
+                                 "counted in the budget."),
+    ubatch: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass (each "
+                               "pass reads the experts the cache does not hold; --stream may take fewer to fit the "
+                               "budget)."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
     """Greedy decode with tokens/s: the numpy reference engine, or llama.cpp (with --stream: mbolt's expert reads)."""
     if engine == "llama.cpp":
         return _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token, qd, blocking, gap,
-                               pins, as_json)
+                               pins, as_json, ctx_size, ubatch)
     if engine != "reference":
         raise MboltError(f"--engine must be reference or llama.cpp, not {engine!r}")
-    if stream or cache_slots or ram or drop_every_token or pins:
-        raise MboltError("--stream, --ram, --cache-slots, --drop-every-token and --pins need --engine llama.cpp")
+    if stream or cache_slots or ram or drop_every_token or pins or ctx_size:
+        raise MboltError("--stream, --ram, --cache-slots, --drop-every-token, --pins and --ctx-size need --engine "
+                         "llama.cpp")
     from mbolt.engine import load_model
     from mbolt.engine.generate import generate
 
@@ -176,7 +210,8 @@ REPACK_NOTE = ("repacking off: the weights stay pages of the mapped file (llama.
                "Q4_0/Q4_K experts into anonymous memory, which a model larger than RAM cannot hold)")
 
 
-def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token, qd, blocking, gap, pins, as_json):
+def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token, qd, blocking, gap, pins, as_json,
+                    ctx_size, ubatch):
     from rich.progress import Progress
 
     from mbolt.core.memlimit import budget
@@ -188,28 +223,35 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
         raise MboltError("--drop-every-token drops everything after each token: it takes no --ram or --cache-slots")
     limit, where = budget(ram) if (stream and not drop_every_token and not cache_slots) else (None, "")
     with LlamaStream(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap, budget=limit,
-                     asynchronous=stream and not blocking, pins=pins) as s:
+                     asynchronous=stream and not blocking, pins=pins, n_ctx=ctx_size, n_ubatch=ubatch) as s:
         ids = s.runner.tokenize(prompt, add_special=True)
         if not ids:
             raise MboltError("the prompt has no tokens")
+        if len(ids) + n > s.runner.n_ctx:
+            raise MboltError(f"the prompt's {len(ids)} tokens and {n} new ones do not fit a context of "
+                             f"{s.runner.n_ctx} tokens: give a larger --ctx-size/-c")
         if stream:
             s.make_cold()
         if not as_json:
             err_console.print(f"[dim]llama.cpp: {REPACK_NOTE}[/]")
             if limit:
-                err_console.print(f"[dim]budget {limit / 2**30:.2f} GiB ({where}): {s.locked_bytes / 1e6:.0f} MB of "
-                                  f"dense weights locked, {s.cache_slots} expert slots per layer "
-                                  f"({s.pinned_per_layer} pinned)[/]")
+                err_console.print(f"[dim]budget {limit / 2**30:.2f} GiB ({where}): {s.describe_budget()}[/]",
+                                  highlight=False)
         with Progress(console=err_console, transient=True, disable=as_json) as bar:
-            task = bar.add_task("generating", total=n)
-            run = s.generate([ids], n, on_token=lambda i, t: bar.update(task, completed=i + 1))
+            task = bar.add_task(f"prompt ({len(ids)} tokens)", total=None)
+            run = s.generate([ids], n, on_token=lambda i, t: bar.update(task, description="generating",
+                                                                         completed=i + 1, total=n))
         text = s.detokenize(run.generated[0])
     tok = max(run.decode_tokens, 1)
     res = {"engine": "llama.cpp", "stream": stream, "cache_slots": s.cache_slots, "budget_bytes": limit,
            "budget_from": where or None, "repacking": "off", "qd": qd, "gap": gap, "async_reads": stream and not blocking,
            "drop_every_token": drop_every_token, "pinned_per_layer": s.pinned_per_layer,
+           "n_ctx": s.n_ctx, "n_ubatch": s.n_ubatch, "flash_attn": s.flash_attn,
+           "dense_locked_bytes": s.locked_bytes, "dense_copied_bytes": s.copied_bytes,
            "prompt_ids": ids, "ids": run.generated[0], "text": text,
-           "ttft_s": run.prefill_s, "decode_tokens_per_s": run.decode_tokens / run.decode_s if run.decode_s else None,
+           "ttft_s": run.prefill_s, "prompt_passes": run.prompt_passes, "prompt_read_bytes": run.prompt_bytes,
+           "prompt_read_mb_per_s": run.prompt_bytes / run.prompt_read_s / 1e6 if run.prompt_read_s else None,
+           "decode_tokens_per_s": run.decode_tokens / run.decode_s if run.decode_s else None,
            "reads_per_token": run.reads / tok, "bytes_per_token": run.bytes / tok,
            "device_bytes_per_token": None if run.device_bytes is None else run.device_bytes / tok,
            "read_share_s": run.io_s / run.decode_s if (stream and run.decode_s) else None,
@@ -224,25 +266,42 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
            f"{f' ({s.prefill_slots} during the prompt)' if s.prefill_slots and s.prefill_slots != s.cache_slots else ''}"
            f"{', every expert dropped after every token' if drop_every_token else ''})"
            if stream else "plain llama.cpp (the file mapped, nothing dropped)")
-    line = (f"[dim]llama.cpp, {how}: prompt {len(ids)} tokens in {1e3 * run.prefill_s:.0f} ms, generated "
-            f"{len(run.generated[0])} at {res['decode_tokens_per_s'] or 0:.1f} tok/s")
+    line = f"[dim]llama.cpp, {how}: prompt {len(ids)} tokens in {run.prefill_s:.2f} s"
+    if run.prompt_passes:
+        line += (f" ({run.prompt_passes} pass{'es' if run.prompt_passes > 1 else ''} of up to {s.n_ubatch} tokens, "
+                 f"{run.prompt_bytes / 1e6:.0f} MB read at {res['prompt_read_mb_per_s'] or 0:.0f} MB/s)")
+    line += f", generated {len(run.generated[0])} at {res['decode_tokens_per_s'] or 0:.1f} tok/s"
     if stream:
         line += (f", {res['reads_per_token']:.1f} reads/token, {res['bytes_per_token'] / 1e6:.2f} MB/token, "
                  f"s = {res['read_share_s'] or 0:.2f}")
-    console.print(line + "[/]")
+    console.print(line + "[/]", highlight=False)
 
 
 @user_errors
 def trace_stats_cmd(
-    trace: Path = typer.Argument(..., help="A .mbtrace, or MBOLT_TRACE / nuthatch text / NUTHTRC1 (auto-detected)."),
+    trace: Path = typer.Argument(..., help="A .mbtrace, or MBOLT_TRACE / nuthatch text / NUTHTRC1 (auto-detected), or "
+                                 "a co-activation profile (the original mbolt's coactivation_*.json)."),
     fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text or nuthatch-bin."),
+    phase: str = typer.Option("all", "--phase", help="The tokens counted: decode, prefill or all."),
+    profile: Path = typer.Option(None, "--profile", help="A co-activation profile to put beside the trace, both "
+                                 "in the profile's cut (pairs seen >= 5 times with lift >= 1.5, top 2000)."),
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ):
-    """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap."""
-    from mbolt.layout.stats import trace_stats
-    from mbolt.report.layout_tables import trace_stats_renderables
+    """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap; the same
+    statistics in a co-activation profile's cut, beside a profile's own."""
+    from mbolt.layout.stats import is_profile, profile_stats, trace_stats
+    from mbolt.report.layout_tables import profile_stats_renderables, trace_stats_renderables
 
-    s = trace_stats(trace, fmt)
+    if is_profile(trace):
+        if profile:
+            raise MboltError(f"{trace}: a co-activation profile; --profile puts one beside a trace")
+        s = profile_stats(trace)
+        show(as_json, s, lambda: profile_stats_renderables(s))
+        return
+    s = trace_stats(trace, fmt, phase)
+    if profile:
+        s["compare"] = profile_stats(profile)
+        s["compare"]["source"] = profile.name
     show(as_json, s, lambda: trace_stats_renderables(s))
 
 

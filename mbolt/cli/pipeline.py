@@ -20,6 +20,8 @@ def trace_cmd(
     engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp' (eval callback, any llama.cpp arch)."),
     limit: int = typer.Option(0, "--n-prompts", min=0, help="Use at most this many prompts (0 = all)."),
     threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp threads (0 = all cores)."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
+                                 "4096, capped by the model's training context); a longer prompt is cut to fit."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
     shard: str = typer.Option(None, "--shard", help="I/N: trace only the I-th of N deterministic shares of the "
                               "prompts (prompts I, I+N, ...), e.g. on N machines; join with `mbolt trace-merge`."),
@@ -69,7 +71,7 @@ def trace_cmd(
     try:
         res = trace_prompts(model, items, out, max_new_tokens=max_new_tokens, engine=engine,
                             route=route, threads=threads or None, on_progress=progress, shard=share,
-                            force=force)
+                            force=force, n_ctx=ctx_size)
     finally:
         bar.stop()
     if as_json:
@@ -227,6 +229,8 @@ def verify_cmd(
                                    "(bit-identity only)."),
     llama: bool = typer.Option(False, "--llama", help="Also load both in llama.cpp (reorder layout): same "
                                "greedy tokens, logits within tolerance."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="--llama: llama.cpp's context size in tokens "
+                                 "(default 4096, capped by the model's training context)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """Check a rewritten GGUF: every tensor byte-identical through the route map, metadata
@@ -242,6 +246,8 @@ def verify_cmd(
     from mbolt.core.prompts import prompt_texts
     from mbolt.rewrite.verify import verify
 
+    if ctx_size and not llama:
+        raise MboltError("--ctx-size is llama.cpp's context: it needs --llama")
     texts = prompt_texts(prompts, n_prompts)
     # one bar per long phase: the byte comparison, then the engine runs (forwards of both files)
     with Progress("[progress.description]{task.description}", BarColumn(), TextColumn("{task.fields[amount]}"),
@@ -261,7 +267,7 @@ def verify_cmd(
             bar.update(engines, completed=d, total=t, amount=f"{d}/{t} forwards")
 
         rep = verify(src, out, parity=not no_parity, prompts=texts, n_tokens=tokens, llama=llama,
-                     progress=on_bytes, parity_progress=on_forwards)
+                     progress=on_bytes, parity_progress=on_forwards, n_ctx=ctx_size)
     show(as_json, rep.to_dict(), lambda: verify_table(rep))
     if not rep.ok:
         raise typer.Exit(1)
@@ -270,7 +276,7 @@ def verify_cmd(
 @user_errors
 def ab_cmd(
     arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S] (llama.cpp also: "
-                                     "warm, callback). The first is the baseline."),
+                                     "warm, callback, async, pins, ubatch=N). The first is the baseline."),
     replay_trace: Path = typer.Option(None, "--replay", help="Held-out trace: read exactly what each token needs (I/O only)."),
     decode: bool = typer.Option(False, "--decode", help="Generate with the engine (compute + I/O)."),
     engine: str = typer.Option("reference", "--engine", help="Decode engine: 'reference' (numpy engine + store) or "
@@ -281,6 +287,15 @@ def ab_cmd(
     forced: bool = typer.Option(False, "--forced", help="Decode: teacher forcing. Prefill each prompt's first 8 "
                                 "tokens, then feed its next tokens one at a time (routing follows real text, every "
                                 "arm decodes the same tokens). Without --prompts: the built-in text."),
+    prompt_tokens: int = typer.Option(8, "--prompt-tokens", min=1, help="--forced: the prompt's length (tokens "
+                                      "prefilled before the fed ones); its time is the time to first token."),
+    followup_tokens: int = typer.Option(0, "--followup-tokens", min=0, help="--forced: after the decode steps, feed "
+                                        "this many more tokens of the text as a follow-up turn on the same context "
+                                        "(a session: its KV cache reused; its time to first token is recorded)."),
+    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
+                                 "4096, capped by the model's training context)."),
+    ubatch: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass for arms "
+                               "without ubatch=N (mbolt's runtime may take fewer to fit its budget)."),
     ram: str = typer.Option(None, "--ram", help="llama.cpp: run every arm-round as a fresh process inside a memory "
                             "cgroup of this size (e.g. 2G; v1 or v2, needs root): a real memory limit. os arms are "
                             "then plain llama.cpp, arms with reads mbolt's runtime with this budget."),
@@ -327,7 +342,9 @@ def ab_cmd(
     from mbolt.report.bench_tables import ab_table
 
     req = AbRequest(arms=list(arms or []), replay_trace=replay_trace, decode=decode, engine=engine, prompts=prompts,
-                    n_prompts=n_prompts, new_tokens=new_tokens, forced=forced, ram=ram, readahead_kb=readahead_kb,
+                    n_prompts=n_prompts, new_tokens=new_tokens, forced=forced, prompt_tokens=prompt_tokens,
+                    followup_tokens=followup_tokens, ctx_size=ctx_size, ubatch=ubatch, ram=ram,
+                    readahead_kb=readahead_kb,
                     rounds=rounds, min_rounds=min_rounds, max_rounds=max_rounds, time_budget=time_budget,
                     precision=precision, seed=seed, qd=qd, direct=direct, gap=gap, cache_slots=cache_slots,
                     resident_frac=resident_frac, no_aa=no_aa, threshold=threshold, max_tokens=max_tokens,

@@ -68,6 +68,19 @@ def check_hparams(header, arch: str, n_experts: int, n_layers: int) -> None:
         # gated attention (qwen3next) puts a gate of the same width after the queries
         if t is not None and heads and kl and len(t.ne) == 2 and t.ne[1] not in (heads * kl, 2 * heads * kl):
             raise bad(f"{arch}.attention.head_count", n_head, t, f"expected {heads} heads x {kl}")
+        t = header.tensor(f"blk.{layer}.attn_output.weight")
+        standard = header.tensor(f"blk.{layer}.attn_v.weight") is not None  # not MLA (deepseek2's heads differ)
+        if t is not None and standard and heads and vl and len(t.ne) == 2 and t.ne[0] != heads * vl:
+            raise bad(f"{arch}.attention.head_count", n_head, t, f"its rows are {heads} heads x {vl}")
+        t = header.tensor(f"blk.{layer}.attn_k.weight")
+        if t is not None and isinstance(kv_heads, int) and (kv_heads < 1 or (heads and heads % kv_heads)):
+            raise bad(f"{arch}.attention.head_count_kv", n_kv, t, f"{heads} query heads need a whole number of "
+                      "query heads per key/value head")
+        for norm in ("attn_k_norm", "attn_q_norm"):
+            t = header.tensor(f"blk.{layer}.{norm}.weight")
+            # per-head norms span one head (qwen3); olmoe's span every head
+            if t is not None and kl and len(t.ne) == 1 and t.ne[0] % kl:
+                raise bad(f"{arch}.attention.key_length", kl, t, "a norm over whole heads")
         t = header.tensor(f"blk.{layer}.ffn_gate_inp.weight")
         if t is not None and len(t.ne) == 2 and t.ne[1] != n_experts:
             raise bad(f"{arch}.expert_count", n_experts, t, "the router has one row per expert")

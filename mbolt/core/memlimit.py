@@ -148,11 +148,24 @@ class MemoryGroup:
             except OSError:
                 time.sleep(0.05)  # a process that just exited may still be leaving the group
 
-    def popen(self, argv: list[str], **kw) -> subprocess.Popen:
+    def popen(self, argv: list[str], also: Path | None = None, **kw) -> subprocess.Popen:
         """Start `argv` inside the group: a shell joins the group, then execs the command, so no
-        byte of the command is charged elsewhere."""
+        byte of the command is charged elsewhere. `also`: another cgroup directory it joins too
+        (v1 keeps blkio apart from memory: core.blkio.IoGroup's path)."""
         procs = str(self.path / "cgroup.procs")
+        if also is not None and Path(also) != self.path:
+            return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && echo $$ > "$1" && shift && exec "$@"',
+                                     procs, str(Path(also) / "cgroup.procs"), *argv], **kw)
         return subprocess.Popen(["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', procs, *argv], **kw)
+
+    def reset_peak(self) -> bool:
+        """Start the group's peak over (v1 memory.max_usage_in_bytes, v2 memory.peak since Linux 6.12)."""
+        try:
+            (self.path / ("memory.max_usage_in_bytes" if self.kind == "v1" else "memory.peak")).write_text(
+                "0" if self.kind == "v1" else "reset")
+            return True
+        except OSError:
+            return False
 
     def peak(self) -> int | None:
         v = self._read("memory.max_usage_in_bytes" if self.kind == "v1" else "memory.peak")
@@ -171,9 +184,8 @@ class MemoryGroup:
 # ---- the budget ----
 
 
-def _own_group_values(v1_name: str, v2_name: str) -> list[int]:
-    """The integer values of a file of this process's memory cgroup(s), v1 or v2 ("max" and
-    unreadable files left out)."""
+def _own_groups() -> list[tuple[str, Path]]:
+    """This process's memory cgroup directories: ("v1", dir) and/or ("v2", dir)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
@@ -184,23 +196,40 @@ def _own_group_values(v1_name: str, v2_name: str) -> list[int]:
         _, ctrls, rel = line.split(":", 2)
         rel = rel.lstrip("/")
         if "memory" in ctrls.split(","):
-            f = V1_ROOT / rel / v1_name
+            out.append(("v1", V1_ROOT / rel))
         elif ctrls == "" and v2 is not None:
-            f = v2 / rel / v2_name
-        else:
-            continue
-        try:
-            v = f.read_text().strip()
-        except OSError:
-            continue
-        if v.isdigit():
-            out.append(int(v))
+            out.append(("v2", v2 / rel))
     return out
 
 
+def _read_int(f: Path) -> int | None:
+    try:
+        v = f.read_text().strip()
+    except OSError:
+        return None
+    return int(v) if v.isdigit() else None
+
+
+def _own_group_values(v1_name: str, v2_name: str) -> list[int]:
+    """The integer values of a file of this process's memory cgroup(s), v1 or v2 ("max" and
+    unreadable files left out)."""
+    vals = (_read_int(d / (v1_name if kind == "v1" else v2_name)) for kind, d in _own_groups())
+    return [v for v in vals if v is not None]
+
+
 def own_limit() -> int | None:
-    """The memory limit of the cgroup this process runs in (None: no limit or unknown)."""
-    limits = [v for v in _own_group_values("memory.limit_in_bytes", "memory.max") if v < UNLIMITED]
+    """The tightest memory limit of the cgroup this process runs in and of its parents (a systemd
+    slice sets the limit on a parent), None when there is none or it cannot be read."""
+    limits = []
+    for kind, d in _own_groups():
+        root = V1_ROOT if kind == "v1" else _v2_root()
+        while True:
+            v = _read_int(d / ("memory.limit_in_bytes" if kind == "v1" else "memory.max"))
+            if v is not None and v < UNLIMITED:
+                limits.append(v)
+            if root is None or d == root or root not in d.parents:
+                break
+            d = d.parent
     return min(limits) if limits else None
 
 
@@ -214,6 +243,31 @@ def available_memory() -> int:
     return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
 
 
+CAP_IPC_LOCK = 14  # <linux/capability.h>: mlock without RLIMIT_MEMLOCK
+
+
+def lockable_bytes() -> int | None:
+    """Bytes this process may still mlock: None when unlimited (CAP_IPC_LOCK, as root, or an
+    infinite RLIMIT_MEMLOCK); an ordinary user's default is 8 MiB."""
+    import resource
+
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        status = ""
+    fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+    try:
+        if int(fields.get("CapEff", "0").strip(), 16) >> CAP_IPC_LOCK & 1:
+            return None
+    except ValueError:
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    if soft == resource.RLIM_INFINITY:
+        return None
+    locked = int(fields.get("VmLck", "0 kB").split()[0]) * 1024
+    return max(0, soft - locked)
+
+
 def budget(ram: str | int | None = None) -> tuple[int, str]:
     """(bytes, where from): --ram, else this process's cgroup limit, else available memory."""
     if ram:
@@ -222,6 +276,21 @@ def budget(ram: str | int | None = None) -> tuple[int, str]:
     if lim is not None:
         return lim, "cgroup limit"
     return available_memory(), "available memory"
+
+
+def reset_own_peak() -> int | None:
+    """Start this process's memory cgroup's peak over (after a model's load, which touches the
+    whole group: the peak of what follows is then what a run kept). Returns the peak before the
+    reset (None: no group, or the kernel cannot reset it)."""
+    for kind, d in _own_groups():
+        f = d / ("memory.max_usage_in_bytes" if kind == "v1" else "memory.peak")
+        before = _read_int(f)
+        try:
+            f.write_text("0" if kind == "v1" else "reset")  # v2 resets memory.peak since Linux 6.12
+        except OSError:
+            continue
+        return before
+    return None
 
 
 def group_usage() -> int | None:

@@ -90,12 +90,29 @@ def builtin_text() -> str:
     return files("mbolt.data").joinpath("kl_text.txt").read_text(encoding="utf-8")
 
 
+SESSION_FIRST = 100  # sessions read prompts.jsonl from here on: the benchmarks' plans train on its first 24
+
+
+def session_texts(n: int) -> list[str]:
+    """Long texts for teacher-forced sessions (thousands of tokens each): the prompts of
+    mbolt/data/prompts.jsonl from SESSION_FIRST on (text no plan was made from), joined with blank
+    lines and cut into `n` passages of about equal length at prompt boundaries."""
+    from importlib.resources import files
+
+    path = files("mbolt.data").joinpath("prompts.jsonl")
+    return _passages([p.text for p in read_prompts(str(path))[SESSION_FIRST:]], n)
+
+
 def forced_texts(path: str | os.PathLike | None, n: int) -> list[str]:
     """Texts for teacher forcing: the prompts of a file, or the built-in text cut into `n` passages
     of about equal length at paragraph breaks (routing then follows real text)."""
     if path is not None:
         return prompt_texts(path, n)
-    paras = [p for p in builtin_text().split("\n\n") if p.strip()]
+    return _passages([p for p in builtin_text().split("\n\n") if p.strip()], n)
+
+
+def _passages(paras: list[str], n: int) -> list[str]:
+    """`paras` joined into `n` passages of about equal length (breaks between paragraphs)."""
     size = sum(map(len, paras)) / max(n, 1)
     out, cur = [], ""
     for p in paras:

@@ -11,3 +11,6 @@ PROMPTS = "prompts.jsonl"
 
 def path(name: str) -> Path:
     return HERE / name
+# the original mbolt's co-activation profiles, reduced to 8 layers (README.md)
+QWEN3_30B_PROFILE = "coactivation_qwen3-30b-a3b.8layers.json"
+QWEN3_NEXT_80B_PROFILE = "coactivation_qwen3-next-80b-a3b.8layers.json"

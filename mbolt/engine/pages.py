@@ -18,6 +18,7 @@ from mbolt.core.pagecache import (MADV_DONTNEED, MADV_RANDOM, PAGE, expert_spans
 from mbolt.core.routemap import expert_ranges
 
 RESET_CHUNK = 8 << 20  # bytes per read when the dense tensors are brought back
+MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2  # <linux/mman.h>
 
 
 def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]], file: int = 0) -> list[tuple[int, int]]:
@@ -49,6 +50,7 @@ class FilePages:
         self._probe: tuple[int, int] | None = None  # (address, size) of the mincore mapping
         self._vec = (ctypes.c_ubyte * 0)()
         self.maps: list[tuple[int, int, int]] = []
+        self.overlaid: list[tuple[int, int]] = []  # file spans whose mapped pages are anonymous copies
         self.lib = libc()
 
     def attach(self) -> None:
@@ -84,6 +86,11 @@ class FilePages:
         cache fills exactly the pages asked for, one page per folio), so dense and expert pages
         never share a folio again: dropping the expert spans then leaves none of them resident
         and the dense weights resident (llama.cpp maps them back with minor faults)."""
+        if self.overlaid:
+            # the dense weights live in anonymous memory now (an advice over them would zero them):
+            # only the expert pages go
+            self.drop()
+            return
         self._advise(MADV_DONTNEED)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         fd = os.open(self.path, os.O_RDONLY)
@@ -108,18 +115,45 @@ class FilePages:
             for addr, n in self._addresses(a, b):
                 sink += int(np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))[::PAGE].sum())
 
-    def lock_dense(self) -> int:
-        """mlock every page holding a dense byte in the engine's mappings: the kernel cannot then
-        reclaim a dense weight under a memory limit (each such page came back through a page fault
-        with readahead: about 300 major faults per token, issue 19). Returns the bytes locked."""
-        n = 0
+    def hold_dense(self, lockable: int | None) -> tuple[int, int]:
+        """Keep every page holding a dense byte resident, so the kernel cannot reclaim a dense
+        weight under a memory limit (each such page came back through a fault whose readahead read
+        experts around it: about 300 major faults per token, issue 19). Up to `lockable` bytes (None:
+        no limit known, try them all) are mlocked; what mlock refuses (RLIMIT_MEMLOCK is 8 MiB for
+        an ordinary user, who has no CAP_IPC_LOCK) is copied into anonymous memory laid over the
+        same addresses (mremap onto llama.cpp's mapping: the tensors' addresses do not change; the
+        kernel cannot drop anonymous pages without swap) and its file pages dropped from the page
+        cache. Pages shared with an expert tensor come along; no overlaid page is ever advised
+        MADV_DONTNEED again (it would read back as zeros). Returns (bytes locked, bytes copied)."""
+        locked = copied = 0
         for a, b in self.dense_pages:
             for addr, size in self._addresses(a, b):
-                if self.lib.mlock(ctypes.c_void_p(addr), size) != 0:
-                    raise MboltError(f"{self.path}: mlock of {size} B of dense weights failed (errno "
-                                     f"{ctypes.get_errno()}): raise RLIMIT_MEMLOCK (ulimit -l) or run as root")
-                n += size
-        return n
+                n = size if lockable is None else max(0, min(size, lockable - locked)) // PAGE * PAGE
+                if n and self.lib.mlock(ctypes.c_void_p(addr), n) == 0:
+                    locked += n
+                else:
+                    n = 0
+                    lockable = locked  # refused (the limit, or no privilege): the rest is copied
+                if n < size:
+                    self._overlay(addr + n, size - n)
+                    copied += size - n
+        return locked, copied
+
+    def _overlay(self, addr: int, size: int) -> None:
+        """Replace [addr, addr + size) of the file mapping by an anonymous copy of its bytes."""
+        lib = self.lib
+        new = lib.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+        if new in (None, ctypes.c_void_p(-1).value):
+            raise MboltError(f"{self.path}: no anonymous memory for {size} B of dense weights (errno {ctypes.get_errno()})")
+        ctypes.memmove(new, addr, size)
+        if lib.mprotect(ctypes.c_void_p(new), size, mmap.PROT_READ) != 0 or lib.mremap(
+                ctypes.c_void_p(new), size, size, MREMAP_MAYMOVE | MREMAP_FIXED, ctypes.c_void_p(addr)) != addr:
+            err = ctypes.get_errno()
+            lib.munmap(ctypes.c_void_p(new), size)
+            raise MboltError(f"{self.path}: could not lay {size} B of dense weights over the mapping (errno {err})")
+        lo = next(off + addr - m_lo for m_lo, m_hi, off in self.maps if m_lo <= addr < m_hi)
+        self.overlaid.append((lo, lo + size))
+        os.posix_fadvise(self.fd, lo, size, os.POSIX_FADV_DONTNEED)  # the file's copy is no longer mapped
 
     def advise_experts(self, advice: int = MADV_RANDOM) -> None:
         """madvise the expert spans of the engine's mappings (MADV_RANDOM: a fault reads its one page,
@@ -227,8 +261,12 @@ class ExpertPages:
         for fp in self.files:
             fp.map_dense()
 
-    def lock_dense(self) -> int:
-        return sum(fp.lock_dense() for fp in self.files)
+    def hold_dense(self, lockable: int | None) -> tuple[int, int]:
+        locked = copied = 0
+        for fp in self.files:
+            a, b = fp.hold_dense(None if lockable is None else lockable - locked)
+            locked, copied = locked + a, copied + b
+        return locked, copied
 
     def advise_experts(self, advice: int = MADV_RANDOM) -> None:
         for fp in self.files:
@@ -243,9 +281,11 @@ class ExpertPages:
         return True
 
     def expert_spans_of(self, layer: int, experts) -> list[tuple[int, int]]:
-        """Whole pages inside the slices of these experts (original ids) of one layer."""
+        """Whole pages inside the slices of these experts (original ids) of one layer; slices that
+        touch are joined first (a page two of them share goes too; no dense byte lies between
+        touching slices)."""
         R = expert_ranges(self.mm, layer)[np.asarray(list(experts), np.int64)]
-        return inward((int(s), int(s + n)) for s, n in R.reshape(-1, 2))
+        return inward(joined(((int(s), int(s + n)) for s, n in R.reshape(-1, 2)), gap=0))
 
     def _share(self, what: str, spans) -> float:
         groups = ({f: None for f in range(len(self.files))} if spans is None else self._by_file(spans))

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mbolt.core.errors import MboltError
+from mbolt.gguf.mixes import MIXES, mix_type
 
 SYNTH_ARCHS = {
     "qwen3moe": "Qwen3-MoE: GQA attention with per-head q/k RMSNorm, softmax top-k router",
@@ -40,8 +41,8 @@ SHARED_BY_COUNT = ("glm4moe", "deepseek2")
 SHARED_GATED = ("qwen2moe", "qwen3next")
 
 # Geometry of public models (HF config.json). Each is a dict of SynthConfig fields. Expert types
-# are ones gguf-py can quantize; the real files are K-quant mixes: add --fast-random --type Q4_K
-# --down-type Q6_K for a Q4_K_M-like file. deepseek2 head_dim = qk_nope + qk_rope (key_length_mla).
+# are ones gguf-py can quantize; the real files are K-quant mixes: add --fast-random --type Q4_K_M
+# --dense-type Q4_K_M for a Q4_K_M-like file. deepseek2 head_dim = qk_nope + qk_rope (key_length_mla).
 PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(  # Qwen/Qwen3-30B-A3B
         arch="qwen3moe", n_layers=48, n_experts=128, n_used=8, hidden=2048, expert_ff=768,
@@ -93,14 +94,16 @@ PRESETS: dict[str, dict] = {
 }
 
 QUANT_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "MXFP4")  # gguf-py quantizes these
-K_I_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ4_NL", "IQ3_XXS", "IQ3_S",
-             "IQ2_XXS", "IQ2_XS", "IQ1_S")  # written as random valid blocks (fast_random) only
-EXPERT_TYPES = ("F32", "F16", "BF16") + QUANT_TYPES + K_I_TYPES
-DENSE_TYPES = ("F32", "F16")
+K_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+K_I_TYPES = K_TYPES + ("IQ4_XS", "IQ4_NL", "IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS",
+                       "IQ1_S")  # written as random valid blocks (fast_random) only
+# Q4_K_M: llama-quantize's per-tensor mix (gguf/mixes.py), as an expert type and as a dense type
+EXPERT_TYPES = ("F32", "F16", "BF16") + QUANT_TYPES + K_I_TYPES + MIXES
+DENSE_TYPES = ("F32", "F16", "Q8_0") + K_TYPES + MIXES  # K-quants and mixes need fast_random
 # llama_ftype (gguf.LlamaFileType) named after the expert type; mixes name the dominant type
 FILE_TYPE = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10,
              "Q3_K": 12, "Q4_K": 15, "Q5_K": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ3_XXS": 23,
-             "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30, "BF16": 32, "MXFP4": 38}
+             "IQ1_S": 24, "IQ4_NL": 25, "IQ3_S": 26, "IQ4_XS": 30, "BF16": 32, "MXFP4": 38, "Q4_K_M": 15}
 
 
 @dataclass
@@ -127,6 +130,7 @@ class SynthConfig:
     strength: float = 0.5
     heat_skew: float = 0.5
     context: float = 0.0  # > 0: attention adds recent tokens' topics (context-dependent routing)
+    routing_like: object = None  # a RoutingTarget (gguf/routing_like.py): plant a profile's routing instead
     preset: str | None = None
     fast_random: bool = False
     probs_bias: bool = False  # exp_probs_b on families that do not have it (llama.cpp refuses it)
@@ -181,14 +185,23 @@ class SynthConfig:
         return self.arch == "qwen3next" and (layer + 1) % self.full_attn_every != 0
 
     def expert_types(self, layer: int) -> dict[str, str]:
-        """{projection: ggml type name} of a MoE layer's routed experts (gate, up, down)."""
+        """{projection: ggml type name} of a MoE layer's routed experts (gate, up, down); a mix
+        (Q4_K_M) resolves to the type llama-quantize gives that tensor of that layer."""
         base = self.expert_type
         for part in filter(None, self.layer_types.split(",")):
             span, _, t = part.partition(":")
             lo, _, hi = span.partition("-")
             if int(lo) <= layer <= int(hi or lo):
                 base = t.upper()
-        return {"gate": base, "up": base, "down": self.down_type.upper() or base}
+        down = self.down_type.upper() or base
+
+        def resolve(t, proj, ne0):
+            if t not in MIXES:
+                return t
+            return mix_type(t, f"blk.{layer}.ffn_{proj}_exps.weight", ne0, self.n_layers, self.n_experts)
+
+        gate = resolve(base, "gate", self.hidden)
+        return {"gate": gate, "up": gate, "down": resolve(down, "down", self.expert_ff)}
 
     def validate(self) -> None:
         def bad(msg):
@@ -207,6 +220,8 @@ class SynthConfig:
                 bad(f"expert type {t} needs --fast-random (gguf-py has no quantizer for it)")
         if self.dense_type not in DENSE_TYPES:
             bad(f"dense type must be one of {', '.join(DENSE_TYPES)}, got {self.dense_type!r}")
+        if self.dense_type in K_TYPES + MIXES and not self.fast_random:
+            bad(f"dense type {self.dense_type} needs --fast-random (gguf-py has no quantizer for it)")
         if self.structure not in ("planted", "none"):
             bad(f"structure must be 'planted' or 'none', got {self.structure!r}")
         for name in ("n_layers", "n_experts", "n_used", "hidden", "expert_ff", "n_heads",
@@ -246,6 +261,10 @@ class SynthConfig:
             bad(f"strength must be in [0, 1], got {self.strength}")
         if self.context < 0:
             bad(f"context must be >= 0, got {self.context}")
+        if self.routing_like is not None:
+            from mbolt.gguf.routing_like import check
+
+            check(self)
         if self.context and self.arch not in ("qwen3moe", "olmoe", "mixtral", "qwen2moe"):
             bad(f"context attention is built for plain GQA attention (qwen3moe, olmoe, mixtral, qwen2moe), not {self.arch}")
         if self.heat_skew < 0:

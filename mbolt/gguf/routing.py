@@ -138,6 +138,13 @@ class PlantedRouting:
         o *= cfg.context * math.sqrt(H) / cfg.n_heads
         return qk, v, o
 
+    def attention(self, layer: int):
+        """(q, k, v, o) matrices of the context attention (numpy shapes [out, in]): the per-head
+        blocks of context_attention, every head alike."""
+        n, n_kv = self.cfg.n_heads, self.cfg.n_kv_heads
+        qk, v, o = self.context_attention(layer)
+        return np.tile(qk, (n, 1)), np.tile(qk, (n_kv, 1)), np.tile(v, (n_kv, 1)), np.tile(o, (1, n))
+
     def context_norm(self) -> float:
         """q/k norm weight of the context attention: |q|^2 / sqrt(d) = KERNEL after the norm."""
         return math.sqrt(KERNEL / math.sqrt(self.cfg.head_dim)) if self.cfg.arch in ("qwen3moe", "olmoe") else 1.0

@@ -3,17 +3,17 @@
 `write_synth(path, SynthConfig(...))` writes a complete model: byte-level `gpt2` vocabulary,
 embeddings, attention, norms, a router per MoE layer and the routed experts, for one of
 `SYNTH_ARCHS` (gguf/config.py), each with the tensor set and metadata its llama.cpp loader
-requires. The routing is planted (gguf/routing.py); the bytes of each tensor come from
-gguf/blocks.py. This module lays out the tensors and writes the file.
+requires. The routing is planted (gguf/routing.py) or fitted to a real model's profile
+(gguf/routing_like.py); the bytes of each tensor come from gguf/blocks.py, their types from
+gguf/config.py and gguf/mixes.py. This module lays out the tensors and writes the file.
 
 Vocabulary
 ----------
 `tokenizer.ggml.model` "gpt2", `tokenizer.ggml.pre` "gpt-2" (GPT-2's pre-tokenizer regex). Ids
 0..255 are the 256 bytes in GPT-2 byte-to-unicode form (token id == byte value), then one token
 per merge of gguf.vocabulary.BYTE_MERGES ("Ġ t", "h e", "i n", "Ġ a", ranked in that order), then the control
-tokens <|bos|> and <|eos|>. add_bos/add_eos are false. Each token id also has a planted topic
-(`mbolt.synth.token_topic`). The planted groups are recorded in the file (`mbolt.synth.groups`:
-int32 [n_layers*E] group id of every expert, -1 for dense layers).
+tokens <|bos|> and <|eos|>. add_bos/add_eos are false. Token topics and expert groups are recorded
+(`mbolt.synth.token_topic`; `mbolt.synth.groups`: int32 [n_layers*E], -1 for dense layers).
 
 Expert weights
 --------------
@@ -22,9 +22,9 @@ Real mode: Gaussian weights (std gain/sqrt(fan_in)) quantized with `gguf.quants.
 copied from a pool at a per-slice offset so every expert slice has its own bytes; this runs at
 memcpy speed, so big files write at disk speed with bounded memory. Router, embeddings and norms
 are always real, so the planted routing is there in fast-random files too (expert outputs are
-then noise). Mixed types as real files have them: `down_type` (Q4_K_M keeps down in Q6_K) and
-`layer_types` (per-layer expert types); `fused_gate_up` writes one ffn_gate_up_exps tensor
-(gate rows then up rows per expert, as llama.cpp's build_moe_ffn splits it).
+then noise). Mixed types as real files have them: `down_type`, `layer_types` (per layer) and the
+Q4_K_M mix (experts and dense matrices, gguf/mixes.py); `fused_gate_up` writes one ffn_gate_up_exps
+tensor (gate rows then up rows per expert, as llama.cpp's build_moe_ffn splits it).
 
 Memory: the file is streamed tensor by tensor (experts slice by slice, large matrices in row
 chunks); peak memory is a few pools of POOL_BYTES plus one chunk, independent of model size.
@@ -56,7 +56,9 @@ from mbolt.gguf.config import (  # noqa: F401  (re-exported: the public names of
     DENSE_TYPES, EXPERT_TYPES, FILE_TYPE, FUSED_GATE_UP_ARCHS, GGUF_ARCH, K_I_TYPES, PRESETS,
     SHARED_BY_COUNT, SHARED_GATED, SYNTH_ARCHS, SynthConfig,
 )
+from mbolt.gguf.mixes import computed_type, dense_type
 from mbolt.gguf.routing import PlantedRouting, rng_for
+from mbolt.gguf.routing_like import RoutingLike
 from mbolt.gguf.vocabulary import borrowed_vocabulary, vocabulary
 
 ATTN_OUT_GAIN = 1.0  # attention output scale: larger = more context-dependent routing, weaker groups
@@ -91,14 +93,14 @@ class _Model:
         else:
             self.tokens, self.token_types, self.merges, self.bos, self.eos = vocabulary()
             self.V = len(self.tokens)
-        self.plant = PlantedRouting(cfg, self.V)
+        self.plant = RoutingLike(cfg, self.V) if cfg.routing_like is not None else PlantedRouting(cfg, self.V)
         self.groups, self.token_topic = self.plant.groups, self.plant.token_topic
         self.tensors: list[_Tensor] = []
         self._build()
 
     # ---- tensor kinds ----
     def _dense(self, name: str, ne: tuple[int, ...], std: float, qtype: str | None = None) -> None:
-        qt = GGMLQuantizationType[qtype or self.cfg.dense_type]
+        qt = GGMLQuantizationType[qtype or dense_type(self.cfg, name, ne[0])]
         self._add(name, ne, qt, std)
 
     def _add(self, name: str, ne, qt: GGMLQuantizationType, std: float, experts: int = 1) -> None:
@@ -150,7 +152,7 @@ class _Model:
 
     def _matrix(self, name: str, ne: tuple[int, ...], make: Callable[[], np.ndarray]) -> None:
         """A dense-type matrix computed by `make` (numpy shape = reversed ne)."""
-        qt = GGMLQuantizationType[self.cfg.dense_type]
+        qt = GGMLQuantizationType[computed_type(self.cfg)]
         self.tensors.append(_Tensor(name, ne, qt, lambda: iter([encode(make().astype(np.float32), qt)])))
 
     def _const(self, name: str, arr, shape: tuple[int, ...] | None = None) -> None:
@@ -174,12 +176,11 @@ class _Model:
         cfg, H = self.cfg, self.H
         q_w, kv_w = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         out_scale = 1.0 / math.sqrt(cfg.n_layers)
-        ctx = cfg.context > 0
-        if ctx:  # recency attention that carries the context's topics (routing.py)
-            att = self.plant.context_attention  # built when written, per layer (memory)
-            self._matrix(p + "attn_q.weight", (H, q_w), lambda i=i: np.tile(att(i)[0], (cfg.n_heads, 1)))
-            self._matrix(p + "attn_k.weight", (H, kv_w), lambda i=i: np.tile(att(i)[0], (cfg.n_kv_heads, 1)))
-            self._matrix(p + "attn_v.weight", (H, kv_w), lambda i=i: np.tile(att(i)[1], (cfg.n_kv_heads, 1)))
+        ctx = cfg.context > 0 or cfg.routing_like is not None
+        if ctx:  # attention that carries the context (routing.py, routing_like.py), built when written
+            att = self.plant.attention
+            for j, (what, w) in enumerate((("q", q_w), ("k", kv_w), ("v", kv_w))):
+                self._matrix(p + f"attn_{what}.weight", (H, w), lambda i=i, j=j: att(i)[j])
         else:
             self._dense(p + "attn_q.weight", (H, q_w), GAIN / math.sqrt(H))
             self._dense(p + "attn_k.weight", (H, kv_w), GAIN / math.sqrt(H))
@@ -188,7 +189,7 @@ class _Model:
             for what, w in (("q", q_w), ("k", kv_w), ("v", kv_w)):
                 self._small(p + f"attn_{what}.bias", (w,), 0.01)
         if ctx:
-            self._matrix(p + "attn_output.weight", (q_w, H), lambda i=i: np.tile(att(i)[2], (1, cfg.n_heads)))
+            self._matrix(p + "attn_output.weight", (q_w, H), lambda i=i: att(i)[3])
         else:
             self._dense(p + "attn_output.weight", (q_w, H), GAIN * ATTN_OUT_GAIN * out_scale / math.sqrt(q_w))
         qn = self.plant.context_norm() if ctx else 1.0
@@ -387,6 +388,7 @@ class _Model:
         ]
         if cfg.preset:
             kvs.append(encode_kv("mbolt.synth.preset", STR, cfg.preset))
+        kvs += self.plant.kv() if cfg.routing_like is not None else []
         return kvs
 
 
@@ -497,5 +499,6 @@ def write_synth_info(path: str | os.PathLike, cfg: SynthConfig, *, force: bool =
         fingerprint=sha[:32],
         extra={"seed": cfg.seed, "strength": cfg.strength, "heat_skew": cfg.heat_skew, "context": cfg.context,
                "fused_gate_up": cfg.fused_gate_up, "down_type": cfg.down_type, "layer_types": cfg.layer_types,
-               **({"note": cfg.note} if cfg.note else {})},
+               **({"note": cfg.note} if cfg.note else {}),
+               **({"routing_like": model.plant.summary()} if cfg.routing_like is not None else {})},
     )

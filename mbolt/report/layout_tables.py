@@ -107,7 +107,8 @@ def trace_stats_renderables(s: dict) -> list:
                  f"{f(sm['overlap_mean'])}")
 
     tab = Table(title="per layer (H: heat entropy; pairs: co-activated >= 5 times; liftNN: "
-                      "percentiles of their lift; H norm: H / log2 E; overlap: |S_t & S_t+1| / k, decode)",
+                      "percentiles of their lift; H norm: H / log2 E; overlap: |S_t & S_t+1| / k, neighbours of one "
+                      "sequence and phase)",
                 title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     for col in ("layer", "tokens", "H bits", "H norm", "pairs", "lift50", "lift90", "lift99",
                 "overlap"):
@@ -116,7 +117,44 @@ def trace_stats_renderables(s: dict) -> list:
         tab.add_row(str(x["layer"]), f"{x['tokens']:,}", f(x["entropy_bits"]),
                     f(x["entropy_norm"]), str(x["pairs"]), f(x["lift_p50"], "{:.2f}"),
                     f(x["lift_p90"], "{:.2f}"), f(x["lift_p99"], "{:.2f}"), f(x["overlap"]))
-    out = [head, tab]
+    out = [head, tab, profile_cut_table([(f"this trace ({s['phase']} tokens)", s["profile_cut"])]
+                                        + ([(s["compare"]["source"], s["compare"]["profile_cut"])]
+                                           if s.get("compare") else []))]
     for note in s["notes"]:
         out.append(f"[yellow]note:[/] {note}")
     return out
+
+
+CUT_ROWS = (("heat entropy / max", "entropy_norm", "{:.3f}"), ("hottest 10% share", "top10_share", "{:.3f}"),
+            ("lift p50 (count >= 5, lift >= 1.5, top 2000)", "cut_lift_p50", "{:.2f}"),
+            ("lift p90", "cut_lift_p90", "{:.2f}"), ("lift p99", "cut_lift_p99", "{:.1f}"),
+            ("pairs in the cut", "cut_pairs", "{:,.0f}"), ("consecutive overlap", "overlap", "{:.3f}"),
+            ("overlap / chance (k/E)", "overlap_vs_chance", "{:.2f}"),
+            ("overlap / heat overlap", "overlap_vs_heat", "{:.2f}"))
+
+
+def profile_cut_table(columns: list[tuple[str, dict]]) -> Table:
+    """Means over layers in a co-activation profile's cut (layout/stats.py), one column per source."""
+    t = Table(title="in the profile's cut (means over layers; heat overlap: two random tokens of the same "
+                    "heat)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    t.add_column("statistic")
+    for name, _ in columns:
+        t.add_column(name, justify="right")
+    for label, key, fmt in CUT_ROWS:
+        t.add_row(label, *("-" if c.get(key) is None else fmt.format(c[key]) for _, c in columns))
+    left = [f"{name}: layer{'s' if len(c['left_out']) > 1 else ''} {', '.join(map(str, c['left_out']))}"
+            for name, c in columns if c.get("left_out")]
+    if left:
+        t.caption = "left out (routed for fewer than half the tokens): " + "; ".join(left)
+    return t
+
+
+def profile_stats_renderables(s: dict) -> list:
+    """`mbolt trace-stats` on a co-activation profile: its shape and its cut."""
+    head = Table.grid(padding=(0, 2))
+    head.add_column(style="bold")
+    head.add_column()
+    head.add_row("profile", f"{s['source']} ({s['model']})")
+    head.add_row("shape", f"{s['n_layers']} layers ({s['profile_cut']['layers']} listed) x {s['n_experts']} experts, "
+                          f"k={s['k']}, {s['tokens']:,} decode tokens")
+    return [head, profile_cut_table([(s["model"] or "profile", s["profile_cut"])])]

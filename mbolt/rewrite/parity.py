@@ -53,6 +53,11 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
                         decisions += 1
                         first_bad = first_bad or f"prompt {pi} step {step} layer {li}: routed in one file only"
                         continue
+                    if ra.experts.shape != rb.experts.shape:  # k differs (expert_used_count): every decision differs
+                        decisions += max(ra.experts.size, rb.experts.size)
+                        first_bad = first_bad or (f"prompt {pi} step {step} layer {li}: {ra.experts.shape[-1]} experts "
+                                                  f"per token in the source, {rb.experts.shape[-1]} in the output")
+                        continue
                     eq = ra.experts == rb.experts
                     decisions += eq.size
                     same += int(eq.sum())
@@ -84,7 +89,7 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
 
 
 def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, n_threads: int | None = None,
-                 on_step=None) -> dict:
+                 on_step=None, n_ctx: int | None = None) -> dict:
     """llama.cpp on both files (reorder layout); see the module docstring. on_step() after every
     forward of both (len(prompts) * (n_tokens + 1) of them)."""
     from mbolt.engine.llama.runner import LlamaRunner
@@ -96,7 +101,15 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
     tokens_same = tokens_total = 0
     decisions = same = 0
     first_bad = ""
-    with LlamaRunner(src, n_threads=n_threads) as ra, LlamaRunner(out, n_threads=n_threads) as rb:
+    from mbolt.core.moe_map import moe_map
+    from mbolt.engine.llama.memory import resolve_ctx
+
+    n_ctx, warning = resolve_ctx(n_ctx, moe_map(src))
+    if warning:
+        import warnings
+
+        warnings.warn(warning, stacklevel=2)
+    with LlamaRunner(src, n_threads=n_threads, n_ctx=n_ctx) as ra, LlamaRunner(out, n_threads=n_threads, n_ctx=n_ctx) as rb:
         for pi, text in enumerate(prompts):
             ra.reset()
             rb.reset()

@@ -170,6 +170,7 @@ def verify(
     progress: Progress | None = None,
     reader: str = "mmap",
     parity_progress: Progress | None = None,
+    n_ctx: int | None = None,
 ) -> VerifyReport:
     """Verify `out` (written by `mbolt reorder`) against `src`, each one file or a split set
     (any shard); returns a report (never raises for a difference; raises MboltError when
@@ -290,7 +291,7 @@ def verify(
             t = time.perf_counter()
             report.llama = _engine_check(
                 report, "llama.cpp", lambda: LlamaRunner(src, n_ctx=16, capture=False).close(),
-                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens, on_step=step),
+                lambda: llama_parity(src, out, prompts=prompts, n_tokens=n_tokens, on_step=step, n_ctx=n_ctx),
                 "llama.cpp cannot run the source")
             report.phase_seconds["llama.cpp"] = time.perf_counter() - t
     report.total_seconds = time.perf_counter() - t0

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -67,10 +68,14 @@ class _Reference:
 class _Llama:
     weights = False
 
-    def __init__(self, path, route, threads, n_ctx=4096):
+    def __init__(self, path, route, threads, n_ctx=None):
+        from mbolt.engine.llama.memory import resolve_ctx
         from mbolt.engine.llama.runner import LlamaRunner
 
         self.mm = moe_map(path)
+        n_ctx, warning = resolve_ctx(n_ctx, self.mm)
+        if warning:
+            warnings.warn(warning, stacklevel=2)
         self.perm = self.mm.route_map.perm  # positions -> original ids
         # mapped, no repacking: the weights stay file pages the kernel can reclaim, so tracing a
         # model larger than RAM runs in bounded memory (a copying or repacking load put every
@@ -123,7 +128,7 @@ def check_part(out: str | os.PathLike, force: bool) -> None:
 def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Prompt], out: str | os.PathLike, *,
                   max_new_tokens: int = 16, engine: str = "reference", limit: int | None = None,
                   route: str = "file", threads: int | None = None, on_progress=None,
-                  shard: tuple[int, int] | None = None, force: bool = False) -> dict:
+                  shard: tuple[int, int] | None = None, force: bool = False, n_ctx: int | None = None) -> dict:
     """Trace prompts through `model` into `out` (.mbtrace). Returns a summary dict.
 
     `shard` (i, n), 1-based: trace only prompts i-1, i-1+n, i-1+2n, ... (a deterministic share,
@@ -149,7 +154,7 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
         if not seqs:
             raise MboltError(f"--shard {i}/{n}: no prompts in this share ({len(items)} prompts)")
     mm = moe_map(model)  # opened once: the reference engine takes it as is
-    backend = _Reference(mm, route, threads) if engine == "reference" else _Llama(mm.path, route, threads)
+    backend = _Reference(mm, route, threads) if engine == "reference" else _Llama(mm.path, route, threads, n_ctx)
     n_prefill = n_decode = 0
     t0 = time.perf_counter()
     if on_progress is not None:

@@ -43,6 +43,12 @@ bool mbolt_topk_filter(void * t, bool ask, void * user) {
     }
     return f->python(t, ask, NULL);
 }
+
+/* ggml_abort_callback: llama.cpp's CPU backend asks it between graph nodes; a set flag stops the
+   graph (a server's client went away in the middle of a prompt) */
+bool mbolt_abort_flag(void * data) {
+    return *(volatile int *) data != 0;
+}
 """.replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode())
 
 
@@ -98,3 +104,29 @@ def topk_filter(python_cb, name_offset: int) -> TopkFilter | None:
     """The native filter around `python_cb`, or None when no C compiler is available."""
     lib = _library()
     return None if lib is None else TopkFilter(lib, python_cb, name_offset)
+
+
+class AbortFlag:
+    """llama.cpp's abort callback (llama_set_abort_callback) reading one int: `set()` stops the
+    graph under way at its next node (llama_decode then fails, the tokens of that micro-batch are not
+    kept), `clear()` lets the next one run. In C when a compiler is at hand (it is asked between
+    every two nodes); otherwise a Python callback."""
+
+    def __init__(self, L):
+        self.value = ctypes.c_int(0)
+        lib = _library()
+        if lib is not None:
+            self.cb = ctypes.cast(lib.mbolt_abort_flag, L.ggml_abort_callback)
+        else:
+            self.cb = L.ggml_abort_callback(lambda data: bool(self.value.value))
+        self.data = ctypes.cast(ctypes.pointer(self.value), ctypes.c_void_p)
+
+    def set(self) -> None:
+        self.value.value = 1
+
+    def clear(self) -> None:
+        self.value.value = 0
+
+    @property
+    def is_set(self) -> bool:
+        return bool(self.value.value)

@@ -18,11 +18,17 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.engine.llama.memory import (DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, captured_log, context_params,
+                                       parse_log)
 from mbolt.engine.llama.native import TOPK_PREFIX
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
 _TOPK = re.compile(rb"^" + re.escape(TOPK_PREFIX) + rb"(\d+)$")
+
+
+class ContextFull(MboltError):
+    """The tokens of a conversation do not fit the context."""
 
 
 class GgmlTensor(ctypes.Structure):
@@ -106,6 +112,68 @@ def _quiet(L) -> None:
         L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
+class TopkTap:
+    """The eval callback: llama.cpp's scheduler asks it about every graph node; it answers yes for
+    `ffn_moe_topk-N` (in C, engine.llama.native, when a compiler is at hand), and once such a node
+    is computed reads each token row j of k int32 expert ids at `data + j * nb[1]` (the tensor is a
+    view of an argsort over every expert: rows are strided) and hands them to `on_topk(layer,
+    rows)`, before layer N's expert matmuls run. With `capture` it also keeps them (`routing`).
+    An exception cannot cross C: it is kept, the graph is stopped, and `raise_error` raises it."""
+
+    def __init__(self, L, on_topk=None, capture: bool = False):
+        from mbolt.engine.llama.native import topk_filter
+
+        self.on_topk, self.capture = on_topk, capture
+        self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of the last eval
+        self.error: BaseException | None = None
+        self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
+        self._filter = topk_filter(self._cb, _NAME_OFFSET)  # names compared in C, when it builds
+        self.native = self._filter is not None
+
+    def fields(self) -> dict:
+        """The llama_context_params fields that install it (before the context is created)."""
+        if self._filter is not None:
+            return {"cb_eval": self._filter.cb, "cb_eval_user_data": self._filter.user_data}
+        return {"cb_eval": self._cb, "cb_eval_user_data": None}
+
+    def install(self, cp) -> None:
+        set_fields(cp, **self.fields())
+
+    def raise_error(self) -> None:
+        if self.error is not None:
+            err, self.error = self.error, None
+            raise err
+
+    def _eval_cb(self, t_ptr, ask, user):
+        # called for every graph node (only for ffn_moe_topk-N behind the native filter): compare
+        # the name's first bytes before building anything
+        if ctypes.string_at(t_ptr + _NAME_OFFSET, len(TOPK_PREFIX)) != TOPK_PREFIX:
+            return not ask
+        t = GgmlTensor.from_address(t_ptr)
+        m = _TOPK.match(t.name)
+        if ask:
+            return m is not None
+        if m is not None and t.type == GGML_TYPE_I32:
+            check_tensor_layout(t_ptr, t)
+            k, n = int(t.ne[0]), int(t.ne[1])
+            stride = int(t.nb[1]) // 4
+            rows = np.empty((n, k), dtype=np.int32)
+            if n:
+                # rows are strided (a view of an argsort over every expert): one copy of the block
+                flat = np.ctypeslib.as_array((ctypes.c_int32 * ((n - 1) * stride + k)).from_address(int(t.data)))
+                rows[:] = np.lib.stride_tricks.as_strided(flat, (n, k), (stride * 4, 4))
+            layer = int(m.group(1))
+            if self.capture:
+                self.routing.setdefault(layer, []).append(rows)
+            if self.on_topk is not None:
+                try:
+                    self.on_topk(layer, rows)
+                except BaseException as e:  # raised again by raise_error(); an exception cannot cross C
+                    self.error = e
+                    return False
+        return True
+
+
 class LlamaRunner:
     """One llama.cpp model + context on the CPU, with routing capture.
 
@@ -113,10 +181,14 @@ class LlamaRunner:
     (llama.cpp's default F16 cache rounds K/V to 11-bit mantissas; parity tests use F32).
     """
 
-    def __init__(self, path: str | os.PathLike, *, n_ctx: int = 512, n_threads: int | None = None,
-                 f32_kv: bool = True, capture: bool = True, n_batch: int = 512, on_topk=None,
-                 load_mode: str | None = None, vocab_only: bool = False):
-        """vocab_only: load the tokenizer alone (no tensors, no context): `tokenize` works, `eval` does not."""
+    def __init__(self, path: str | os.PathLike, *, n_ctx: int = DEFAULT_CTX, n_threads: int | None = None,
+                 f32_kv: bool = True, capture: bool = True, n_batch: int = DEFAULT_UBATCH, on_topk=None,
+                 load_mode: str | None = None, vocab_only: bool = False, flash_attn: bool | None = None,
+                 all_logits: bool | None = None):
+        """vocab_only: load the tokenizer alone (no tensors, no context): `tokenize` works, `eval` does not.
+        n_batch: tokens per llama_decode, one graph each (n_ubatch = n_batch). flash_attn: default on,
+        off with f32_kv (plain float32 attention). all_logits: eval(all_logits=True) is allowed (the
+        compute buffer then holds n_batch rows of logits; default: with f32_kv, the parity setup)."""
         L = self.L = _lib()
         _quiet(L)
         L.llama_backend_init()
@@ -141,69 +213,30 @@ class LlamaRunner:
         self.vocab = L.llama_model_get_vocab(self.model)
         self.n_vocab = L.llama_vocab_n_tokens(self.vocab)
         self.ctx = self.batch = None
+        self.memory: ContextMemory | None = None
         if vocab_only:
             return
-        cp = L.llama_context_default_params()
         threads = n_threads or max(1, os.cpu_count() or 1)
-        set_fields(cp, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, n_threads=threads, n_threads_batch=threads)
-        if f32_kv:
-            set_fields(cp, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32,
-                       flash_attn_type=L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of this decode
-        self.capture = capture
-        # on_topk(layer, rows [n, k] int32 positions): called at ffn_moe_topk-N, before layer N's
-        # expert matmuls run (the streaming engine reads the experts there)
-        self.on_topk = on_topk
-        self._cb_error: BaseException | None = None
-        self._cb = None
-        self.native_filter = False
+        self.flash_attn = (not f32_kv) if flash_attn is None else bool(flash_attn)
+        self.all_logits = f32_kv if all_logits is None else bool(all_logits)
+        cp = context_params(L, n_ctx=n_ctx, n_ubatch=n_batch, flash_attn=self.flash_attn, n_threads=threads,
+                            f32_kv=f32_kv, all_logits=self.all_logits)
+        self.tap = None
         if capture or on_topk is not None:
-            from mbolt.engine.llama.native import topk_filter
-
-            self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
-            self._filter = topk_filter(self._cb, _NAME_OFFSET)  # names compared in C, when it builds
-            if self._filter is not None:
-                set_fields(cp, cb_eval=self._filter.cb, cb_eval_user_data=self._filter.user_data)
-                self.native_filter = True
-            else:
-                set_fields(cp, cb_eval=self._cb, cb_eval_user_data=None)
-        self.ctx = L.llama_init_from_model(self.model, cp)
+            # on_topk(layer, rows [n, k] int32 positions): called at ffn_moe_topk-N, before layer N's
+            # expert matmuls run (the streaming engine reads the experts there)
+            self.tap = TopkTap(L, on_topk, capture)
+            self.tap.install(cp)
+        with captured_log(L) as lines:
+            self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
-            raise MboltError(f"{path}: llama.cpp could not create a context")
-        self.n_ctx = n_ctx
-        self.n_batch = n_batch
-        self.batch = L.llama_batch_init(n_batch, 0, 1)
+            raise MboltError(f"{path}: llama.cpp could not create a context of {n_ctx} tokens")
+        # what llama.cpp allocated, as it logged it (the KV cache, the compute buffer)
+        self.memory = parse_log(lines, n_batch, self.flash_attn)
+        self.n_ctx = int(L.llama_n_ctx(self.ctx))
+        self.n_batch = min(int(n_batch), int(L.llama_n_batch(self.ctx)))  # llama.cpp caps it at n_ctx
+        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
         self.n_past = 0
-
-    # ---- eval callback ----
-
-    def _eval_cb(self, t_ptr, ask, user):
-        # called for every graph node (only for ffn_moe_topk-N behind the native filter): compare
-        # the name's first bytes before building anything
-        if ctypes.string_at(t_ptr + _NAME_OFFSET, len(TOPK_PREFIX)) != TOPK_PREFIX:
-            return not ask
-        t = GgmlTensor.from_address(t_ptr)
-        m = _TOPK.match(t.name)
-        if ask:
-            return m is not None
-        if m is not None and t.type == GGML_TYPE_I32:
-            check_tensor_layout(t_ptr, t)
-            k, n = int(t.ne[0]), int(t.ne[1])
-            nb1 = int(t.nb[1])
-            base = int(t.data)
-            rows = np.empty((n, k), dtype=np.int32)
-            for j in range(n):
-                rows[j] = np.ctypeslib.as_array((ctypes.c_int32 * k).from_address(base + j * nb1))
-            layer = int(m.group(1))
-            if self.capture:
-                self.routing.setdefault(layer, []).append(rows)
-            if self.on_topk is not None:
-                try:
-                    self.on_topk(layer, rows)
-                except BaseException as e:  # raised again by eval(); an exception cannot cross C
-                    self._cb_error = e
-                    return False
-        return True
 
     # ---- use ----
 
@@ -226,7 +259,13 @@ class LlamaRunner:
         """Decode tokens at positions n_past..; logits of the last token (or all) as float32."""
         L = self.L
         tokens = [int(t) for t in tokens]
-        self.routing = {}
+        if all_logits and not self.all_logits:
+            raise MboltError("eval(all_logits=True) needs a LlamaRunner built with all_logits=True")
+        if self.n_past + len(tokens) > self.n_ctx:
+            raise ContextFull(f"the {self.n_past + len(tokens)} tokens of this conversation do not fit the llama.cpp "
+                              f"context of {self.n_ctx} tokens: give a larger --ctx-size/-c")
+        if self.tap is not None:
+            self.tap.routing = {}
         outs = []
         for s in range(0, len(tokens), self.n_batch):
             chunk = tokens[s: s + self.n_batch]
@@ -239,12 +278,9 @@ class LlamaRunner:
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0
                 b.logits[i] = bool(all_logits or (last_chunk and i == len(chunk) - 1))
-            if self.n_past + len(chunk) > self.n_ctx:
-                raise MboltError(f"llama.cpp context of {self.n_ctx} tokens is full")
             rc = L.llama_decode(self.ctx, b)
-            if self._cb_error is not None:
-                err, self._cb_error = self._cb_error, None
-                raise err
+            if self.tap is not None:
+                self.tap.raise_error()
             if rc != 0:
                 raise MboltError(f"llama_decode failed with code {rc}")
             for i in range(len(chunk)):
@@ -254,9 +290,13 @@ class LlamaRunner:
             self.n_past += len(chunk)
         return np.stack(outs) if all_logits else outs[-1]
 
+    @property
+    def native_filter(self) -> bool:
+        return self.tap is not None and self.tap.native
+
     def topk(self) -> dict[int, np.ndarray]:
         """Routing of the last eval: layer -> int32 [n_rows, k] (rows in token order)."""
-        return {li: np.concatenate(blocks) for li, blocks in self.routing.items()}
+        return {li: np.concatenate(blocks) for li, blocks in self.tap.routing.items()}
 
     def close(self) -> None:
         L = self.L

@@ -1,0 +1,153 @@
+"""The `Serve` panel: mbolt serve (an OpenAI-compatible server) and mbolt chat (a terminal chat),
+both on the streaming runtime."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from mbolt.cli.common import console, err_console, output, user_errors
+from mbolt.core.errors import MboltError
+
+_RAM = typer.Option(None, "--ram", help="The memory budget (e.g. 8G). Default: the tightest memory cgroup limit of "
+                    "this process and its parents, else the available memory.")
+_CTX = typer.Option(None, "--ctx-size", "-c", min=1, help="Context size in tokens (default 4096, capped by the "
+                    "model's training context); its KV cache is counted in the budget.")
+_UB = typer.Option(512, "--ubatch-size", "-ub", min=1, help="Tokens per prompt pass (the runtime may take fewer "
+                   "to fit the budget).")
+_THREADS = typer.Option(0, "--threads", "-t", min=0, help="llama.cpp threads (0 = all cores).")
+_PLAIN = typer.Option(False, "--plain", help="Plain llama.cpp instead of the runtime (the file mapped, repacking "
+                      "off, no callback): what the runtime is measured against.")
+
+
+def _load(model: Path, ram, ctx_size, ubatch, threads, plain, on_topk=None, quiet=False):
+    from rich.status import Status
+
+    from mbolt.serve.llm import open_llm
+
+    with Status(f"loading {model.name}", console=err_console, spinner="dots") if not quiet else _Null():
+        loaded = open_llm(model, ram=ram, n_ctx=ctx_size, n_ubatch=ubatch, n_threads=threads or None, plain=plain,
+                          on_topk=on_topk)
+    if not quiet:
+        if loaded.runtime is None:
+            err_console.print(f"[dim]plain llama.cpp: the file mapped, repacking off; context {loaded.n_ctx} "
+                              "tokens[/]", highlight=False)
+        else:
+            err_console.print(f"[dim]budget {loaded.budget / 2**30:.2f} GiB ({loaded.budget_from}): "
+                              f"{loaded.runtime.describe_budget()}[/]", highlight=False)
+    return loaded
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@user_errors
+def serve_cmd(
+    model: Path = typer.Argument(..., help="A MoE GGUF (any shard of a split set)."),
+    ram: str = _RAM,
+    ctx_size: int = _CTX,
+    ubatch: int = _UB,
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on (127.0.0.1: this machine only)."),
+    port: int = typer.Option(8080, "--port", min=0, max=65535, help="Port to listen on."),
+    threads: int = _THREADS,
+    api_key: str = typer.Option(None, "--api-key", envvar="MBOLT_API_KEY", help="Require `Authorization: Bearer "
+                                "KEY` on every endpoint but / and /health (also from MBOLT_API_KEY)."),
+    alias: str = typer.Option(None, "--alias", help="The model name /v1/models reports (default: the file's name); "
+                              "requests may name any model."),
+    queue_size: int = typer.Option(8, "--queue", min=0, help="Requests that may wait while one runs; beyond it a "
+                                   "request gets 503 with Retry-After."),
+    record: Path = typer.Option(None, "--record-routing", help="Record the routing of the traffic served into this "
+                                ".mbtrace (rewritten atomically after every request: readable at any time; `mbolt "
+                                "plan` takes it)."),
+    record_max: int = typer.Option(100_000, "--record-max-tokens", min=1, help="Record at most this many tokens."),
+    plain: bool = _PLAIN,
+    force: bool = typer.Option(False, "--force", help="Overwrite an existing --record-routing trace."),
+):
+    """Serve a model larger than RAM with an OpenAI-compatible API (chat and completions, streamed or not),
+    /metrics and a chat page at /."""
+    import uvicorn
+
+    from mbolt.core.moe_map import moe_map
+    from mbolt.serve.app import create_app
+    from mbolt.serve.engine import Engine
+
+    recorder = None
+    if record is not None:
+        from mbolt.serve.record import RoutingRecorder
+
+        mm = moe_map(model)
+        output(record, "mbtrace", inputs=[model], force=force, what="trace",
+               protected=(mm.fingerprint, mm.source_fingerprint))
+        recorder = RoutingRecorder(record, mm, record_max)
+    loaded = _load(model, ram, ctx_size, ubatch, threads, plain, on_topk=recorder.on_topk if recorder else None)
+    name = alias or Path(model).name
+    engine = Engine(loaded, max_queue=queue_size, recorder=recorder, name=name)
+    if recorder is not None:
+        recorder.flush()  # the file exists (empty) from the start
+    try:
+        app = create_app(engine, api_key=api_key or None, model_name=name)
+        shown = f"[{host}]" if ":" in host else host
+        console.print(f"serving {name} at http://{shown}:{port}  (OpenAI API: http://{shown}:{port}/v1, chat page: "
+                      f"http://{shown}:{port}/){'; API key required' if api_key else ''}", highlight=False)
+        uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    except OSError as e:
+        raise MboltError(f"{host}:{port}: cannot listen: {e.strerror or e}") from None
+    finally:
+        engine.close()
+        loaded.close()
+
+
+@user_errors
+def chat_cmd(
+    model: Path = typer.Argument(..., help="A MoE GGUF with a chat template (tokenizer.chat_template)."),
+    ram: str = _RAM,
+    ctx_size: int = _CTX,
+    ubatch: int = _UB,
+    threads: int = _THREADS,
+    system: str = typer.Option(None, "--system", "-sys", help="A system prompt."),
+    temperature: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="Sampling temperature (0: greedy)."),
+    seed: int = typer.Option(None, "--seed", min=0, help="Sampling seed."),
+    plain: bool = _PLAIN,
+):
+    """Chat with a model larger than RAM in the terminal (Ctrl-C stops a reply, /exit ends)."""
+    import sys
+
+    from mbolt.serve.chat import chat_loop
+    from mbolt.serve.engine import Engine
+
+    from mbolt.core.gguf_set import open_model_header
+
+    if not open_model_header(model).get("tokenizer.chat_template"):
+        raise MboltError(f"{model}: the GGUF has no tokenizer.chat_template: chat needs one (mbolt generate "
+                         "takes plain text)")
+    loaded = _load(model, ram, ctx_size, ubatch, threads, plain)
+    engine = Engine(loaded, max_queue=1, name=Path(model).name)
+    try:
+        err_console.print("[dim]/exit or Ctrl-D ends; Ctrl-C stops a reply[/]")
+        sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}
+        chat_loop(engine, system=system, sampling=sampling, read=input if sys.stdin.isatty() else _line_reader(),
+                  write=lambda t: (sys.stdout.write(t), sys.stdout.flush()),
+                  note=lambda t: err_console.print(f"[dim]{t}[/]", highlight=False))
+    finally:
+        engine.close()
+        loaded.close()
+
+
+def _line_reader():
+    """input() for a pipe: no prompt echo into the output stream."""
+    import sys
+
+    def read(prompt: str) -> str:
+        line = sys.stdin.readline()
+        if not line:
+            raise EOFError
+        return line
+
+    return read
+

@@ -1,0 +1,137 @@
+"""The streaming runtime's memory budget: what it must hold, the micro-batch a prompt is evaluated
+in, and what is left for the expert cache.
+
+A budget (`--ram`, else the cgroup's limit, else available memory) holds, from load on:
+- the dense weights (kept resident: locked, or copied into anonymous memory, engine.pages);
+- llama.cpp's context: the KV cache for `n_ctx` (resident from creation) and the compute buffer
+  of an `n_ubatch`-token pass (resident once a prompt ran), sized by llama.cpp's own memory-fit
+  pass before anything is allocated (engine.llama.memory);
+- this process (interpreter, libraries) and a margin;
+- what one layer reads beyond the cache: a decode step's k experts, or a prompt pass's union of
+  experts (up to the whole layer), twice that when the next layer is read while this one computes;
+- the rest: a per-layer LRU of expert slots.
+
+A prompt of T tokens is ceil(T / n_ubatch) passes over the experts, and each pass reads the experts
+the cache does not hold. `plan_budget` takes the largest micro-batch up to the request (default
+512, llama.cpp's) whose compute buffer and pass fit; a budget that cannot hold even one token's
+pass (the dense weights, the KV cache and the k experts of one step) is refused before anything is
+allocated, naming the largest context that fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import MoeMap
+from mbolt.engine.llama.memory import ContextMemory, largest_ctx, simulate
+
+BUDGET_MARGIN = 32 << 20  # bytes left free (or 5% of the budget): allocator slack, the Python heap's growth
+PREFETCH_SHARE = 0.5  # a pass that selects at least this share of a layer's experts reads the next layer ahead
+
+
+def margin(budget: int) -> int:
+    return max(BUDGET_MARGIN, budget // 20)
+
+
+def expert_bytes_all_layers(mm: MoeMap) -> int:
+    """Bytes of one expert in every MoE layer (what one slot of the per-layer cache costs)."""
+    return sum(l.expert_bytes for l in mm.moe_layers)
+
+
+def step_bytes(mm: MoeMap) -> int:
+    """What a decode step's layer needs beyond the cache: its k experts, read before the victims go."""
+    return max(l.expert_bytes for l in mm.moe_layers) * mm.n_used
+
+
+def pass_bytes(mm: MoeMap, n_ubatch: int) -> int:
+    """What a prompt pass's layer needs beyond the cache: the union of n_ubatch tokens' experts in
+    the largest layer (read before its matmuls; the victims go once the layer is done)."""
+    return max(l.expert_bytes for l in mm.moe_layers) * min(mm.n_experts, n_ubatch * mm.n_used)
+
+
+def layer_bytes(mm: MoeMap) -> int:
+    """Every expert of the largest MoE layer."""
+    return max(l.expert_bytes for l in mm.moe_layers) * mm.n_experts
+
+
+def slots_for(mm: MoeMap, budget: int, used: int, reserve: int) -> int:
+    """Per-layer expert slots that fit in `budget` when `used` bytes are taken already and `reserve`
+    is what one layer reads beyond the cache; at least the k experts a token uses."""
+    free = budget - used - margin(budget) - reserve
+    return int(min(mm.n_experts, max(mm.n_used, free // max(expert_bytes_all_layers(mm), 1))))
+
+
+@dataclass
+class BudgetPlan:
+    """How a budget is spent before the model is loaded (bytes)."""
+
+    budget: int
+    n_ctx: int
+    n_ubatch: int
+    prefetch: bool  # a prompt pass reads the next layer while this one computes
+    dense_bytes: int
+    engine_bytes: int
+    memory: ContextMemory
+    prefill_reserve: int  # one layer's pass (two with prefetch)
+    step_reserve: int
+
+    @property
+    def fixed(self) -> int:
+        return self.dense_bytes + self.engine_bytes + self.memory.total + margin(self.budget)
+
+    def decode_slots_lost(self, mm: MoeMap) -> int:
+        """The decode cache slots per layer the compute buffer of this micro-batch takes."""
+        return self.memory.compute_bytes // max(expert_bytes_all_layers(mm), 1)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["memory"] = asdict(self.memory)
+        return d
+
+
+def ubatch_candidates(limit: int) -> list[int]:
+    """limit, then the powers of two below it, down to 1."""
+    out = [int(limit)]
+    p = 1 << (int(limit).bit_length() - 1)
+    if p == limit:
+        p //= 2
+    while p >= 1:
+        out.append(p)
+        p //= 2
+    return out
+
+
+def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int, dense_bytes: int,
+                engine_bytes: int, flash_attn: bool = True, f32_kv: bool = False) -> BudgetPlan:
+    """The largest micro-batch up to `n_ubatch` that the budget holds with a k-slot cache: with the
+    next layer read ahead when two layers' passes fit, else one. Refuses (one line, the largest
+    context that would fit) when not even a one-token pass fits."""
+    k_slots = mm.n_used * expert_bytes_all_layers(mm)
+    base = dense_bytes + engine_bytes + margin(budget) + k_slots
+
+    for ub in ubatch_candidates(min(n_ubatch, n_ctx)):
+        mem = simulate(path, n_ctx, ub, flash_attn=flash_attn, f32_kv=f32_kv)
+        one = max(pass_bytes(mm, ub), step_bytes(mm))
+        for prefetch, reserve in ((True, one + layer_bytes(mm)), (False, one)):
+            if prefetch and one < PREFETCH_SHARE * layer_bytes(mm):
+                continue  # passes this small select too little of a layer to read the next one whole
+            if base + mem.total + reserve <= budget:
+                return BudgetPlan(budget, mem.n_ctx, ub, prefetch, dense_bytes, engine_bytes, mem, reserve,
+                                  step_bytes(mm))
+
+    def fits(n: int) -> bool:
+        m = simulate(path, n, 1, flash_attn=flash_attn, f32_kv=f32_kv)
+        return base + m.total + step_bytes(mm) <= budget
+
+    best = largest_ctx(fits, n_ctx)
+    mem = simulate(path, n_ctx, 1, flash_attn=flash_attn, f32_kv=f32_kv)
+    mib = 2**20
+    parts = (f"the dense weights ({dense_bytes / mib:.0f} MiB, kept resident), the KV cache of a {mem.n_ctx}-token "
+             f"context ({mem.kv_bytes / mib:.0f} MiB), llama.cpp's buffers ({(mem.compute_bytes + mem.output_bytes) / mib:.0f} "
+             f"MiB), a cache of the {mm.n_used} experts of one step and their reads ({(k_slots + step_bytes(mm)) / mib:.0f} "
+             f"MiB), this process ({engine_bytes / mib:.0f} MiB) and a margin ({margin(budget) / mib:.0f} MiB)")
+    need = base + mem.total + step_bytes(mm)
+    hint = (f"the largest context that fits is {best} tokens (-c {best}), or give a larger --ram" if best
+            else "no context fits: give a larger --ram")
+    raise MboltError(f"{path}: a budget of {budget / mib:.0f} MiB cannot hold {parts}: {need / mib:.0f} MiB; {hint}")

@@ -1,0 +1,285 @@
+"""`mbolt serve` under a real memory limit, through the official openai client -> results/serve_<model>.json.
+
+Each server is a fresh process inside a memory cgroup of 40% of the file (the page cache is charged
+to it), started after the model's pages were dropped, at 128 KiB readahead; the group's peak is
+reset once the server has loaded. Arms:
+  mbolt   `mbolt serve MODEL` (the streaming runtime, budget from the cgroup)
+  plain   `mbolt serve MODEL --plain` (llama.cpp mapped, repacking off, no callback: the same server)
+  warm    `mbolt serve MODEL --plain` without a limit, the file in memory (the compute alone)
+
+A client session of 4 turns on /v1/completions (the bench models have no chat template): a first
+prompt of 2,000 tokens of real text, then each turn appends the reply and 100 more tokens of the
+text (the KV cache of the conversation is reused), 256 tokens per reply, sampled at temperature 1
+with a fixed seed (greedy decoding of synthetic weights repeats a few tokens, and then every
+expert stays cached and nothing is measured; the same seed gives every arm the same tokens).
+Per turn: time to first token (the first streamed chunk) and decode tok/s after it.
+
+Then a load run on mbolt: 8 concurrent clients x 4 requests (200-token prompts, 64-token replies),
+a queue bound of 4: every request answered or refused with 503, no OOM kill, the group's peak after
+the load under the budget, no error in the server's log.
+
+  python scripts/bench_serve.py [--model q864] [--rounds 1]     (models from bench_memlimit.py prepare)
+
+Goals (issue 27, prereg/serve.toml): decode >= 1.5x plain in every turn; the first TTFT <= 1.15x warm;
+the same tokens in every arm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_memlimit import paths  # noqa: E402
+from mbolt.core.atomic import write_text_atomic  # noqa: E402
+from mbolt.core.memlimit import MemoryGroup, readahead  # noqa: E402
+from mbolt.core.pagecache import evict  # noqa: E402
+
+FIRST, APPEND, REPLY, TURNS = 2000, 100, 256, 4
+LOAD_CLIENTS, LOAD_REQUESTS, LOAD_PROMPT, LOAD_REPLY, LOAD_QUEUE = 8, 4, 200, 64, 4
+SEED = 1234
+GOALS = {"decode_over_plain_min": 1.5, "ttft_over_warm_max": 1.15}
+
+
+def log(*a):
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def session_text_ids(model: Path) -> list[int]:
+    from mbolt.bench.ab import load_prompt_ids
+
+    return load_prompt_ids(str(model), None, 1, engine="llama.cpp", forced=FIRST, n_new=APPEND * TURNS,
+                           followup=LOAD_PROMPT * LOAD_CLIENTS)[0]
+
+
+class Served:
+    """A server process (in a group, or not) and its client."""
+
+    def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8):
+        self.model = model
+        self.port = _port()
+        argv = [sys.executable, "-m", "mbolt", "serve", str(model), "--port", str(self.port), "-c", "4096",
+                "--queue", str(queue)] + (["--plain"] if plain else [])
+        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.proc = group.popen(argv, **kw) if group is not None else subprocess.Popen(argv, **kw)
+        self.err: list[str] = []
+        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
+        import openai
+
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="-", max_retries=0,
+                                    timeout=3600)
+        t0 = time.time()
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server ended: {''.join(self.err)[-2000:]}")
+            try:
+                import urllib.request
+
+                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        self.load_s = time.time() - t0
+
+    def metrics(self) -> dict:
+        import urllib.request
+
+        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats").read())
+
+    def turn(self, prompt: list[int], n: int, seed: int) -> dict:
+        """One streamed completion: TTFT, decode tok/s after the first token, the text."""
+        t0 = time.perf_counter()
+        first = None
+        text, usage = [], None
+        for ch in self.client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=1.0,
+                                                 top_p=1.0, seed=seed, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"top_k": 0, "min_p": 0.0}):
+            if ch.choices and ch.choices[0].text:
+                if first is None:
+                    first = time.perf_counter()
+                text.append(ch.choices[0].text)
+            if ch.usage:
+                usage = ch.usage
+        end = time.perf_counter()
+        n_out = usage.completion_tokens if usage else 0
+        return {"prompt_tokens": len(prompt), "ttft_s": (first or end) - t0, "completion_tokens": n_out,
+                "decode_tokens_per_s": (n_out - 1) / (end - first) if first and n_out > 1 else None,
+                "text_sha256": hashlib.sha256("".join(text).encode()).hexdigest(), "text": "".join(text)}
+
+    def stop(self) -> str:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        time.sleep(0.2)
+        return "".join(self.err)
+
+
+def session(srv: Served, ids: list[int]) -> list[dict]:
+    """4 turns: the conversation grows by the reply (its text, tokenized as a client's history
+    would be) and 100 more tokens of the text."""
+    from mbolt.engine.llama.runner import LlamaRunner
+
+    turns, ctx, pos = [], list(ids[:FIRST]), FIRST
+    with LlamaRunner(srv.model, vocab_only=True) as v:
+        for t in range(TURNS):
+            r = srv.turn(ctx, REPLY, SEED + t)
+            log(f"    turn {t + 1}: prompt {len(ctx)} tokens, ttft {r['ttft_s']:.2f} s, "
+                f"{r['decode_tokens_per_s'] or 0:.2f} tok/s")
+            turns.append({k: v_ for k, v_ in r.items() if k != "text"})
+            ctx = ctx + v.tokenize(r["text"]) + list(ids[pos:pos + APPEND])
+            pos += APPEND
+    return turns
+
+
+def load_run(srv: Served, ids: list[int]) -> dict:
+    codes, errors = [], []
+    lock = threading.Lock()
+
+    def client(i: int):
+        import openai
+
+        for j in range(LOAD_REQUESTS):
+            off = FIRST + APPEND * TURNS + LOAD_PROMPT * ((i + j) % LOAD_CLIENTS)
+            try:
+                srv.client.completions.create(model="m", prompt=ids[off:off + LOAD_PROMPT], max_tokens=LOAD_REPLY,
+                                              temperature=1.0, seed=i * 100 + j)
+                code = 200
+            except openai.APIStatusError as e:
+                code = e.status_code
+            except Exception as e:  # noqa: BLE001 (a dropped connection is a finding, not a crash of the bench)
+                code = -1
+                errors.append(repr(e))
+            with lock:
+                codes.append(code)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(LOAD_CLIENTS)]
+    t0 = time.time()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return {"clients": LOAD_CLIENTS, "requests_each": LOAD_REQUESTS, "queue_bound": LOAD_QUEUE,
+            "answered": codes.count(200), "refused_503": codes.count(503),
+            "other": [c for c in codes if c not in (200, 503)], "client_errors": errors, "seconds": time.time() - t0}
+
+
+def run_arm(model: Path, mode: str, ram: int, ids: list[int], with_load: bool = False) -> dict:
+    evict(model)
+    if mode == "warm":
+        subprocess.run(["cat", str(model)], stdout=subprocess.DEVNULL, check=True)
+        srv = Served(model, True, None)
+        try:
+            turns = session(srv, ids)
+        finally:
+            err = srv.stop()
+        return {"mode": mode, "load_s": srv.load_s, "turns": turns, "log_errors": _errors(err)}
+    with MemoryGroup(ram) as g:
+        srv = Served(model, mode == "plain", g, queue=LOAD_QUEUE if with_load else 8)
+        g.reset_peak()  # the load touched the whole group: what follows counts
+        try:
+            turns = session(srv, ids)
+            stats = srv.metrics()
+            load = load_run(srv, ids) if with_load else None
+        finally:
+            err = srv.stop()
+        out = {"mode": mode, "load_s": srv.load_s, "turns": turns, "stats": stats, "peak_after_load_bytes": g.peak(),
+               "oom_kills": g.oom_kills(), "log_errors": _errors(err)}
+        if load is not None:
+            out["load"] = load
+        return out
+
+
+def _errors(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if "Traceback" in ln or ln.lower().startswith("error")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="q864")
+    ap.add_argument("--rounds", type=int, default=1)
+    a = ap.parse_args()
+    model = paths(a.model)["stock"]
+    if not model.exists():
+        raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {a.model}` first")
+    size = model.stat().st_size
+    ram = int(0.4 * size)
+    ids = session_text_ids(model)
+    rounds = []
+    with readahead(model, 128) as ra:
+        for r in range(a.rounds):
+            order = ["warm", "plain", "mbolt"] if r % 2 == 0 else ["mbolt", "plain", "warm"]
+            arms = {}
+            for mode in order:
+                log(f"round {r + 1}: {mode}")
+                arms[mode] = run_arm(model, mode, ram, ids, with_load=(mode == "mbolt"))
+            rounds.append({"order": order, "arms": arms})
+    med = lambda xs: float(np.median([x for x in xs if x is not None])) if any(x is not None for x in xs) else None  # noqa: E731
+    per_turn = []
+    for t in range(TURNS):
+        row = {"turn": t + 1}
+        for mode in ("warm", "plain", "mbolt"):
+            ts = [rd["arms"][mode]["turns"][t] for rd in rounds]
+            row[f"{mode}_ttft_s"] = med([x["ttft_s"] for x in ts])
+            row[f"{mode}_decode_tokens_per_s"] = med([x["decode_tokens_per_s"] for x in ts])
+        row["decode_over_plain"] = row["mbolt_decode_tokens_per_s"] / row["plain_decode_tokens_per_s"]
+        row["ttft_over_plain"] = row["mbolt_ttft_s"] / row["plain_ttft_s"]
+        row["ttft_over_warm"] = row["mbolt_ttft_s"] / row["warm_ttft_s"]
+        per_turn.append(row)
+    texts = {mode: [x["text_sha256"] for rd in rounds for x in rd["arms"][mode]["turns"]] for mode in ("warm", "plain", "mbolt")}
+    same = texts["warm"] == texts["plain"] == texts["mbolt"]
+    mb = [rd["arms"]["mbolt"] for rd in rounds]
+    load = [m["load"] for m in mb]
+    out = {"benchmark": "mbolt serve under a real memory limit (issue 27)", "script": "scripts/bench_serve.py",
+           "model": a.model, "file_bytes": size, "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra,
+           "session": {"first_prompt": FIRST, "append_per_turn": APPEND, "reply": REPLY, "turns": TURNS,
+                       "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per turn"},
+           "per_turn": per_turn, "same_tokens": same, "rounds": rounds,
+           "load": load, "peak_after_load_bytes_max": max(m["peak_after_load_bytes"] or 0 for m in mb),
+           "oom_kills": sum(m["oom_kills"] for m in mb) + sum(rd["arms"]["plain"]["oom_kills"] for rd in rounds)}
+    g = GOALS
+    out["goals"] = [
+        {"goal": "decode >= 1.5x plain in every turn", "value": min(r["decode_over_plain"] for r in per_turn),
+         "met": min(r["decode_over_plain"] for r in per_turn) >= g["decode_over_plain_min"]},
+        {"goal": "first TTFT <= 1.15x warm", "value": per_turn[0]["ttft_over_warm"],
+         "met": per_turn[0]["ttft_over_warm"] <= g["ttft_over_warm_max"]},
+        {"goal": "the same tokens in every arm", "value": same, "met": bool(same)},
+        {"goal": "load run: every request answered or refused with 503, no OOM kill, peak under the budget, "
+                 "no error in the log",
+         "value": {"answered": sum(x["answered"] for x in load), "refused": sum(x["refused_503"] for x in load),
+                   "other": sum(len(x["other"]) for x in load), "peak": out["peak_after_load_bytes_max"]},
+         "met": all(not x["other"] and x["answered"] + x["refused_503"] == LOAD_CLIENTS * LOAD_REQUESTS for x in load)
+         and out["oom_kills"] == 0 and out["peak_after_load_bytes_max"] <= ram
+         and not any(m["log_errors"] for m in mb)},
+    ]
+    dst = ROOT / "results" / f"serve_{a.model}.json"
+    write_text_atomic(dst, json.dumps(out, indent=1, default=float) + "\n")
+    log("wrote", dst)
+    for goal in out["goals"]:
+        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

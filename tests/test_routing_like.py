@@ -1,0 +1,218 @@
+"""`synth --routing-like`: routing fitted to a real model's profile. The fit's pieces by hand, and
+llama.cpp's own routing of the written files on text the fit never saw (prompts.jsonl lines 100+)
+against the profile, in the profile's cut."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mbolt.cli import app
+from mbolt.core.errors import MboltError
+from mbolt.core.prompts import read_prompts
+from mbolt.data import PROMPTS, QWEN3_30B_PROFILE, QWEN3_NEXT_80B_PROFILE, path
+from mbolt.engine.tokenizer import Tokenizer
+from mbolt.gguf import routing_fit as rf
+from mbolt.gguf.routing_like import OVERLAP_VS_HEAT, RoutingLike, layer_map
+from mbolt.gguf.synth import SynthConfig, write_synth, write_synth_info
+from mbolt.gguf.vocabulary import vocabulary
+from mbolt.layout.stats import profile_stats, routing_target, trace_stats
+
+from conftest import needs_llama
+
+
+def like(profile=QWEN3_30B_PROFILE, **kw) -> SynthConfig:
+    """A small model of the profile's expert count; head_dim 128 as the benchmark models have."""
+    t = routing_target(path(profile))
+    geo = dict(arch="qwen3moe", n_layers=4, n_experts=t.n_experts, n_used=t.k, hidden=256, expert_ff=32, n_heads=2,
+               n_kv_heads=1, head_dim=128, expert_type="Q4_0", dense_type="F16", fast_random=True, seed=1)
+    geo.update(kw)
+    return SynthConfig(routing_like=t, **geo)
+
+
+def test_byte_tokens_are_llama_cpps():
+    """The calibration text is tokenized as the built-in vocabulary tokenizes it (the reference
+    tokenizer follows llama.cpp's, tests/test_tokenizer_llama.py)."""
+    tokens, types, merges, bos, eos = vocabulary()
+    tok = Tokenizer(tokens, types, merges, "gpt-2", bos, eos, False)
+    texts = [p.text for p in read_prompts(path(PROMPTS))] + ["  the\n\tin 'the' a  at", "x" * 3 + " t"]
+    for text in texts:
+        assert rf.byte_tokens(text).tolist() == tok.encode(text, add_special=False), text
+
+
+def test_layer_map():
+    listed = np.array([0, 7, 13, 20, 27, 34, 40, 47])
+    assert layer_map(8, listed) == listed.tolist()
+    assert layer_map(4, listed) == [0, 13, 34, 47]  # positions round(j * 7 / 3)
+    assert layer_map(1, listed) == [27]
+    ten = layer_map(10, listed)
+    assert ten[0] == 0 and ten[-1] == 47 and sorted(ten) == ten and len(set(ten)) == 8
+
+
+def test_heads_peak_at_their_lag():
+    for head_dim in (64, 128):
+        h = rf.make_heads(4, head_dim, 1e6, 16, 16, np.random.default_rng(0))
+        scores = h.scores(300)
+        assert scores.argmax(axis=1).tolist() == [1, 2, 3, 4]
+        # the neighbours of the lag get a few percent of its weight, everything else far less
+        w = np.exp(scores - scores.max(axis=1, keepdims=True))
+        assert (w[:, 1:5].max(axis=1) == 1).all()
+        assert (w.sum(axis=1) < 1.2).all()
+
+
+@pytest.mark.parametrize("change, msg", [
+    (dict(n_experts=64), "has 128 experts"),
+    (dict(arch="glm4moe"), "plain GQA"),
+    (dict(arch="qwen2moe"), "plain GQA"),
+    (dict(context=1.0), "drop --context"),
+    (dict(head_dim=16, n_heads=4), "rotary pairs"),
+    (dict(vocab="v.gguf"), "drop --vocab"),
+])
+def test_config_errors(change, msg):
+    with pytest.raises(MboltError, match=msg):
+        like(**change).validate()
+
+
+def test_same_seed_same_bytes(tmp_path):
+    """Two fits from two fresh loads of the profile write the same file."""
+    shas = []
+    for i in range(2):
+        p = write_synth(tmp_path / f"m{i}.gguf", like(n_layers=2, hidden=128))
+        shas.append(hashlib.sha256(p.read_bytes()).hexdigest())
+    assert shas[0] == shas[1]
+
+
+def _held_out(model, tmp_path, lo=100, hi=140):
+    """llama.cpp's routing of prompts lo..hi-1 (prompt tokens only) and its trace-stats."""
+    from mbolt.trace.tracer import trace_prompts
+
+    out = tmp_path / "held.mbtrace"
+    trace_prompts(model, read_prompts(path(PROMPTS))[lo:hi], out, max_new_tokens=0, engine="llama.cpp")
+    return out, trace_stats(out, phase="prefill")
+
+
+def _mapped(profile: str, layers: list[int]) -> dict:
+    rows = {r["layer"]: r for r in profile_stats(path(profile))["layers"]}
+    return {key: float(np.mean([rows[l][key] for l in layers]))
+            for key in ("entropy_norm", "top10_share", "cut_lift_p50")}
+
+
+@pytest.fixture(scope="module")
+def qwen30(tmp_path_factory):
+    """A 4-layer model following the Qwen3-30B-A3B profile, and llama.cpp's routing of prompts
+    100-139 (prompt tokens only)."""
+    d = tmp_path_factory.mktemp("qwen30")
+    cfg = like()
+    info = write_synth_info(d / "m.gguf", cfg)
+    trace, stats = _held_out(info.path, d)
+    return cfg, info, trace, stats
+
+
+@needs_llama
+def test_llama_routing_is_the_simulated_routing(qwen30):
+    """The fit simulates llama.cpp: on unseen text llama.cpp picks the sets the simulation picks
+    (layer 0 reads only the embeddings and layer 0's attention; later layers also read the
+    fast-random experts' outputs, which the simulation leaves out)."""
+    from mbolt.core.mbtrace import read_trace
+
+    cfg, _, trace, _ = qwen30
+    tr = read_trace(trace)
+    plant = RoutingLike(cfg, 262)  # the cached fit
+    tokens = [rf.byte_tokens(p.text) for p in read_prompts(path(PROMPTS))[100:140]]
+    z = rf.latent(np.concatenate(tokens), plant.codes, rf.head_context(tokens, plant.codes, plant.heads),
+                  plant.heads.mix(plant.fit.share))
+    assert len(z) == tr.n_tokens
+    for layer in range(3):  # the last layer routes only each prompt's last token
+        f = plant.layer_fit[layer]
+        sim = np.sort(rf.simulate(z, f.A, f.b, cfg.n_used), axis=1)
+        real = np.sort(tr.experts[:, layer].astype(np.int64), axis=1)
+        same = (sim == real).all(axis=1).mean()
+        shared = (sim[:, :, None] == real[:, None, :]).sum(axis=(1, 2)).mean() / cfg.n_used
+        assert same > (0.98 if layer == 0 else 0.8) and shared > 0.95, (layer, same, shared)
+
+
+@needs_llama
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+def test_other_families_route_as_simulated(tmp_path, arch):
+    """mixtral: llama.cpp's NORM rope (pairs of neighbouring dims) and no q/k norm; olmoe: its q/k
+    norm spans every head. Layer 0 picks the simulated sets."""
+    from mbolt.core.mbtrace import read_trace
+
+    cfg = like(arch=arch, n_layers=2, n_kv_heads=2 if arch == "olmoe" else 1)
+    model = write_synth(tmp_path / "m.gguf", cfg)
+    trace, _ = _held_out(model, tmp_path, 100, 110)
+    tr = read_trace(trace)
+    plant = RoutingLike(cfg, 262)
+    tokens = [rf.byte_tokens(p.text) for p in read_prompts(path(PROMPTS))[100:110]]
+    z = rf.latent(np.concatenate(tokens), plant.codes, rf.head_context(tokens, plant.codes, plant.heads),
+                  plant.heads.mix(plant.fit.share))
+    f = plant.layer_fit[0]
+    sim = np.sort(rf.simulate(z, f.A, f.b, cfg.n_used), axis=1)
+    assert (sim == np.sort(tr.experts[:, 0].astype(np.int64), axis=1)).all(axis=1).mean() > 0.98
+
+
+@needs_llama
+def test_qwen3_30b_profile_reproduced_on_unseen_text(qwen30):
+    """Measured by trace-stats on llama.cpp's routing of prompts 100-139, against the profile
+    layers the model follows and against the whole profile (the issue's targets: entropy within
+    0.03, hottest 10% share, median cut lift and overlap / heat overlap within 20%)."""
+    _, info, _, s = qwen30
+    layers = info.extra["routing_like"]["profile_layers"]
+    assert layers == [0, 13, 34, 47]
+    cut = s["profile_cut"]
+    assert cut["left_out"] == [3] and s["tokens"]["prefill"] > 8000
+    want = _mapped(QWEN3_30B_PROFILE, layers[:3])
+    assert abs(cut["entropy_norm"] - want["entropy_norm"]) < 0.03
+    assert cut["top10_share"] == pytest.approx(want["top10_share"], rel=0.2)
+    assert cut["cut_lift_p50"] == pytest.approx(want["cut_lift_p50"], rel=0.2)
+    assert cut["overlap_vs_heat"] == pytest.approx(OVERLAP_VS_HEAT, rel=0.2)
+    whole = profile_stats(path(QWEN3_30B_PROFILE))["profile_cut"]
+    assert abs(cut["entropy_norm"] - whole["entropy_norm"]) < 0.03
+    for key in ("top10_share", "cut_lift_p50"):
+        assert cut[key] == pytest.approx(whole[key], rel=0.2), key
+    for x in s["layers"][:3]:  # each layer, not only the mean
+        row = _mapped(QWEN3_30B_PROFILE, [layers[x["layer"]]])
+        assert abs(x["entropy_norm"] - row["entropy_norm"]) < 0.03
+        assert x["cut_lift_p50"] == pytest.approx(row["cut_lift_p50"], rel=0.2)
+
+
+@needs_llama
+def test_qwen3_next_80b_shape_loads_generates_and_follows(tmp_path):
+    """The 72 KiB benchmark model's routing geometry (512 experts, k=10, 4 heads of 128, one kv
+    head, expert ff 64) at a small hidden size: llama.cpp loads and generates, and its routing
+    of unseen text follows the 80B profile."""
+    from llama_cpp import Llama
+
+    cfg = like(QWEN3_NEXT_80B_PROFILE, n_layers=3, hidden=512, expert_ff=64, n_heads=4)
+    info = write_synth_info(tmp_path / "m.gguf", cfg)
+    llm = Llama(model_path=info.path, n_ctx=64, n_threads=2, verbose=False)
+    out = llm("The quick brown fox", max_tokens=4, temperature=0)
+    llm.close()
+    assert out["choices"][0]["finish_reason"] == "length" and out["choices"][0]["text"]
+    layers = info.extra["routing_like"]["profile_layers"]
+    _, s = _held_out(info.path, tmp_path, 100, 130)
+    cut = s["profile_cut"]
+    want = _mapped(QWEN3_NEXT_80B_PROFILE, layers[:2])
+    assert abs(cut["entropy_norm"] - want["entropy_norm"]) < 0.03
+    assert cut["top10_share"] == pytest.approx(want["top10_share"], rel=0.2)
+    assert cut["cut_lift_p50"] == pytest.approx(want["cut_lift_p50"], rel=0.2)
+    assert cut["overlap_vs_heat"] == pytest.approx(OVERLAP_VS_HEAT, rel=0.2)
+
+
+def test_cli(tmp_path, data_dir):
+    out = tmp_path / "m.gguf"
+    args = ["synth", str(out), "--arch", "qwen3moe", "--layers", "2", "--experts", "128", "--k", "8", "--hidden", "128",
+            "--heads", "2", "--kv-heads", "1", "--head-dim", "128", "--routing-like", str(data_dir / QWEN3_30B_PROFILE)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stdout.split())  # rich wraps lines
+    assert "routing like coactivation_qwen3-30b-a3b.8layers.json" in said and "median pair lift" in said
+    from gguf import GGUFReader
+
+    f = GGUFReader(str(out)).fields
+    assert bytes(f["mbolt.synth.routing_like"].parts[-1]).decode() == QWEN3_30B_PROFILE
+    r = CliRunner().invoke(app, args[:-1] + [str(tmp_path / "missing.json"), "--force"])
+    assert r.exit_code == 2
