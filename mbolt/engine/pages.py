@@ -230,6 +230,7 @@ class ExpertPages:
         except BaseException:
             self.close()
             raise
+        self._ranges: dict[int, np.ndarray] = {}  # layer -> expert_ranges (the one computation per layer)
         self.spans = self._virtual("spans")
         self.dense_tensors = self._virtual("dense_tensors")
         self.dense_spans = self._virtual("dense_spans")
@@ -272,9 +273,15 @@ class ExpertPages:
         for fp in self.files:
             fp.advise_experts(advice)
 
+    def _layer_ranges(self, layer: int) -> np.ndarray:
+        R = self._ranges.get(layer)
+        if R is None:
+            R = self._ranges[layer] = expert_ranges(self.mm, layer)
+        return R
+
     def expert_resident(self, layer: int, expert: int) -> bool:
         """Every page of one expert's slices (original id) is in the page cache."""
-        R = expert_ranges(self.mm, layer)[int(expert)]
+        R = self._layer_ranges(layer)[int(expert)]
         for f, spans in self._by_file((int(s), int(s + n)) for s, n in R).items():
             if not self.files[f].all_resident(spans):
                 return False
@@ -284,8 +291,8 @@ class ExpertPages:
         """Whole pages inside the slices of these experts (original ids) of one layer; slices that
         touch are joined first (a page two of them share goes too; no dense byte lies between
         touching slices)."""
-        R = expert_ranges(self.mm, layer)[np.asarray(list(experts), np.int64)]
-        return inward(joined(((int(s), int(s + n)) for s, n in R.reshape(-1, 2)), gap=0))
+        R = self._layer_ranges(layer)[np.asarray(list(experts), np.int64)].reshape(-1, 2)
+        return inward(joined(zip(R[:, 0].tolist(), (R[:, 0] + R[:, 1]).tolist()), gap=0))
 
     def _share(self, what: str, spans) -> float:
         groups = ({f: None for f in range(len(self.files))} if spans is None else self._by_file(spans))

@@ -42,8 +42,8 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.engine.llama.budget import (PREFETCH_SHARE, BudgetPlan, expert_bytes_all_layers, plan_budget, slots_for,
-                                       step_bytes)
+from mbolt.engine.llama.budget import (PREFETCH_SHARE, BudgetPlan, expert_bytes_all_layers, margin, plan_budget,
+                                       slots_for, step_bytes)
 from mbolt.engine.llama.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.engine.llama.prefill import LayerReader
@@ -177,6 +177,8 @@ class StreamRuntime:
         self._in_prompt = False
         self._spec: dict[int, set[int]] = {}  # layer -> experts read ahead for it (not in its LRU)
         self._computed = False  # no graph ran yet (the compute buffer's pages are not resident)
+        self._own_group = False  # the budget is the limit of the cgroup this process runs in
+        self.given_back = 0  # slots the cache gave up to stay under the group's limit
         moe = sorted(l.index for l in self.mm.moe_layers)
         self.moe_layers = set(moe)
         self._next_moe = dict(zip(moe, moe[1:]))
@@ -242,8 +244,32 @@ class StreamRuntime:
                 self._resize_cache(self.prefill_slots)
             self.prompt.passes += 1
             self.prompt.tokens += n_tokens
-        elif self._in_prompt:
+            return
+        if self._in_prompt:
             self.finish_prompt()
+        self._keep_under_limit()
+
+    def _keep_under_limit(self) -> None:
+        """Before a decode step inside the group that enforces the budget: when its charge has
+        crept within half the margin of the limit (memory the plan does not see: the interpreter's
+        heap, page cache of other files), the cache gives up as many slots as it took, for good,
+        before the kernel starts reclaiming cached experts (which then come back through 4 KiB
+        faults: about 1,600 in one run of q72 at 40%)."""
+        if not self._own_group:
+            return
+        from mbolt.core.memlimit import group_usage
+
+        used = group_usage()
+        if used is None:
+            return
+        over = used - (self.budget - margin(self.budget) // 2)
+        if over <= 0:
+            return
+        n = -(-over // max(expert_bytes_all_layers(self.mm), 1))
+        self.decode_slots = max(self.mm.n_used, self.decode_slots - n)
+        self.prefill_slots = min(self.prefill_slots, self.decode_slots)
+        self.given_back += n
+        self._resize_cache(self.decode_slots)
 
     def _prompt_layer(self, layer: int, ids: np.ndarray) -> None:
         """One layer of a prompt pass: its union's reads queued in use order (llama.cpp starts at
@@ -267,6 +293,11 @@ class StreamRuntime:
         self.prompt.hits += len(sel) - misses
         self.prompt.misses += misses
         self.reader.submit(layer, missing)
+        if self.plan.prefetch and not spec and len(missing) > self.mm.n_used:
+            # no read-ahead reached this layer (the first of a pass): llama.cpp would catch up with
+            # the reads and fault the rest in 4 KiB at a time (about 1,000 faults in a 200-token
+            # turn of q72); the one layer per pass is read before it computes
+            self.reader.wait()
         nxt = self._next_moe.get(layer)
         if (self.plan.prefetch and nxt is not None and nxt != self._last_moe
                 and len(sel) >= PREFETCH_SHARE * self.mm.n_experts):
@@ -293,11 +324,13 @@ class StreamRuntime:
 
     def _keep_budget(self, layer: int, ids) -> None:
         """Before a layer's read: the previous layer's deferred victims go now (its matmuls are
-        done), and a selected expert the cache holds but the kernel reclaimed in part is read again
-        rather than faulted in page by page (each such fault read 4 KiB: thousands per token).
-        Only this step's hits are checked: a few mincore calls per layer."""
+        done), and in a decode step a selected expert the cache holds but the kernel reclaimed in
+        part is read again rather than faulted in page by page (each such fault read 4 KiB:
+        thousands per token). Only this step's hits are checked: a few mincore calls per layer."""
         if self._evicted:
             self.drop_experts()
+        if self._in_prompt:
+            return  # a pass reads hundreds of experts: a reclaimed hit costs a few faults, checking all costs more
         cached = set(self.store.cached(layer))
         for e in ids:
             e = int(e)
@@ -396,6 +429,7 @@ class StreamRuntime:
         if lim is not None and lim <= self.budget:  # v1 rounds a limit down to whole pages
             self.budget = lim
             used = group_usage()
+            self._own_group = used is not None
         if used is None:
             used = self.locked_bytes + own_bytes()  # the copied dense weights are anonymous: in own_bytes
         if not self._computed and self.memory is not None:
