@@ -1,7 +1,10 @@
-"""Markdown tables from results/memlimit_*.json (scripts/bench_memlimit.py): README's headline and
-docs/results.md's tables are this script's output, pasted.
+"""Markdown tables from the results of scripts/bench_memlimit.py and scripts/bench_serve.py:
+README's figures and docs/results.md's tables are this script's output, pasted.
 
-    python scripts/report_memlimit.py [--headline]
+    python scripts/report_memlimit.py [session|decode|drives|serve|all]
+
+results/session_<model>.json (issue 26), results/memlimit_<model>.json (issue 28, steady decode),
+results/drives_<model>.json (drive profiles), results/serve_<model>.json (issue 27).
 """
 
 from __future__ import annotations
@@ -13,82 +16,121 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-SLICE = {"q864": "864 KiB", "q72": "72 KiB"}
-ARMS = ("plain-stock", "plain-reorder", "mbolt-stock", "mbolt-reorder", "mbolt-reorder-pins")
-
-
-def load() -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("memlimit_*.json"), reverse=True)]
+SLICE = {"q864": "864 KiB, Q4_0", "q72": "72 KiB, Q4_0", "q4km": "Q4_K_M-like"}
 
 
 def fmt(x, spec=".2f", unit=""):
     return "n/a" if x is None else f"{x:{spec}}{unit}"
 
 
-def headline(runs: list[dict]) -> str:
-    """128 KiB readahead, 40% budget: decode tok/s of each arm and the best mbolt arm's speedup."""
-    out = ["| model (expert slice) | budget | plain llama.cpp | plain llama.cpp, reorder file | mbolt runtime "
-           "(best arm) | speedup | A/A |", "|---|---|---|---|---|---|---|"]
-    for d in runs:
-        for c in d["configs"]:
-            if "error" in c or c["readahead_kb"] != 128 or abs(c["budget_frac"] - 0.4) > 1e-9:
-                continue
-            a, best = c["arms"], c["best_mbolt_arm"]
-            out.append(f"| {d['model']} ({SLICE.get(d['model'], '?')}, {c['file_bytes'] / 1e9:.1f} GB) | "
-                       f"{100 * c['budget_frac']:.0f}% ({c['budget_bytes'] / 2**30:.2f} GiB) | "
-                       f"{fmt(a['plain-stock']['decode_tokens_per_s'])} | "
-                       f"{fmt(a['plain-reorder']['decode_tokens_per_s'])} | "
-                       f"**{fmt(a[best]['decode_tokens_per_s'])}** ({best}) | **{fmt(c['best_over_plain'])}x** | "
-                       f"{fmt(c['aa'], '.3f')} |")
-    return "\n".join(out)
-
-
-def full(runs: list[dict]) -> str:
+def load(prefix: str) -> list[dict]:
     out = []
-    for d in runs:
-        out.append(f"\n**{d['model']}** ({SLICE.get(d['model'], '?')} slices; `results/memlimit_{d['model']}.json`)\n")
-        out.append("| readahead | budget | arm | tok/s (rounds) | vs plain-stock | device MB/token | major faults/token "
-                   "| hit rate | time to first token | peak MB |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|")
-        for c in d["configs"]:
-            if "error" in c:
-                out.append(f"| {c['readahead_kb']} KiB | {100 * c['budget_frac']:.0f}% | (failed: {c['error']}) "
-                           "| | | | | | | |")
-                continue
-            for name in list(ARMS) + ["plain-stock (A/A)"]:
-                r = c["arms"].get(name)
-                if r is None:
-                    continue
-                rounds = ", ".join(f"{x:.2f}" for x in r["decode_tokens_per_s_rounds"])
-                out.append(f"| {c['readahead_kb']} KiB | {100 * c['budget_frac']:.0f}% | {name} | "
-                           f"{fmt(r['decode_tokens_per_s'])} ({rounds}) | {fmt(r['speedup_vs_plain_stock'])}x | "
-                           f"{fmt(r['device_mb_per_token'], '.1f')} | {r['major_faults_per_token']:.0f} | "
-                           f"{fmt(r['hit_rate'], '.2f')} | {fmt(r['ttft_s'])} s | {fmt(r['peak_mb'], '.0f')} |")
-        cp = d.get("cache_policies", {})
-        if cp.get("rows"):
-            out.append(f"\nHeld-out cache replay ({cp['held_out_tokens']} bench tokens; pins from {cp['train']}; "
-                       "counted with the one cache rule, `bench_memlimit.py policies`):\n")
-            out.append("| slots/layer | LRU hit rate | learned pins hit rate | pinned |")
-            out.append("|---|---|---|---|")
-            for r in cp["rows"]:
-                out.append(f"| {r['cache_slots']} | {r['lru']:.3f} | {r['learned_pin']:.3f} | {r['pinned']} |")
-        for g in d.get("goals", []):
-            out.append(f"\n- goal {g['readahead_kb']} KiB readahead, 40%: {g['best_arm']} {fmt(g['speedup'])}x "
-                       f"(goal {g['goal']}x): {'met' if g['met'] else '**missed**'}")
+    for p in sorted(RESULTS.glob(f"{prefix}_*.json")):
+        d = json.loads(p.read_text())
+        if prefix != "memlimit" or "headline" in d:  # the steady-decode format (issue 28)
+            out.append(d)
+    return out
+
+
+def model_name(d: dict) -> str:
+    return f"{d['model']} ({SLICE.get(d['model'], '?')}, {d['file_bytes'] / 1e9:.1f} GB)"
+
+
+def met(goals: list[dict]) -> str:
+    return "; ".join(f"{g['goal']}: {fmt(g['value'], '.3f') if isinstance(g['value'], float) else g['value']} "
+                     f"({'met' if g['met'] else 'MISSED'})" for g in goals)
+
+
+def session() -> str:
+    out = ["| model | TTFT, 2,000 tokens: mbolt / warm / plain-512 / plain-2048 (s) | decode after it: mbolt / "
+           "plain-512 / plain-2048 (tok/s) | follow-up TTFT: mbolt / warm / bound (s) | prompt read MB/s "
+           "(sequential) | ordinary user / root | A/A plain, mbolt |", "|---|---|---|---|---|---|---|"]
+    notes = []
+    for d in load("session"):
+        t, dec, f = d["ttft_s"], d["decode_tokens_per_s"], d["followup_ttft_s"]
+        out.append(
+            f"| {model_name(d)} | **{fmt(t['mbolt'], '.1f')}** / {fmt(t['warm_512'], '.1f')} / "
+            f"{fmt(t['plain_512'], '.1f')} / {fmt(t['plain_2048'], '.1f')} ({fmt(d['ttft_over_warm'])}x warm) | "
+            f"**{fmt(dec['mbolt'])}** / {fmt(dec['plain-512'])} / {fmt(dec['plain-2048'])} "
+            f"({fmt(d['decode_over_best_plain'])}x the better plain) | {fmt(f['mbolt'])} / {fmt(f['warm_512'])} / "
+            f"{fmt(d['followup_bound_s'])} ({fmt(d['followup_over_bound'])}x) | "
+            f"{fmt(d['prompt_read_mb_per_s'], '.0f')} ({d['drive']['sequential_bytes_per_s'] / 1e6:.0f}: "
+            f"{100 * d['prompt_bw_share']:.0f}%) | {fmt(d['user_over_root'])} | "
+            f"{fmt(d['aa']['plain'], '.3f')}, {fmt(d['aa']['mbolt'], '.3f')} |")
+        m2048 = d["decode_tokens_per_s"].get("mbolt-2048")
+        lim = d["limited"]
+        row = next((r for r in lim["summary"] if r["arm"] == "mbolt-2048"), None)
+        if row:
+            notes.append(f"- {d['model']}: the runtime asked for 2048-token passes: TTFT {fmt(row['ttft_s'], '.1f')} s, "
+                         f"decode {fmt(m2048)} tok/s (512: {fmt(t['mbolt'], '.1f')} s, {fmt(dec['mbolt'])} tok/s).")
+        notes.append(f"- {d['model']} goals: {met(d['goals'])}.")
+    return "\n".join(out + [""] + notes)
+
+
+def decode() -> str:
+    out = ["| model | plain as shipped (128 KiB) | plain tuned (readahead) | mbolt runtime | over plain tuned | "
+           "A/A plain, mbolt | bound (limit) | share of bound |", "|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for d in load("memlimit"):
+        tuned = d["plain_tuned_readahead_kb"]
+        shipped = d["decode_tokens_per_s"].get("128") or d["decode_tokens_per_s"].get(128)
+        best = d["decode_tokens_per_s"].get(str(tuned)) or d["decode_tokens_per_s"].get(tuned)
+        aa = d["aa"].get(str(tuned)) or d["aa"].get(tuned)
+        b = d.get("bound") or {}
+        out.append(f"| {model_name(d)} | {fmt(shipped['plain-stock'])} | {fmt(best['plain-stock'])} ({tuned} KiB) | "
+                   f"**{fmt(best['mbolt-stock'])}** | **{fmt(d['headline'])}x** | {fmt(aa['plain'], '.3f')}, "
+                   f"{fmt(aa['mbolt'], '.3f')} | {fmt(b.get('tokens_per_s'))} tok/s ({b.get('limit', 'n/a')}) | "
+                   f"{fmt(d.get('share_of_bound'))} |")
+        ro = d["reorder_over_stock"].get("128") or d["reorder_over_stock"].get(128)
+        sweep = ", ".join(f"{ra} KiB {fmt(v)}" for ra, v in sorted(d["sweep"]["plain_tokens_per_s"].items(),
+                                                                     key=lambda kv: -int(kv[0])))
+        notes.append(f"- {d['model']}: plain's readahead sweep ({d['sweep']['tokens']} tokens, {d['sweep']['rounds']} "
+                     f"rounds): {sweep} tok/s; the reorder file over stock at 128 KiB: plain {fmt(ro['plain'])}x, "
+                     f"mbolt {fmt(ro['mbolt'])}x; warm {fmt(d['warm_tokens_per_s'])} tok/s; goals: {met(d['goals'])}.")
+    return "\n".join(out + [""] + notes)
+
+
+def drives() -> str:
+    out = ["| model | drive | plain stock / reorder (tok/s) | mbolt stock / reorder (tok/s) | mbolt over plain | "
+           "layout gain plain: measured / law | layout gain mbolt: measured / law |",
+           "|---|---|---|---|---|---|---|"]
+    for d in load("drives"):
+        for prof, p in d["profiles"].items():
+            rows = {r["arm"]: r.get("decode_tokens_per_s") for r in p["ab"]["summary"]}
+            lw = p["law"]
+            out.append(f"| {d['model']} | {prof} | {fmt(rows.get('plain-stock'))} / {fmt(rows.get('plain-reorder'))} | "
+                       f"{fmt(rows.get('mbolt-stock'))} / {fmt(rows.get('mbolt-reorder'))} | "
+                       f"**{fmt(p['over_plain'])}x** | {fmt(p['layout_gain']['plain'])} / "
+                       f"{fmt(lw['plain']['predicted_gain'])} | {fmt(p['layout_gain']['mbolt'])} / "
+                       f"{fmt(lw['mbolt']['predicted_gain'])} |")
     return "\n".join(out)
 
 
-def main() -> int:
+def serve() -> str:
+    out = []
+    for d in load("serve"):
+        out += [f"{model_name(d)}, budget {100 * d['budget_frac']:.0f}% ({d['budget_bytes'] / 2**30:.2f} GiB), "
+                f"readahead {d['readahead_kb']} KiB, {len(d['rounds'])} round(s):", "",
+                "| turn | prompt tokens | TTFT mbolt / plain / warm (s) | decode mbolt / plain / warm (tok/s) | "
+                "decode over plain |", "|---|---|---|---|---|"]
+        for r, t in zip(d["per_turn"], d["rounds"][0]["arms"]["mbolt"]["turns"]):
+            out.append(f"| {r['turn']} | {t['prompt_tokens']} | {fmt(r['mbolt_ttft_s'])} / {fmt(r['plain_ttft_s'])} / "
+                       f"{fmt(r['warm_ttft_s'])} | {fmt(r['mbolt_decode_tokens_per_s'])} / "
+                       f"{fmt(r['plain_decode_tokens_per_s'])} / {fmt(r['warm_decode_tokens_per_s'])} | "
+                       f"**{fmt(r['decode_over_plain'])}x** |")
+        out += ["", f"Goals: {met(d['goals'])}."]
+    return "\n".join(out)
+
+
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--headline", action="store_true", help="only README's headline table")
+    ap.add_argument("what", nargs="?", default="all", choices=["session", "decode", "drives", "serve", "all"])
     a = ap.parse_args()
-    runs = load()
-    if not runs:
-        print("no results/memlimit_*.json: run scripts/bench_memlimit.py first", file=sys.stderr)
-        return 2
-    print(headline(runs) if a.headline else headline(runs) + "\n" + full(runs))
-    return 0
+    parts = {"session": session, "decode": decode, "drives": drives, "serve": serve}
+    for name, fn in parts.items():
+        if a.what in (name, "all"):
+            sys.stdout.write(f"\n### {name}\n\n{fn()}\n")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -192,7 +192,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                        n_ctx=stream.n_ctx, n_ubatch=stream.n_ubatch, followup_bytes=run.followup_bytes,
                        peak_load_bytes=peak_load, reclaimed=stream.reclaimed,
                        tokens_sha256=hashlib.sha256(json.dumps(run.generated).encode()).hexdigest(),
-                       dense_copied_bytes=stream.copied_bytes)
+                       dense_copied_bytes=stream.copied_bytes, decode_slots=stream.decode_slots or 0)
 
 
 def check_same_tokens(rounds: list[RoundResult]) -> None:

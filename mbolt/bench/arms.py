@@ -144,6 +144,7 @@ class RoundResult:
     reclaimed: int = 0  # cached experts the kernel reclaimed (read again)
     tokens_sha256: str = ""  # of the generated tokens (the same in every arm, or the run is refused)
     dense_copied_bytes: int = 0  # dense weights held as anonymous copies (mlock refused: an ordinary user)
+    decode_slots: int = 0  # --ram, mbolt's runtime: expert slots per layer at the end (after any given back)
     drive_served_bytes: int | None = None  # --drive: what the device served the arm's group (the kernel's count)
     drive_served_reads: int | None = None
 
