@@ -16,11 +16,11 @@ def cache_table(sweep, title: str = "") -> Table:
     t = Table(title=title or (
         f"cache hit rate, {d['mode']} ({d['phase']} tokens: train {d['train_tokens']}, "
         f"measured {d['test_tokens']}; pin share {d['pin_share']:.2f})"), header_style="bold")
-    for col in ("slots", "pin+lru", "learned-pin", "lru", "os (global)", "belady", "pin - lru"):
+    for col in ("slots", "pin+lru", "learned-pin", "lru", "os (global)", "belady", "opt (MIN)", "pin - lru"):
         t.add_column(col, justify="right")
     for r in d["rows"]:
         t.add_row(str(r["budget"]), f"{r['pin']}+{r['lru_slots']}", pct(r["learned-pin"]), pct(r["lru"]),
-                  pct(r["os"]), pct(r["belady"]), f"{100 * (r['learned-pin'] - r['lru']):+.1f} pp")
+                  pct(r["os"]), pct(r["belady"]), pct(r.get("opt")), f"{100 * (r['learned-pin'] - r['lru']):+.1f} pp")
     return t
 
 

@@ -167,7 +167,7 @@ def plot_layout(d: dict, out, title: str = "") -> Path:
     return _save(fig, out)
 
 
-CACHE_POLICIES = ("learned-pin", "lru", "os", "belady")
+CACHE_POLICIES = ("learned-pin", "lru", "os", "belady", "opt")
 
 
 def cache_series(d: dict) -> dict:
