@@ -9,20 +9,9 @@ from mbolt.bench.replay import (
     BeladyPolicy, LearnedPinPolicy, LruPolicy, OsPolicy, cache_sweep, nuthatch_lines_trace,
     pin_count, replay, split_trace, usage_histogram,
 )
+from _trace_util import make_trace
+
 from mbolt.core.errors import MboltError
-from mbolt.core.trace import DECODE, Trace
-
-
-def make_trace(per_token, n_layers=1, n_experts=4):
-    """per_token: list of tokens, each a list (one per layer) of expert lists."""
-    k = max(len(x) for tok in per_token for x in tok)
-    ex = np.full((len(per_token), n_layers, k), -1, np.int16)
-    for t, tok in enumerate(per_token):
-        for l, es in enumerate(tok):
-            ex[t, l, : len(es)] = es
-    n = len(per_token)
-    return Trace(n_layers, n_experts, k, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32),
-                 np.arange(n, dtype=np.int32))
 
 
 SEQ = [0, 1, 0, 2, 0, 1, 3, 0]  # one layer, one expert per token

@@ -8,27 +8,15 @@ import math
 from functools import lru_cache
 from itertools import combinations
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mbolt.bench.bound import decode_bound, miss_bytes_per_token
 from mbolt.bench.replay import BeladyPolicy, LruPolicy, OptPolicy, cache_sweep, replay
+from _trace_util import make_trace
+
 from mbolt.core.errors import MboltError
-from mbolt.core.trace import DECODE, Trace
-
-
-def make_trace(per_token, n_layers=1, n_experts=6):
-    """per_token: list of tokens, each a list (one per layer) of expert lists."""
-    k = max(1, max(len(x) for tok in per_token for x in tok))
-    ex = np.full((len(per_token), n_layers, k), -1, np.int16)
-    for t, tok in enumerate(per_token):
-        for l, es in enumerate(tok):
-            ex[t, l, : len(es)] = es
-    n = len(per_token)
-    return Trace(n_layers, n_experts, k, ex, np.full(n, DECODE, np.uint8), np.zeros(n, np.int32),
-                 np.arange(n, dtype=np.int32))
 
 
 def one_layer(tokens, n_experts=6):
@@ -68,7 +56,7 @@ def test_opt_fewer_slots_than_selected_keeps_the_soonest_needed():
 
 def test_opt_layers_are_separate_caches():
     # layer 0 repeats expert 0 (1 miss), layer 1 alternates 0/1 in one slot (4 misses)
-    t = make_trace([[[0], [0]], [[0], [1]], [[0], [0]], [[0], [1]]], n_layers=2)
+    t = make_trace([[[0], [0]], [[0], [1]], [[0], [0]], [[0], [1]]], n_layers=2, n_experts=6)
     pol = OptPolicy(2, 1)
     assert misses(t, pol) == 5 and pol.misses.tolist() == [1, 4]
 
@@ -115,7 +103,7 @@ def test_opt_bounds_lru_and_is_bounded_by_free_fill_belady(layer_tokens, slots):
     """MIN starts empty and must admit: never more misses than LRU, never fewer than `belady`,
     which fills its cache for free and may decline to admit."""
     n = len(layer_tokens) // 2
-    t = make_trace([[layer_tokens[i], layer_tokens[n + i]] for i in range(n)], n_layers=2)
+    t = make_trace([[layer_tokens[i], layer_tokens[n + i]] for i in range(n)], n_layers=2, n_experts=6)
     opt = misses(t, OptPolicy(2, slots))
     assert opt <= misses(t, LruPolicy(2, slots))
     assert opt >= misses(t, BeladyPolicy(2, slots))
@@ -191,7 +179,7 @@ def test_miss_bytes_per_token_by_hand():
     t = one_layer([[e] for e in [0, 1, 0, 2, 0, 1, 3, 0]])
     assert miss_bytes_per_token(t, 2, 1000) == 625.0
     # two layers of different sizes (mixed quantization types): layer 1 misses 4 of 4
-    t2 = make_trace([[[0], [0]], [[0], [1]], [[0], [0]], [[0], [1]]], n_layers=2)
+    t2 = make_trace([[[0], [0]], [[0], [1]], [[0], [0]], [[0], [1]]], n_layers=2, n_experts=6)
     assert miss_bytes_per_token(t2, 1, [100, 10]) == (1 * 100 + 4 * 10) / 4
     with pytest.raises(MboltError, match="one per layer"):
         miss_bytes_per_token(t2, 1, [1, 2, 3])
