@@ -190,3 +190,29 @@ def test_cost_picks_the_nearest_measured_queue_depth():
     fits = fit_law(_rows(PARAMS, SIZES))
     assert cost({"fits": fits}, False, 3) == pytest.approx(PARAMS[("buffered", 4)])
     assert cost({"fits": fits}, True, 2) == pytest.approx(PARAMS[("direct", 1)])
+
+
+def test_throttled_layout_law_by_hand():
+    """The law on a throttled drive, computed by hand. Cloud profile (3,000 IOPS, 125 MB/s):
+    stock reads 300 ops and 100 MB per token -> max(0.1 s, 0.8 s) = 0.8 s of I/O, at 1 tok/s
+    s = 0.8; reorder reads 150 ops and 80 MB -> 0.64 s, g = 0.8 / 0.64 = 1.25;
+    gain = 1 / (0.2 + 0.8 / 1.25) = 1 / 0.84 = 1.190476..."""
+    from mbolt.bench.predict import throttled_io_s, throttled_layout_law
+
+    assert throttled_io_s(300, 100e6, 3000, 125e6) == pytest.approx(0.8, rel=1e-12)
+    assert throttled_io_s(6000, 100e6, 3000, 125e6) == pytest.approx(2.0, rel=1e-12)  # operations bind
+    assert throttled_io_s(6000, 100e6, None, 550e6) == pytest.approx(100 / 550, rel=1e-12)  # no IOPS cap
+    law = throttled_layout_law((300, 100e6, 1.0), (150, 80e6), 3000, 125e6)
+    assert law["s"] == pytest.approx(0.8, rel=1e-12)
+    assert law["g"] == pytest.approx(1.25, rel=1e-12)
+    assert law["predicted_gain"] == pytest.approx(1 / 0.84, rel=1e-12)
+    # an arm slower than its I/O alone allows: s is capped at 1 (all of its time is I/O)
+    assert throttled_layout_law((300, 100e6, 5.0), (150, 50e6), 3000, 125e6)["predicted_gain"] == pytest.approx(2.0)
+
+
+def test_law_holds_bands():
+    from mbolt.bench.predict import law_holds
+
+    assert law_holds(1.15, 1.20) and not law_holds(1.05, 1.20)  # within 10% of the prediction
+    assert law_holds(1.04, 1.02) and law_holds(0.96, 0.97) and not law_holds(1.08, 1.02)  # under 5%: 1.00 +- 0.05
+    assert not law_holds(None, 1.2) and not law_holds(1.2, None)

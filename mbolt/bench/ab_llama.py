@@ -174,11 +174,23 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                             f"{stream.locked_bytes} B of dense weights locked, {stream.copied_bytes} B copied"
                             if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
         peak_load = reset_own_peak() if job.ram else None  # the load touched the whole group: what follows counts
+        io, marks = None, []
         if job.drive:
-            from mbolt.core.blkio import throttle_own
+            from mbolt.core.blkio import own_io_group
 
-            throttle_own(arm.path, job.drive)  # throttled after the load, as a drive of that class would read
-        run = stream.generate(prompts, n_new, forced=job.forced, followup=job.followup)
+            io = own_io_group(arm.path)
+            io.set_profile(job.drive)  # throttled after the load, as a drive of that class would read
+
+        def mark_decode(i, tok):
+            # the served count once the first decode step is done: the prompt's reads are before it
+            if io is not None and not marks:
+                marks.append(io.served())
+
+        run = stream.generate(prompts, n_new, forced=job.forced, followup=job.followup, on_token=mark_decode)
+        decode_served = None
+        if marks and not job.followup and len(prompts) == 1:
+            end = io.served()
+            decode_served = (end.bytes - marks[0].bytes, end.ios - marks[0].ios, run.decode_tokens - 1)
     finally:
         stream.close()
     n = max(len(prompts), 1)
@@ -192,7 +204,9 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                        n_ctx=stream.n_ctx, n_ubatch=stream.n_ubatch, followup_bytes=run.followup_bytes,
                        peak_load_bytes=peak_load, reclaimed=stream.reclaimed,
                        tokens_sha256=hashlib.sha256(json.dumps(run.generated).encode()).hexdigest(),
-                       dense_copied_bytes=stream.copied_bytes, decode_slots=stream.decode_slots or 0)
+                       dense_copied_bytes=stream.copied_bytes, decode_slots=stream.decode_slots or 0,
+                       **(dict(zip(("drive_decode_bytes", "drive_decode_reads", "drive_decode_tokens"), decode_served))
+                          if decode_served else {}))
 
 
 def check_same_tokens(rounds: list[RoundResult]) -> None:

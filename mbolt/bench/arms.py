@@ -147,6 +147,10 @@ class RoundResult:
     decode_slots: int = 0  # --ram, mbolt's runtime: expert slots per layer at the end (after any given back)
     drive_served_bytes: int | None = None  # --drive: what the device served the arm's group (the kernel's count)
     drive_served_reads: int | None = None
+    # --drive: what the device served during decode after its first step (a prompt's reads left out)
+    drive_decode_bytes: int | None = None
+    drive_decode_reads: int | None = None
+    drive_decode_tokens: int | None = None
 
 
 def check_same_model(arms: list[Arm]) -> dict[str, tuple[MoeMap, str]]:

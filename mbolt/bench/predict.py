@@ -104,6 +104,36 @@ def end_to_end(g: float, s: float) -> float:
     return 1.0 / ((1.0 - s) + s / g)
 
 
+def throttled_io_s(reads: float, nbytes: float, iops: float | None, bps: float | None) -> float:
+    """Seconds per token a throttled drive needs for `reads` operations and `nbytes` bytes: the
+    cgroup caps operations and bytes separately (token buckets), so the binding one sets the time
+    (the disk underneath is faster than either cap)."""
+    return max(reads / iops if iops else 0.0, nbytes / bps if bps else 0.0)
+
+
+def throttled_layout_law(stock: tuple[float, float, float], reorder: tuple[float, float],
+                         iops: float | None, bps: float | None) -> dict:
+    """The slice-size law on a throttled drive: the reorder file's predicted decode gain over the
+    stock file from each arm's reads and device bytes per token and the stock arm's tok/s
+    (`stock` = (reads, bytes, tok/s), `reorder` = (reads, bytes)). s = the stock arm's share of
+    time in its I/O (at most 1), g = stock I/O time / reorder I/O time, gain = 1/((1-s) + s/g)."""
+    io_stock, io_reorder = throttled_io_s(*stock[:2], iops, bps), throttled_io_s(*reorder, iops, bps)
+    s = min(1.0, io_stock * stock[2])
+    g = io_stock / io_reorder if io_reorder > 0 else None
+    return {"io_s_per_token": {"stock": io_stock, "reorder": io_reorder}, "s": s, "g": g,
+            "predicted_gain": end_to_end(g, s) if g else None}
+
+
+def law_holds(measured: float | None, predicted: float | None, within: float = 0.10) -> bool:
+    """Issue 28's test of the law: the measured gain within 10% of the predicted one, or within
+    1.00 +- 0.05 where the law predicts a change under 5%."""
+    if measured is None or predicted is None:
+        return False
+    if abs(predicted - 1.0) < 0.05:
+        return abs(measured - 1.0) <= 0.05
+    return abs(measured / predicted - 1.0) <= within
+
+
 def decode_law(wall_base: float, io_base: float, reads_base: float, io_arm: float, reads_arm: float,
                non_io_per_read_s: float = 0.0) -> float:
     """End-to-end decode speedup of an arm over the baseline, per token:

@@ -349,10 +349,9 @@ def own_group() -> Path | None:
     return None
 
 
-def throttle_own(target: str | os.PathLike, name: str) -> Limits:
-    """Cap this process's group (made by a parent's IoGroup, which clears and removes it) with a
-    named profile: for a run that throttles only once its model has loaded. Returns what the
-    kernel holds."""
+def own_io_group(target: str | os.PathLike) -> IoGroup:
+    """This process's block-I/O group (made by a parent's IoGroup, which clears and removes it) on
+    the disk holding `target`: to throttle once the model has loaded, and to read what it served."""
     d = own_group()
     if d is None:
         raise MboltError("this process is in no block-I/O cgroup of its own: start it with MemoryGroup.popen(also=)")
@@ -360,4 +359,9 @@ def throttle_own(target: str | os.PathLike, name: str) -> Limits:
     g.device = whole_disk(target)
     g.kind, _ = io_hierarchy()
     g.path, g.owned = d, False
-    return g.set_profile(name)
+    return g
+
+
+def throttle_own(target: str | os.PathLike, name: str) -> Limits:
+    """Cap this process's group with a named profile; returns what the kernel holds."""
+    return own_io_group(target).set_profile(name)
