@@ -37,8 +37,14 @@ def model_name(d: dict) -> str:
 
 
 def met(goals: list[dict]) -> str:
-    return "; ".join(f"{g['goal']}: {fmt(g['value'], '.3f') if isinstance(g['value'], float) else g['value']} "
-                     f"({'met' if g['met'] else 'MISSED'})" for g in goals)
+    def value(v):
+        if isinstance(v, float):
+            return fmt(v, ".3f")
+        if isinstance(v, list):  # [measured, predicted]
+            return " / ".join(fmt(x, ".3f") if isinstance(x, float) else str(x) for x in v)
+        return v
+
+    return "; ".join(f"{g['goal']}: {value(g['value'])} ({'met' if g['met'] else 'MISSED'})" for g in goals)
 
 
 def session() -> str:
@@ -92,8 +98,9 @@ def decode() -> str:
 
 def drives() -> str:
     out = ["| model | drive | plain stock / reorder (tok/s) | mbolt stock / reorder (tok/s) | mbolt over plain | "
-           "layout gain plain: measured / law | layout gain mbolt: measured / law |",
-           "|---|---|---|---|---|---|---|"]
+           "layout gain plain: measured / law | layout gain mbolt: measured / law | bound (share) |",
+           "|---|---|---|---|---|---|---|---|"]
+    out_goals = []
     for d in load("drives"):
         for prof, p in d["profiles"].items():
             rows = {r["arm"]: r.get("decode_tokens_per_s") for r in p["ab"]["summary"]}
@@ -102,8 +109,11 @@ def drives() -> str:
                        f"{fmt(rows.get('mbolt-stock'))} / {fmt(rows.get('mbolt-reorder'))} | "
                        f"**{fmt(p['over_plain'])}x** | {fmt(p['layout_gain']['plain'])} / "
                        f"{fmt(lw['plain']['predicted_gain'])} | {fmt(p['layout_gain']['mbolt'])} / "
-                       f"{fmt(lw['mbolt']['predicted_gain'])} |")
-    return "\n".join(out)
+                       f"{fmt(lw['mbolt']['predicted_gain'])} | "
+                       + (f"{fmt(p['bound']['tokens_per_s'])} tok/s ({100 * p['share_of_bound']:.0f}%) |"
+                          if p.get("bound") else "- |"))
+        out_goals.append(f"- {d['model']}: goals: {met(d['goals'])}.")
+    return "\n".join(out + [""] + out_goals)
 
 
 def serve() -> str:

@@ -199,3 +199,35 @@ def test_trace_a_model_larger_than_its_limit(model, tmp_path):
     assert peak <= LIMIT - (40 << 20) < model["stock"].stat().st_size
     a, b = read_trace(tmp_path / "free.mbtrace"), read_trace(tmp_path / "limited.mbtrace")
     assert a.n_tokens == b.n_tokens > 0 and np.array_equal(a.experts, b.experts)
+
+
+def test_arm_rounds_under_a_drive_profile(model):
+    """An arm-round under a drive profile (bench_memlimit.py drives): the worker throttles its own
+    block-I/O group once its model has loaded, and reports what the disk served it during decode
+    after the first step, apart from its prompt's reads; the group is gone afterwards."""
+    import os
+
+    from mbolt.bench.ab import load_prompt_ids, run_ab
+    from mbolt.bench.arms import Arm
+    from mbolt.core import blkio
+
+    try:
+        kind, root = blkio.io_hierarchy()
+        blkio.whole_disk(model["stock"])
+    except MboltError as e:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip(str(e))
+    before = {p.name for p in root.iterdir() if p.name.startswith("mbolt-io-")}
+    prompts = load_prompt_ids(str(model["stock"]), None, 1, engine="llama.cpp", forced=8, n_new=N_NEW)
+    res = run_ab([Arm("plain", str(model["stock"]), mode="os"), Arm("mbolt", str(model["stock"]), io_threads=2)],
+                 mode="decode", engine="llama.cpp", rounds=1, prompts=prompts, n_new=N_NEW, ram=LIMIT, forced=8,
+                 aa=False, drive="sata")
+    assert res.environment["drive"] == "sata"
+    for r in res.rounds:
+        assert r.drive_decode_tokens == N_NEW - 1  # the steps after the first
+        assert 0 <= r.drive_decode_bytes <= r.drive_served_bytes and 0 <= r.drive_decode_reads <= r.drive_served_reads
+        assert r.drive_served_bytes > r.drive_decode_bytes  # the prompt read from the disk before decode
+    plain = next(r for r in res.rounds if r.arm == "plain")
+    assert plain.drive_decode_reads > 0  # experts came back from the disk through faults
+    assert {p.name for p in root.iterdir() if p.name.startswith("mbolt-io-")} == before
