@@ -58,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from mbolt.bench.ab import load_prompt_ids, run_ab  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.predict import law_holds, throttled_layout_law  # noqa: E402
+from mbolt.bench.predict import law_holds, law_predicts_no_change, throttled_layout_law  # noqa: E402
 from mbolt.bench.stats import aa_row  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402
@@ -484,7 +484,7 @@ def drives(name: str, rounds: int, frac: float = 0.4, seed: int = 0) -> dict:
         for k in ("plain", "mbolt"):
             lw = pr["law"][k]
             goals.append({"goal": f"{prof}: {k} layout gain within 10% of the law's "
-                                  f"({'1.00 +- 0.05' if lw['predicted_gain'] and abs(lw['predicted_gain'] - 1) < 0.05 else 'predicted'})",
+                                  f"({'1.00 +- 0.05' if lw['predicted_gain'] and law_predicts_no_change(lw['predicted_gain']) else 'predicted'})",
                           "value": [lw["measured_gain"], lw["predicted_gain"]],
                           "met": law_holds(lw["measured_gain"], lw["predicted_gain"])})
         goals.append({"goal": f"{prof}: mbolt >= 70% of the bound", "value": pr.get("share_of_bound"),

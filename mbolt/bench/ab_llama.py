@@ -118,7 +118,7 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
 
 def _io_group(arm: Arm, job: ArmJob):
     """A block-I/O cgroup for the arm's process when the run emulates a drive (`job.drive`): the
-    worker sets the profile's cap once its model has loaded (core.blkio.throttle_own); the group's
+    worker sets the profile's cap once its model has loaded (core.blkio.own_io_group); the group's
     cap is cleared and the group removed afterwards."""
     import contextlib
 

@@ -360,8 +360,3 @@ def own_io_group(target: str | os.PathLike) -> IoGroup:
     g.kind, _ = io_hierarchy()
     g.path, g.owned = d, False
     return g
-
-
-def throttle_own(target: str | os.PathLike, name: str) -> Limits:
-    """Cap this process's group with a named profile; returns what the kernel holds."""
-    return own_io_group(target).set_profile(name)
