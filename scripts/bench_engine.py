@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.engine import load_model  # noqa: E402
 from mbolt.gguf.synth import SynthConfig, write_synth  # noqa: E402
-from mbolt.engine.llama.runner import LlamaRunner  # noqa: E402
+from mbolt.runtime.runner import LlamaRunner  # noqa: E402
 
 PROMPT = [116, 104, 101, 32, 116, 105, 110, 32]  # "the tin "
 

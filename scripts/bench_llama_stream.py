@@ -1,6 +1,6 @@
 """llama.cpp as the streaming engine (issue 15) -> results/llama_stream_*.json.
 
-Arms, in llama.cpp 0.3.36 through the bindings (engine.llama.stream, `ab --engine llama.cpp`):
+Arms, in llama.cpp 0.3.36 through the bindings (runtime.driver, `ab --engine llama.cpp`):
   stock-reads   stock file, mbolt's explicit reads from the eval callback (the A/B baseline and
                 the law's reference)
   reorder-tsp   reorder(tsp) file, the same reads
@@ -119,7 +119,7 @@ def warm_arms(name: str) -> list[Arm]:
 
 
 def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
-    from mbolt.engine.llama.stream import LlamaStream, record_routing
+    from mbolt.runtime.driver import LlamaStream, record_routing
     from mbolt.core.header import read_header
     from mbolt.core.mbtrace import read_trace
     from mbolt.core.moe_map import moe_map
@@ -248,7 +248,7 @@ os = true
 
 
 def run_model(name: str, quiet: bool, rounds: int | None = None, tag: str = "") -> dict:
-    from mbolt.engine.llama.stream import record_routing
+    from mbolt.runtime.driver import record_routing
     from mbolt.bench.predict import predict_llama
     from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
 

@@ -352,7 +352,7 @@ def bound_of(name: str, w: Workload, slots: int, compute_s: float, bandwidth: fl
     with the warm compute time per token."""
     from mbolt.bench.bound import decode_bound, miss_bytes_per_token
     from mbolt.core.moe_map import moe_map
-    from mbolt.engine.llama.stream import record_routing
+    from mbolt.runtime.driver import record_routing
 
     p = paths(name)
     mm = moe_map(p["stock"])

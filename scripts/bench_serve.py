@@ -145,7 +145,7 @@ class Served:
 def session(srv: Served, ids: list[int]) -> list[dict]:
     """4 turns: the conversation grows by the reply (its text, tokenized as a client's history
     would be) and 100 more tokens of the text."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     turns, ctx, pos = [], list(ids[:FIRST]), FIRST
     with LlamaRunner(srv.model, vocab_only=True) as v:

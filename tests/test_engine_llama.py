@@ -61,7 +61,7 @@ CASES = [(a, t) for a in ARCH_KW for t in ("F32", "Q8_0", "Q4_0")] + [
 
 
 def _runner(path):
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     return LlamaRunner(path, n_ctx=128, n_threads=1)
 
@@ -149,9 +149,9 @@ def test_k_quant_experts_match_llama_cpp(tmp_path, qtype):
 
 
 def test_native_name_filter_gives_the_python_callbacks_routing(tmp_path, monkeypatch):
-    """The C filter in front of the eval callback (engine/llama/native.py) passes on exactly
+    """The C filter in front of the eval callback (runtime/native.py) passes on exactly
     the ffn_moe_topk nodes: the routing equals the pure-Python callback's, layer by layer."""
-    from mbolt.engine.llama import native
+    from mbolt.runtime import native
 
     path = write_synth(tmp_path / "m.gguf", SynthConfig(arch="qwen3moe", n_experts=16, n_used=4, seed=6))
     with _runner(path) as r:

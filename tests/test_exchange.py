@@ -355,7 +355,7 @@ def test_bad_faroute_inputs_are_one_line_exit_2(data_dir, tmp_path):
 def test_llama_cpp_loads_a_64k_aligned_reorder_and_gives_the_stock_logits(tmp_path):
     """general.alignment 65536 is a power of two llama.cpp accepts; the same weights give the
     same logits bit for bit (an identity reorder: same order, same arithmetic)."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     model = tmp_path / "m.gguf"
     assert run("synth", model, "--layers", "2", "--experts", "8", "--k", "2").exit_code == 0

@@ -211,7 +211,7 @@ def test_fused_file_is_the_same_model(tmp_path, arch, etype):
 @needs_llama
 def test_fused_and_unfused_agree_in_llama_cpp(tmp_path):
     """deepseek2 fused vs unfused (same bytes): llama.cpp gives the same greedy tokens and routing."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     write_synth(a, tiny("deepseek2", seed=7))
@@ -254,7 +254,7 @@ def test_every_type_runs_in_llama_cpp(tmp_path, case):
 def test_planted_groups_survive_each_family(tmp_path, arch):
     """llama.cpp's own routing on each family picks experts of one planted group together (far
     above chance), through sigmoid routers with exp_probs_b, MLA and linear attention alike."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     cfg = tiny(arch, n_experts=16, n_used=2, n_groups=4, hidden=128, head_dim=32)
     path = write_synth(tmp_path / "m.gguf", cfg)

@@ -1,4 +1,4 @@
-"""llama.cpp as the streaming engine (engine.llama.stream, bench.ab_llama): explicit expert reads
+"""llama.cpp as the streaming engine (runtime.driver, bench.ab_llama): explicit expert reads
 from the eval callback, cold expert pages after every step, the A/B through run_ab.
 
 The model has planted co-activation groups; the reordered file comes from a plan built on a
@@ -65,7 +65,7 @@ def _page_share(path, spans, resident):
 
 
 def test_eviction_after_a_token_leaves_experts_cold_and_dense_resident(files):
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
     from mbolt.core.pagecache import resident_pages
     from mbolt.core.moe_map import moe_map
     from gguf import GGUFReader
@@ -99,7 +99,7 @@ def test_split_set_streams_cold_with_the_same_tokens(files, tmp_path):
     from gguf import GGUFReader
 
     from _split_util import split_with_gguf_py
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
     from mbolt.core.pagecache import resident_pages
 
     shards = split_with_gguf_py(files["stock"], tmp_path / "set.gguf", max_tensors=12)
@@ -129,7 +129,7 @@ def test_split_set_streams_cold_with_the_same_tokens(files, tmp_path):
 
 
 def test_slot_budget_keeps_cached_experts_resident(files):
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
 
     path = str(files["stock"])
     with LlamaStream(path, reads=True, cache_slots=8) as s:
@@ -209,7 +209,7 @@ def test_prediction_counts_what_llama_read(files, tmp_path):
     from mbolt.bench.ab import run_ab
 
     from mbolt.bench.arms import parse_arm
-    from mbolt.engine.llama.stream import record_routing
+    from mbolt.runtime.driver import record_routing
     from mbolt.bench.predict import predict_llama
 
     arms = [parse_arm(f"{files['stock']}:name=stock", 0), parse_arm(f"{files['reorder']}:name=reorder-tsp", 1)]
@@ -260,7 +260,7 @@ def test_predict_takes_s_from_a_llama_ab_result(tmp_path):
 
 def test_an_error_in_the_callback_reaches_the_caller(files):
     """An exception cannot cross llama.cpp's C frames: the runner stops the graph and raises it."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     seen = []
 
@@ -280,7 +280,7 @@ def test_cold_start_keeps_every_dense_page_and_no_expert_page(files):
     streamed prefill faults nothing in."""
     import resource
 
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
 
     with LlamaStream(str(files["stock"]), reads=True, cache_slots=8) as s:
         s.make_cold()
@@ -296,7 +296,7 @@ def test_quantized_experts_are_read_from_the_mapping(tmp_path):
     """Q4_0 experts: llama.cpp's CPU backend repacks such weights into its own buffers unless told
     not to; streaming loads without extra buffer types, so the os arm's matmuls fault the mapped
     expert pages in (a warm copy in anonymous memory would make every arm read for nothing)."""
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
 
     path = write_synth(tmp_path / "q4.gguf", SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4,
                                                          hidden=128, expert_ff=128, n_heads=4, n_kv_heads=2,

@@ -128,9 +128,9 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
     a prompt pass's reserve (this layer's union and the next layer read ahead) and 20 slots' worth
     gives about 20 slots during a prompt; a decode step reads only k experts per layer, so the
     cache then also takes the rest of the pass's reserve."""
-    from mbolt.engine.llama.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes, step_bytes
-    from mbolt.engine.llama.runtime import own_bytes
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes, step_bytes
+    from mbolt.runtime.streamer import own_bytes
+    from mbolt.runtime.driver import LlamaStream
 
     mm = model["mm"]
     per_slot = expert_bytes_all_layers(mm)
@@ -167,7 +167,7 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
 
 
 def test_a_layer_without_expert_selection_is_an_error(model):
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
 
     with LlamaStream(str(model["stock"]), cache_slots=8, mm=model["mm"]) as s:
         s.moe_layers = s.moe_layers | {99}

@@ -10,7 +10,7 @@ from gguf import GGUFReader
 
 from mbolt.core.moe_map import moe_map
 from mbolt.core.trace import DECODE, Trace
-from mbolt.engine.store import ExpertStore
+from mbolt.runtime.store import ExpertStore
 from mbolt.gguf.synth import SynthConfig, write_synth
 from mbolt.layout.evaluate import evaluate, geometry_from_model
 

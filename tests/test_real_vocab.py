@@ -52,7 +52,7 @@ def cli(*args):
 @pytest.mark.parametrize("name", VOCABS)
 def test_llama_tokenizer_gives_llama_cpps_expected_ids(name):
     """The tokenizer every llama.cpp path of mbolt uses, against llama.cpp's own expected ids."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     cases = expected(name)
     assert len(cases) > 20

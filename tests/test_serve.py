@@ -119,7 +119,7 @@ def _templated_ids(model) -> list[int]:
     import jinja2
     from gguf import GGUFReader
 
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     r = GGUFReader(str(model))
     f = r.fields["tokenizer.chat_template"]
@@ -135,7 +135,7 @@ def _templated_ids(model) -> list[int]:
 
 
 def test_chat_at_temperature_0_gives_the_runtimes_greedy_tokens(server, model):
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
 
     r = server.client().chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=12, temperature=0,
                                                 extra_body={"return_tokens": True})

@@ -120,8 +120,8 @@ def test_context_sizes_are_llamas(kv_model):
     """What the budget counts before the context exists (llama.cpp's memory-fit pass) is the KV
     cache written out from the hyperparameters and what llama.cpp logs when it allocates it; the
     compute buffer is what it logs too."""
-    from mbolt.engine.llama.memory import simulate
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.memory import simulate
+    from mbolt.runtime.runner import LlamaRunner
 
     for n_ctx, ub in ((2048, 512), (8192, 128)):
         plan = simulate(str(kv_model), n_ctx, ub)

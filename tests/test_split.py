@@ -376,7 +376,7 @@ def test_sidecar_is_one_unit_with_its_gguf(model, tmp_path):
 
 def test_expert_readers_on_a_set_read_the_files_bytes(model, tmp_path):
     from mbolt.engine.source import MmapExpertSource
-    from mbolt.engine.store import ExpertStore
+    from mbolt.runtime.store import ExpertStore
 
     src, shards = model
     one, many = moe_map(src), moe_map(shards[2])

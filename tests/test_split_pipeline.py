@@ -111,7 +111,7 @@ def test_merge_refuses_another_fingerprint(setup):
 
 @needs_llama
 def test_llama_pipeline_on_a_set(setup):
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     d, src, shards, prompts = setup
     trace = d / "llama.mbtrace"

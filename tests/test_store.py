@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mbolt.core.pagecache import evict, resident_pages, resident_share
-from mbolt.engine.store import ExpertStore
+from mbolt.runtime.store import ExpertStore
 from mbolt.core.errors import MboltError
 
 
@@ -189,7 +189,7 @@ def test_packed_reads_one_range_per_run(rewritten):
 
 def test_split_reads_stay_byte_exact(tiny, monkeypatch):
     """With QD > 1 long merged reads are split into pieces (here forced small): same bytes."""
-    import mbolt.engine.store as store_mod
+    import mbolt.runtime.store as store_mod
 
     monkeypatch.setattr(store_mod, "SPLIT_MIN", 4096)
     path, want = tiny
@@ -204,7 +204,7 @@ def test_split_reads_stay_byte_exact(tiny, monkeypatch):
 
 
 def test_split_jobs_by_hand():
-    from mbolt.engine.store import split_jobs
+    from mbolt.runtime.store import split_jobs
 
     # one 1 MiB read, QD 4: pieces of max(256 KiB, 1 MiB / 4) = 256 KiB
     jobs = split_jobs([(4096, 1 << 20, 0)], 4)

@@ -85,7 +85,7 @@ def vocab_files(tmp_path_factory):
 
 
 def _llama_ids(path) -> list[list[int]]:
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     r = LlamaRunner(path, vocab_only=True)
     try:

@@ -266,7 +266,7 @@ def write_result(path: str | os.PathLike, result: AbResult) -> Path:
 
 def _tokenize(model_path: str, texts: list[str], engine: str) -> list[list[int]]:
     if engine == "llama.cpp":
-        from mbolt.engine.llama.runner import LlamaRunner
+        from mbolt.runtime.runner import LlamaRunner
 
         with LlamaRunner(model_path, vocab_only=True) as r:
             return [r.tokenize(t, add_special=True) for t in texts]

@@ -17,7 +17,7 @@ from mbolt.bench.stats import StopRule
 from mbolt.core.atomic import check_output
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import parse_size, readahead
-from mbolt.engine.llama.memory import DEFAULT_UBATCH
+from mbolt.runtime.memory import DEFAULT_UBATCH
 
 
 @dataclass
@@ -145,7 +145,7 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
 
         res.prereg["result"] = verdict(pr, res.summary)
     if engine == "llama.cpp" and probe_json is not None:
-        from mbolt.engine.llama.stream import record_routing
+        from mbolt.runtime.driver import record_routing
         from mbolt.bench.predict import predict_llama
 
         # the law with s measured in this run; counts on the routing llama.cpp computes

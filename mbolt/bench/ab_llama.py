@@ -1,4 +1,4 @@
-"""`mbolt ab --decode --engine llama.cpp`: one arm-round in llama.cpp (engine.llama.stream).
+"""`mbolt ab --decode --engine llama.cpp`: one arm-round in llama.cpp (runtime.driver).
 
 The protocol is run_ab's (rounds, arm order, A/A, pre-registration); this module only runs one
 arm once and summarises what llama.cpp adds:
@@ -16,7 +16,7 @@ Under a real memory limit (`job.ram` bytes, `mbolt ab --ram`): every arm-round i
 (`python -m mbolt.bench.ab_llama`) inside a memory cgroup of that size (core.memlimit), started
 after the model's pages were dropped from the page cache. An `os` arm there is plain llama.cpp
 (mapped, no repacking, no callback, default KV cache, nothing dropped by us); an arm with reads
-is mbolt's runtime with that budget (engine.llama.stream). The group's peak and its OOM kills are
+is mbolt's runtime with that budget (runtime.driver). The group's peak and its OOM kills are
 recorded; an arm the kernel killed is one error naming the arm and the budget.
 """
 
@@ -31,7 +31,7 @@ from dataclasses import asdict
 import numpy as np
 
 from mbolt.bench.arms import Arm, ArmJob, RoundResult
-from mbolt.engine.llama.stream import LlamaStream, check_llama_streamable
+from mbolt.runtime.driver import LlamaStream, check_llama_streamable
 from mbolt.bench.env import wait_quiet
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import reset_own_peak

@@ -20,8 +20,8 @@ from mbolt.core.pagecache import evict_model
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.trace import Trace
 from mbolt.engine.generate import greedy_decode
-from mbolt.engine.pages import ExpertPages
-from mbolt.engine.store import ExpertStore
+from mbolt.runtime.pages import ExpertPages
+from mbolt.runtime.store import ExpertStore
 
 @contextmanager
 def paused_gc():

@@ -215,7 +215,7 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
     from rich.progress import Progress
 
     from mbolt.core.memlimit import budget
-    from mbolt.engine.llama.stream import LlamaStream
+    from mbolt.runtime.driver import LlamaStream
 
     if (cache_slots or ram or drop_every_token or blocking or pins) and not stream:
         raise MboltError("--ram, --cache-slots, --drop-every-token, --blocking-reads and --pins need --stream")

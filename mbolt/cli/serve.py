@@ -75,7 +75,7 @@ def serve_cmd(
 
     from mbolt.core.moe_map import moe_map
     from mbolt.serve.app import create_app
-    from mbolt.serve.engine import Engine
+    from mbolt.serve.scheduler import Scheduler
 
     recorder = None
     if record is not None:
@@ -87,7 +87,7 @@ def serve_cmd(
         recorder = RoutingRecorder(record, mm, record_max)
     loaded = _load(model, ram, ctx_size, ubatch, threads, plain, on_topk=recorder.on_topk if recorder else None)
     name = alias or Path(model).name
-    engine = Engine(loaded, max_queue=queue_size, recorder=recorder, name=name)
+    engine = Scheduler(loaded, max_queue=queue_size, recorder=recorder, name=name)
     if recorder is not None:
         recorder.flush()  # the file exists (empty) from the start
     try:
@@ -119,7 +119,7 @@ def chat_cmd(
     import sys
 
     from mbolt.serve.chat import chat_loop
-    from mbolt.serve.engine import Engine
+    from mbolt.serve.scheduler import Scheduler
 
     from mbolt.core.gguf_set import open_model_header
 
@@ -127,7 +127,7 @@ def chat_cmd(
         raise MboltError(f"{model}: the GGUF has no tokenizer.chat_template: chat needs one (mbolt generate "
                          "takes plain text)")
     loaded = _load(model, ram, ctx_size, ubatch, threads, plain)
-    engine = Engine(loaded, max_queue=1, name=Path(model).name)
+    engine = Scheduler(loaded, max_queue=1, name=Path(model).name)
     try:
         err_console.print("[dim]/exit or Ctrl-D ends; Ctrl-C stops a reply[/]")
         sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}

@@ -2,7 +2,7 @@
 
 The engine asks for experts by ORIGINAL id only: `source.fetch(layer, ids) -> {id: {role: raw}}`
 (raw uint8 slice bytes, roles as in `MoeLayer.weights`). The default source slices an mmap of
-the file; `engine/store.py` implements the same `fetch` with explicit, merged reads.
+the file; `runtime/store.py` implements the same `fetch` with explicit, merged reads.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
                  on_step=None, n_ctx: int | None = None) -> dict:
     """llama.cpp on both files (reorder layout); see the module docstring. on_step() after every
     forward of both (len(prompts) * (n_tokens + 1) of them)."""
-    from mbolt.engine.llama.runner import LlamaRunner
+    from mbolt.runtime.runner import LlamaRunner
 
     prompts = prompts or BUILTIN_PROMPTS
     perm = read_route_map(out).perm
@@ -102,7 +102,7 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
     decisions = same = 0
     first_bad = ""
     from mbolt.core.moe_map import moe_map
-    from mbolt.engine.llama.memory import resolve_ctx
+    from mbolt.runtime.memory import resolve_ctx
 
     n_ctx, warning = resolve_ctx(n_ctx, moe_map(src))
     if warning:

@@ -286,7 +286,7 @@ def verify(
         if out_rm.layout != "reorder":
             report.add("llama.cpp", None, f"skipped: llama.cpp does not load the {out_rm.layout} layout")
         else:
-            from mbolt.engine.llama.runner import LlamaRunner
+            from mbolt.runtime.runner import LlamaRunner
 
             t = time.perf_counter()
             report.llama = _engine_check(

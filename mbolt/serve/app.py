@@ -1,4 +1,4 @@
-"""`mbolt serve`: an OpenAI-compatible HTTP server over one `Engine` (a thin Starlette app).
+"""`mbolt serve`: an OpenAI-compatible HTTP server over one `Scheduler` (a thin Starlette app).
 
 Endpoints: POST /v1/chat/completions and /v1/completions (streamed with server-sent events, or
 not), GET /v1/models, /health, /metrics (Prometheus text), /stats (JSON for the page) and / (a chat
@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mbolt.serve.engine import SAMPLING_DEFAULTS, Engine, Job, RequestError
+from mbolt.serve.scheduler import SAMPLING_DEFAULTS, Scheduler, Job, RequestError
 
 RETRY_AFTER_S = 5
 
@@ -129,7 +129,7 @@ def _prompt(body: dict) -> str | list[int]:
 # ---- the app ----
 
 
-def create_app(engine: Engine, *, api_key: str | None = None, model_name: str = "model") -> Starlette:
+def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str = "model") -> Starlette:
     page = files("mbolt.serve").joinpath("page.html").read_text(encoding="utf-8")
     created = int(time.time())
 
@@ -285,7 +285,7 @@ class _Shape:
                 "usage": usage}
 
 
-async def _sse(request: Request, engine: Engine, job: Job, events: asyncio.Queue, shape: _Shape,
+async def _sse(request: Request, engine: Scheduler, job: Job, events: asyncio.Queue, shape: _Shape,
                include_usage: bool):
     def line(obj) -> bytes:
         return b"data: " + json.dumps(obj).encode() + b"\n\n"

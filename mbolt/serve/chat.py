@@ -13,10 +13,10 @@ from __future__ import annotations
 import queue
 import sys
 
-from mbolt.serve.engine import SAMPLING_DEFAULTS, Engine, Job, RequestError
+from mbolt.serve.scheduler import SAMPLING_DEFAULTS, Scheduler, Job, RequestError
 
 
-def chat_loop(engine: Engine, *, system: str | None = None, sampling: dict | None = None, read=input,
+def chat_loop(engine: Scheduler, *, system: str | None = None, sampling: dict | None = None, read=input,
               write=sys.stdout.write, note=None) -> int:
     """Run the conversation until /exit or end of input; returns the number of replies."""
     note = note or (lambda text: write(text + "\n"))
@@ -75,7 +75,7 @@ def chat_loop(engine: Engine, *, system: str | None = None, sampling: dict | Non
         note(summary_line(before, engine.stats(), end))
 
 
-def fit_history(engine: Engine, history: list[dict]) -> tuple[list[int], list[str], int]:
+def fit_history(engine: Scheduler, history: list[dict]) -> tuple[list[int], list[str], int]:
     """The conversation's tokens, the oldest turns dropped (the system prompt kept) until it
     leaves a quarter of the context for the reply. Returns (tokens, stop strings, turns dropped)."""
     room = engine.loaded.n_ctx * 3 // 4

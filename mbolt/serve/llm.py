@@ -1,7 +1,7 @@
 """llama-cpp-python's high-level `Llama` with mbolt's streaming runtime attached.
 
 `Llama` brings the chat template machinery, the samplers, prefix reuse of the KV cache between
-turns and OpenAI-shaped text; the runtime (engine.llama.runtime) works inside llama.cpp's eval
+turns and OpenAI-shaped text; the runtime (runtime.streamer) works inside llama.cpp's eval
 callback, whoever drives the decoding. `Llama` builds its own model and context parameters from
 `llama_model_default_params()` and `llama_context_default_params()` while it is constructed, so
 repacking off, the eval callback and one output per micro-batch have to be in those defaults
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from mbolt.core.errors import MboltError
-from mbolt.engine.llama.memory import DEFAULT_UBATCH, captured_log, parse_log
+from mbolt.runtime.memory import DEFAULT_UBATCH, captured_log, parse_log
 
 _PATCH = threading.Lock()
 
@@ -31,7 +31,7 @@ def _defaults(model_fields: dict, context_fields: dict):
     """llama_model_default_params / llama_context_default_params return ours while `Llama` is built."""
     import llama_cpp.llama_cpp as C
 
-    from mbolt.engine.llama.runner import set_fields
+    from mbolt.runtime.runner import set_fields
 
     orig_m, orig_c = C.llama_model_default_params, C.llama_context_default_params
 
@@ -69,7 +69,7 @@ class Counters:
 
 
 def _llama_class():
-    from mbolt.engine.llama.runner import _lib
+    from mbolt.runtime.runner import _lib
 
     L = _lib()
 
@@ -145,9 +145,9 @@ def open_llm(path, *, ram: str | int | None = None, n_ctx: int | None = None, n_
 
     from mbolt.core.memlimit import budget as find_budget
     from mbolt.core.moe_map import moe_map
-    from mbolt.engine.llama.memory import resolve_ctx
-    from mbolt.engine.llama.native import AbortFlag
-    from mbolt.engine.llama.runner import TopkTap, _lib, _quiet
+    from mbolt.runtime.memory import resolve_ctx
+    from mbolt.runtime.native import AbortFlag
+    from mbolt.runtime.runner import TopkTap, _lib, _quiet
 
     L = _lib()
     mm = moe_map(path)
@@ -161,7 +161,7 @@ def open_llm(path, *, ram: str | int | None = None, n_ctx: int | None = None, n_
             warnings.warn(warning, stacklevel=2)
         model_path = mm.paths[0]
     else:
-        from mbolt.engine.llama.runtime import StreamRuntime
+        from mbolt.runtime.streamer import StreamRuntime
 
         runtime = StreamRuntime(path, mm=mm, budget=limit, qd=4, asynchronous=True, n_ctx=n_ctx, n_ubatch=n_ubatch)
         n_ctx, n_ubatch, model_path = runtime.n_ctx, runtime.n_ubatch, runtime.model_path

@@ -69,8 +69,8 @@ class _Llama:
     weights = False
 
     def __init__(self, path, route, threads, n_ctx=None):
-        from mbolt.engine.llama.memory import resolve_ctx
-        from mbolt.engine.llama.runner import LlamaRunner
+        from mbolt.runtime.memory import resolve_ctx
+        from mbolt.runtime.runner import LlamaRunner
 
         self.mm = moe_map(path)
         n_ctx, warning = resolve_ctx(n_ctx, self.mm)

@@ -110,7 +110,7 @@ def context_params(L, *, n_ctx: int, n_ubatch: int, flash_attn: bool, n_threads:
     output per micro-batch unless every token's logits are wanted (a prompt's logits for all of its
     tokens would take n_ubatch x n_vocab x 4 B of compute buffer: 1.2 GB at 2048 tokens of a
     150k vocabulary)."""
-    from mbolt.engine.llama.runner import GGML_TYPE_F32, set_fields
+    from mbolt.runtime.runner import GGML_TYPE_F32, set_fields
 
     cp = L.llama_context_default_params()
     set_fields(cp, n_ctx=int(n_ctx), n_batch=int(n_ubatch), n_ubatch=int(n_ubatch), n_threads=n_threads,
@@ -133,7 +133,7 @@ def simulate(path: str, n_ctx: int, n_ubatch: int = DEFAULT_UBATCH, *, flash_att
     key = (str(path), int(n_ctx), int(n_ubatch), bool(flash_attn), bool(f32_kv))
     if key in _SIMULATED:
         return _SIMULATED[key]
-    from mbolt.engine.llama.runner import _lib, set_fields
+    from mbolt.runtime.runner import _lib, set_fields
 
     L = _lib()
     L.llama_backend_init()

@@ -1,6 +1,6 @@
 """One model serving requests one at a time, in arrival order.
 
-The server's HTTP handlers and the terminal chat both talk to an `Engine`: `prepare_chat` or
+The server's HTTP handlers and the terminal chat both talk to an `Scheduler`: `prepare_chat` or
 `prepare_text` turn a request into prompt tokens (the GGUF's own chat template, rendered by
 llama-cpp-python's Jinja2 formatter; its stop strings and end-of-generation tokens), checked
 against the context; `submit` queues it (bounded: beyond the bound it is refused, the server says
@@ -44,7 +44,7 @@ class Job:
     started: bool = False
 
 
-class Engine:
+class Scheduler:
     def __init__(self, loaded, *, max_queue: int = 8, recorder=None, name: str = ""):
         self.loaded = loaded
         self.llm = loaded.llm
@@ -204,7 +204,7 @@ class Engine:
         """What /metrics, /stats and the chat's line show."""
         import resource
 
-        from mbolt.engine.store import proc_read_bytes
+        from mbolt.runtime.store import proc_read_bytes
 
         lo, rt = self.loaded, self.loaded.runtime
         c = self.llm.mbolt_counters

@@ -2,10 +2,10 @@
 in, and what is left for the expert cache.
 
 A budget (`--ram`, else the cgroup's limit, else available memory) holds, from load on:
-- the dense weights (kept resident: locked, or copied into anonymous memory, engine.pages);
+- the dense weights (kept resident: locked, or copied into anonymous memory, runtime.pages);
 - llama.cpp's context: the KV cache for `n_ctx` (resident from creation) and the compute buffer
   of an `n_ubatch`-token pass (resident once a prompt ran), sized by llama.cpp's own memory-fit
-  pass before anything is allocated (engine.llama.memory);
+  pass before anything is allocated (runtime.memory);
 - this process (interpreter, libraries) and a margin;
 - what one layer reads beyond the cache: a decode step's k experts, or a prompt pass's union of
   experts (up to the whole layer), twice that when the next layer is read while this one computes;
@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
-from mbolt.engine.llama.memory import ContextMemory, largest_ctx, simulate
+from mbolt.runtime.memory import ContextMemory, largest_ctx, simulate
 
 BUDGET_MARGIN = 32 << 20  # bytes left free (or 5% of the budget): allocator slack, the Python heap's growth
 PREFETCH_SHARE = 0.5  # a pass that selects at least this share of a layer's experts reads the next layer ahead

@@ -13,16 +13,16 @@ which kind: one row is a decode step, more is a prompt pass.
   (`ExpertStore.read`: merged ranges; asynchronous by default: posix_fadvise WILLNEED, and
   llama.cpp's page faults wait for pages in flight, which overlaps the reads with compute).
 - Prompt pass: the union of the pass's experts, most of the layer when n_ubatch is hundreds of
-  tokens, is read with long merged preadv in use order (engine.llama.prefill), and when two
+  tokens, is read with long merged preadv in use order (runtime.prefill), and when two
   layers fit the budget the next layer's uncached experts are read in the background while this
   one computes; what that read brought and the layer did not select is dropped at once, and
   the layer's victims go when the next layer starts (its matmuls are done then).
 
 Under a real memory limit (`budget` bytes: --ram, else the cgroups' tightest limit, else available
-memory) the budget is planned before the model is loaded (engine.llama.budget: dense weights, the
+memory) the budget is planned before the model is loaded (runtime.budget: dense weights, the
 KV cache for n_ctx, the compute buffer of the micro-batch, the reads of one layer, the cache) and
 refused in one line when it cannot work. After the load, the dense weights are held resident
-(mlock as far as RLIMIT_MEMLOCK allows, anonymous copies for the rest: engine.pages), the expert
+(mlock as far as RLIMIT_MEMLOCK allows, anonymous copies for the rest: runtime.pages), the expert
 spans of llama.cpp's mapping get MADV_RANDOM (a stray fault reads one page), and an expert that
 leaves the LRU is dropped at once (mapping and page cache), so the group stays under its limit and
 the kernel never has to reclaim. The cache is smaller during a prompt pass (it reads up to a layer
@@ -42,13 +42,13 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.engine.llama.budget import (PREFETCH_SHARE, BudgetPlan, expert_bytes_all_layers, margin, plan_budget,
+from mbolt.runtime.budget import (PREFETCH_SHARE, BudgetPlan, expert_bytes_all_layers, margin, plan_budget,
                                        slots_for, step_bytes)
-from mbolt.engine.llama.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
+from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
 from mbolt.core.pagecache import willneed_bytes
-from mbolt.engine.llama.prefill import LayerReader
-from mbolt.engine.pages import ExpertPages
-from mbolt.engine.store import ExpertStore
+from mbolt.runtime.prefill import LayerReader
+from mbolt.runtime.pages import ExpertPages
+from mbolt.runtime.store import ExpertStore
 
 PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinned, the rest LRU
 ENGINE_EXTRA = 16 << 20  # llama.cpp's own structures, threads and work buffers beyond the process before the load

@@ -18,9 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.engine.llama.memory import (DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, captured_log, context_params,
+from mbolt.runtime.memory import (DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, captured_log, context_params,
                                        parse_log)
-from mbolt.engine.llama.native import TOPK_PREFIX
+from mbolt.runtime.native import TOPK_PREFIX
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_I32 = 26
@@ -114,14 +114,14 @@ def _quiet(L) -> None:
 
 class TopkTap:
     """The eval callback: llama.cpp's scheduler asks it about every graph node; it answers yes for
-    `ffn_moe_topk-N` (in C, engine.llama.native, when a compiler is at hand), and once such a node
+    `ffn_moe_topk-N` (in C, runtime.native, when a compiler is at hand), and once such a node
     is computed reads each token row j of k int32 expert ids at `data + j * nb[1]` (the tensor is a
     view of an argsort over every expert: rows are strided) and hands them to `on_topk(layer,
     rows)`, before layer N's expert matmuls run. With `capture` it also keeps them (`routing`).
     An exception cannot cross C: it is kept, the graph is stopped, and `raise_error` raises it."""
 
     def __init__(self, L, on_topk=None, capture: bool = False):
-        from mbolt.engine.llama.native import topk_filter
+        from mbolt.runtime.native import topk_filter
 
         self.on_topk, self.capture = on_topk, capture
         self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of the last eval

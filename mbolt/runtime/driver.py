@@ -1,6 +1,6 @@
 """llama.cpp as the streaming engine, driven by mbolt: `LlamaStream` is the runtime
-(engine.llama.runtime: explicit expert reads from the eval callback, bounded expert memory) on a
-context of its own (engine.llama.runner), with the generation loop that generate, ab and the
+(runtime.streamer: explicit expert reads from the eval callback, bounded expert memory) on a
+context of its own (runtime.runner), with the generation loop that generate, ab and the
 benchmarks time: a prompt (its time to first token), decode steps (greedy or teacher-forced) and,
 in a session, a follow-up turn appended to the same context (its KV cache reused).
 
@@ -20,8 +20,8 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
-from mbolt.engine.llama.runtime import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
-from mbolt.engine.store import proc_read_bytes
+from mbolt.runtime.streamer import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
+from mbolt.runtime.store import proc_read_bytes
 
 
 @dataclass
@@ -63,7 +63,7 @@ class LlamaStream(StreamRuntime):
     StreamRuntime for the options; n_threads: llama.cpp's threads)."""
 
     def __init__(self, path, *, n_threads: int | None = None, **kw):
-        from mbolt.engine.llama.runner import LlamaRunner
+        from mbolt.runtime.runner import LlamaRunner
 
         super().__init__(path, **kw)
         self.runner = None
