@@ -1,4 +1,4 @@
-"""The binding the runtime stands on (runtime.runner): its version, its parameter structs and
+"""The binding the runtime stands on (runtime.binding): its version, its parameter structs and
 the ggml_tensor prefix mbolt reads, checked against libggml's own accessors."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = needs_llama
 def test_unknown_parameter_field_is_refused():
     import llama_cpp
 
-    from mbolt.runtime.runner import set_fields
+    from mbolt.runtime.binding import set_fields
 
     mp = llama_cpp.llama_model_default_params()
     set_fields(mp, vocab_only=True, n_gpu_layers=0)
@@ -28,16 +28,16 @@ def test_unknown_parameter_field_is_refused():
 def test_another_binding_version_is_refused(monkeypatch):
     import llama_cpp
 
-    from mbolt.runtime import runner
+    from mbolt.runtime import binding
 
     monkeypatch.setattr(llama_cpp, "__version__", "0.3.99")
     with pytest.raises(MboltError, match="llama-cpp-python 0.3.99 is installed.*==0.3.36"):
-        runner._lib()
+        binding.lib()
 
 
 def _tensor_in_memory(name: bytes):
     """A ggml_tensor-sized buffer holding our prefix (ne 8 x 3 x 1 x 1): what libggml's accessors read."""
-    from mbolt.runtime.runner import GgmlTensor
+    from mbolt.runtime.binding import GgmlTensor
 
     buf = (ctypes.c_ubyte * 512)()
     t = GgmlTensor.from_buffer(buf)
@@ -48,20 +48,20 @@ def _tensor_in_memory(name: bytes):
 
 
 def test_tensor_prefix_agrees_with_libggml(monkeypatch):
-    from mbolt.runtime import runner
+    from mbolt.runtime import binding
 
-    monkeypatch.setattr(runner, "_GGML", None)
+    monkeypatch.setattr(binding, "_GGML", None)
     buf, t = _tensor_in_memory(b"ffn_moe_topk-3")
-    runner.check_tensor_layout(ctypes.addressof(buf), t)  # the accessors read what we read
-    assert runner._GGML is not None
+    binding.check_tensor_layout(ctypes.addressof(buf), t)  # the accessors read what we read
+    assert binding._GGML is not None
 
 
 def test_tensor_prefix_that_disagrees_is_an_error(monkeypatch):
-    from mbolt.runtime import runner
+    from mbolt.runtime import binding
 
-    monkeypatch.setattr(runner, "_GGML", None)
+    monkeypatch.setattr(binding, "_GGML", None)
     buf, t = _tensor_in_memory(b"ffn_moe_topk-3")
-    seen = runner.GgmlTensor.from_buffer_copy(buf)
+    seen = binding.GgmlTensor.from_buffer_copy(buf)
     seen.ne[1] = 5  # what a binding with another layout would believe
     with pytest.raises(MboltError, match="ggml_tensor layout differs"):
-        runner.check_tensor_layout(ctypes.addressof(buf), seen)
+        binding.check_tensor_layout(ctypes.addressof(buf), seen)

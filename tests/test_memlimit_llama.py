@@ -141,7 +141,7 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
         assert s.n_ubatch == 512 and s.plan.prefetch  # a pass selects the whole layer: two layers reserved
         assert s.plan.prefill_reserve == 2 * layer
         dense = sum(b - a for a, b in s.pages.dense_tensors)
-        s.budget = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer
+        s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer
                     + 20 * per_slot)
         s.make_cold()
         assert 15 <= s.prefill_slots <= 21  # the pages held round dense tensors up to whole pages
@@ -170,7 +170,7 @@ def test_a_layer_without_expert_selection_is_an_error(model):
     from mbolt.runtime.driver import LlamaStream
 
     with LlamaStream(str(model["stock"]), cache_slots=8, mm=model["mm"]) as s:
-        s.moe_layers = s.moe_layers | {99}
+        s.arm.moe_layers = s.arm.moe_layers | {99}
         s.make_cold()
         with pytest.raises(MboltError, match="no ffn_moe_topk for layer\\(s\\) 99"):
             s.generate([[65, 66, 67, 68]], 2)

@@ -135,3 +135,70 @@ def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int
     hint = (f"the largest context that fits is {best} tokens (-c {best}), or give a larger --ram" if best
             else "no context fits: give a larger --ram")
     raise MboltError(f"{path}: a budget of {budget / mib:.0f} MiB cannot hold {parts}: {need / mib:.0f} MiB; {hint}")
+
+
+class Budget:
+    """The one object that plans and enforces a run's memory budget (bytes `limit`).
+
+    plan    before the model is loaded: the micro-batch, read-ahead or not, refused in one line when
+            nothing fits (`plan_budget`);
+    fit     after the load, the dense weights held: the expert slots per layer of a prompt pass and
+            of a decode step, from what is used (inside the group that enforces the limit, its
+            charge; elsewhere the dense weights and this process's own memory);
+    keep    before a decode step, now and then: inside that group, when its charge has crept within
+            half the margin of the limit (memory the plan does not see: the interpreter's heap,
+            page cache of other files), the cache gives up as many slots as it took, for good,
+            before the kernel starts reclaiming cached experts (which then come back through 4 KiB
+            faults: about 1,600 in one run of q72 at 40%).
+    A batched decode step of n sequences reads up to n x k experts of a layer: `decode_slots(n)`.
+    """
+
+    KEEP_EVERY = 16  # decode steps between two reads of the group's charge (a file read: ~15 us)
+
+    def __init__(self, limit: int, mm: MoeMap, plan: BudgetPlan):
+        self.limit, self.mm, self.plan = int(limit), mm, plan
+        self.prefill_slots = self.decode_slots = 0
+        self.own_group = False
+        self.given_back = 0
+        self._steps = 0
+
+    @classmethod
+    def planned(cls, limit: int, mm: MoeMap, model_path: str, **kw) -> "Budget":
+        return cls(limit, mm, plan_budget(model_path, mm, limit, **kw))
+
+    def fit(self, used_outside: int, compute_pending: int) -> None:
+        """Size the cache. `used_outside`: the dense weights held and this process's memory
+        (taken when this process is not alone in the group that enforces the limit);
+        `compute_pending`: the compute buffer's bytes not yet resident (no graph ran yet)."""
+        from mbolt.core.memlimit import group_usage, own_limit
+
+        lim = own_limit()
+        used = None
+        if lim is not None and lim <= self.limit:  # v1 rounds a limit down to whole pages
+            self.limit = lim
+            used = group_usage()
+            self.own_group = used is not None
+        if used is None:
+            used = used_outside
+        used += compute_pending
+        self.prefill_slots = slots_for(self.mm, self.limit, used, self.plan.prefill_reserve)
+        self.decode_slots = max(self.prefill_slots, slots_for(self.mm, self.limit, used, step_bytes(self.mm)))
+
+    def keep(self) -> bool:
+        """Before a decode step: True when the cache gave up slots (`decode_slots` is smaller)."""
+        self._steps += 1
+        if not self.own_group or self._steps % self.KEEP_EVERY:
+            return False
+        from mbolt.core.memlimit import group_usage
+
+        used = group_usage()
+        if used is None:
+            return False
+        over = used - (self.limit - margin(self.limit) // 2)
+        if over <= 0:
+            return False
+        n = -(-over // max(expert_bytes_all_layers(self.mm), 1))
+        self.decode_slots = max(self.mm.n_used, self.decode_slots - n)
+        self.prefill_slots = min(self.prefill_slots, self.decode_slots)
+        self.given_back += n
+        return True

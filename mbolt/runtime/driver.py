@@ -1,12 +1,19 @@
-"""llama.cpp as the streaming engine, driven by mbolt: `LlamaStream` is the runtime
-(runtime.streamer: explicit expert reads from the eval callback, bounded expert memory) on a
-context of its own (runtime.runner), with the generation loop that generate, ab and the
-benchmarks time: a prompt (its time to first token), decode steps (greedy or teacher-forced) and,
-in a session, a follow-up turn appended to the same context (its KV cache reused).
+"""The one decode driver: a llama.cpp context with an arm in it (the streaming runtime, or plain
+llama.cpp), its sequences, and the loops that `generate`, `chat`, `serve`, `trace` and the
+benchmarks run, so that what is measured is what is served.
 
-The `os` arm: the same cold condition without explicit reads (llama.cpp's page faults and the
-kernel's readahead decide what is read); by default without the callback, as users run llama.cpp.
-llama.cpp cannot load the `packed` layout (its tensors are blobs llama.cpp does not know).
+- `prompt(tokens, seq)`: a prompt (or a turn) on a sequence, in passes of n_ubatch; a sequence
+  keeps its tokens, so a follow-up turn that starts with them only evaluates what is new (the KV
+  cache of the common prefix is reused). The runtime's prompt passes end inside it (read-ahead
+  done, the cache grown back): its time is the time to first token.
+- `step(feeds)`: one decode step, one token of each live sequence in one llama_decode (a batch of
+  conversations shares each layer's reads: the runtime reads the union of their experts once).
+- `generate(...)`: the measured loop (greedy or teacher-forced, with a follow-up turn), returning
+  a `StreamRun` of timings and counters.
+
+`open_driver` builds the arm from the options every command shares: `reads=False` is plain
+llama.cpp (runtime.plain), else the streaming runtime (runtime.streamer). llama.cpp cannot load the
+`packed` layout (its tensors are blobs llama.cpp does not know).
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
-from mbolt.runtime.streamer import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
+from mbolt.runtime.runner import Phase
 from mbolt.runtime.store import proc_read_bytes
+from mbolt.runtime.streamer import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
 
 
 @dataclass
@@ -30,10 +38,10 @@ class StreamRun:
 
     generated: list[list[int]]  # per prompt
     prefill_s: float = 0.0  # time to first token, summed over prompts
-    decode_s: float = 0.0  # llama_decode wall time of the decode steps (eviction excluded)
+    decode_s: float = 0.0  # llama_decode wall time of the decode steps (dropping pages after them excluded)
     decode_tokens: int = 0
     io_s: float = 0.0  # decode: wall time of the explicit reads
-    reads: int = 0  # decode: merged reads (os arm: major faults)
+    reads: int = 0  # decode: merged reads (plain: major faults)
     ops: int = 0
     bytes: int = 0
     useful_bytes: int = 0
@@ -58,29 +66,89 @@ class StreamRun:
         return d
 
 
-class LlamaStream(StreamRuntime):
-    """The streaming runtime on a llama.cpp context of its own (see the module docstring and
-    StreamRuntime for the options; n_threads: llama.cpp's threads)."""
+_COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
 
-    def __init__(self, path, *, n_threads: int | None = None, **kw):
+
+class Driver:
+    """A llama.cpp context driven by mbolt, with `arm` (a StreamRuntime or a PlainLlama) in it;
+    `n_seq` sequences of the arm's n_ctx tokens each."""
+
+    def __init__(self, arm, *, n_threads: int | None = None, n_seq: int = 1):
         from mbolt.runtime.runner import LlamaRunner
 
-        super().__init__(path, **kw)
+        self.arm = arm
         self.runner = None
         try:
-            self.runner = LlamaRunner(self.model_path, n_ctx=self.n_ctx, n_threads=n_threads, capture=False,
-                                      on_topk=self.on_topk if self.uses_callback else None, load_mode="mmap",
-                                      f32_kv=self.f32_kv, flash_attn=self.flash_attn, n_batch=self.n_ubatch)
-            self.attach(self.runner.memory)
+            self.runner = LlamaRunner(arm.model_path, n_ctx=arm.n_ctx, n_threads=n_threads, capture=False,
+                                      on_topk=arm.on_topk if arm.uses_callback else None, load_mode="mmap",
+                                      f32_kv=arm.f32_kv, flash_attn=arm.flash_attn, n_batch=arm.n_ubatch,
+                                      n_seq=n_seq)
+            self.runner.hooks = arm
+            arm.attach(self.runner.memory, self.runner.tap)
         except BaseException:
             self.close()
             raise
+        self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence holds
+        self.prompt_major_faults = 0
 
-    _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
+    # the arm's state, as generate, ab and the benchmarks read it
+    def __getattr__(self, name):
+        if name in ("arm", "runner"):
+            raise AttributeError(name)
+        return getattr(self.arm, name)
+
+    @property
+    def n_seq(self) -> int:
+        return self.runner.n_seq
+
+    # ---- sequences ----
+
+    def prompt(self, tokens: list[int], seq: int = 0, keep_prefix: bool = False) -> tuple[np.ndarray, float, int | None]:
+        """Evaluate a prompt (or a turn) on a sequence: (logits of its last token, seconds to them,
+        device bytes read). With `keep_prefix` the tokens the sequence already holds that start
+        `tokens` are kept (their KV cache reused) and only the rest is evaluated; otherwise
+        `tokens` are appended to what the sequence holds."""
+        tokens = [int(t) for t in tokens]
+        if keep_prefix:
+            held = self.tokens[seq]
+            n = 0
+            while n < min(len(held), len(tokens) - 1) and held[n] == tokens[n]:
+                n += 1  # at least one token is evaluated: its logits are the answer
+            self.runner.truncate(seq, n)
+            del held[n:]
+            todo = tokens[n:]
+        else:
+            todo = tokens
+        d0 = proc_read_bytes()
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+        t0 = time.perf_counter()
+        logits = self.runner.eval(todo, seq=seq, phase=Phase.PROMPT)
+        self.arm.end_prompt()
+        dt = time.perf_counter() - t0
+        d1 = proc_read_bytes()
+        self.prompt_major_faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+        self.tokens[seq].extend(todo)
+        return logits, dt, (None if d0 is None or d1 is None else d1 - d0)
+
+    def step(self, feeds: list[tuple[int, int]]) -> list[np.ndarray]:
+        """One decode step: one token of each of these (sequence, token) in one llama_decode;
+        the logits of each."""
+        out = self.runner.decode_step(feeds)
+        for s, t in feeds:
+            self.tokens[s].append(int(t))
+        return out
+
+    def forget(self, seq: int | None = None) -> None:
+        """Clear a sequence (every sequence when None)."""
+        self.runner.reset(seq)
+        for s in (range(self.n_seq) if seq is None else [seq]):
+            self.tokens[s] = []
+
+    # ---- the measured loop ----
 
     def _counts(self) -> np.ndarray:
-        c = self.store.counters if self.store is not None else None
-        return np.array([getattr(c, k) if c else 0 for k in self._COUNTED], float)
+        c = self.arm.store.counters if self.arm.store is not None else None
+        return np.array([getattr(c, k) if c else 0 for k in _COUNTED], float)
 
     def generate(self, prompts: list[list[int]], n_new: int, on_token=None, forced: int = 0,
                  followup: int = 0) -> StreamRun:
@@ -92,52 +160,46 @@ class LlamaStream(StreamRuntime):
         reused): its time to first token is `followup_s`. `generated` holds the greedy prediction
         of every step (and of the follow-up's first token), so arms that compute the same model agree."""
         run = StreamRun(generated=[])
-        r = self.runner
-        acc = np.zeros(len(self._COUNTED))
+        arm = self.arm
+        acc = np.zeros(len(_COUNTED))
         dev: int | None = 0
-        check = self.store is not None
-        prompt0 = self.prompt.to_dict()
+        prompt0 = arm.prompt.to_dict()
         self.prompt_major_faults = 0
         pdev: int | None = 0
         for p, ids in enumerate(prompts):
             if forced and len(ids) < forced + n_new + followup:
                 raise MboltError(f"prompt {p}: {len(ids)} tokens; teacher forcing needs {forced} + {n_new}"
                                  f"{f' + {followup}' if followup else ''} (give a longer text or fewer --new-tokens)")
-            r.reset()
-            self._step = {}
+            self.forget(0)
             first = list(ids[:forced] if forced else ids)
-            logits, dt, d = self._prompt(first)
+            logits, dt, d = self.prompt(first)
             run.prefill_s += dt
             run.prompt_tokens += len(first)
             pdev = None if (pdev is None or d is None) else pdev + d
             out = []
+            c0, d0 = self._counts(), proc_read_bytes()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             for i in range(n_new):
                 pred = int(np.argmax(logits))
                 out.append(pred)
                 tok = int(ids[forced + i]) if forced else pred
-                self._step = {}
-                c0, d0 = self._counts(), proc_read_bytes()
-                f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-                t0 = time.perf_counter()
-                logits = r.eval([tok])
-                run.decode_s += time.perf_counter() - t0
-                run.major_faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
-                acc += self._counts() - c0
-                d1 = proc_read_bytes()
-                dev = None if (dev is None or d0 is None or d1 is None) else dev + d1 - d0
-                if check:
-                    self.check_routed()
+                t0, a0 = time.perf_counter(), arm.after_step_s
+                logits = self.step([(0, tok)])[0]
+                run.decode_s += time.perf_counter() - t0 - (arm.after_step_s - a0)
                 run.decode_tokens += 1
-                if self.record:
-                    run.routing.append(dict(self._step))
-                self.drop_experts()
+                if arm.record:
+                    run.routing.append(dict(arm.step_routing))
                 if on_token:
                     on_token(i, tok)
+            run.major_faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
+            acc += self._counts() - c0
+            d1 = proc_read_bytes()
+            dev = None if (dev is None or d0 is None or d1 is None) else dev + d1 - d0
             if followup:
                 turn = [int(t) for t in ids[forced + n_new: forced + n_new + followup]]
-                b0 = self.prompt.bytes
-                logits, dt, d = self._prompt(turn)
-                run.followup_bytes += self.prompt.bytes - b0
+                b0 = arm.prompt.bytes
+                logits, dt, d = self.prompt(turn)
+                run.followup_bytes += arm.prompt.bytes - b0
                 run.followup_s += dt
                 run.followup_tokens += len(turn)
                 pdev = None if (pdev is None or d is None) else pdev + d
@@ -146,50 +208,73 @@ class LlamaStream(StreamRuntime):
         run.device_bytes = dev
         run.prompt_device_bytes = pdev
         run.prompt_major_faults = self.prompt_major_faults
-        now = self.prompt.to_dict()
+        now = arm.prompt.to_dict()
         run.prompt_passes = now["passes"] - prompt0["passes"]
         run.prompt_bytes = now["bytes"] - prompt0["bytes"]
         run.prompt_read_s = now["read_s"] - prompt0["read_s"]
-        if self.store is not None:
+        if arm.store is not None:
             run.io_s = float(acc[0])
             run.reads, run.ops, run.bytes, run.useful_bytes, run.hits, run.misses = (int(x) for x in acc[1:])
         else:
-            # os arm: every major fault is one read the kernel issued, readahead included
+            # plain: every major fault is one read the kernel issued, readahead included
             run.reads = run.ops = run.major_faults
             run.bytes = dev or 0
         return run
 
-    def _prompt(self, tokens: list[int]):
-        """Evaluate a prompt (or a turn) on the context as it stands: (logits of its last token,
-        seconds to them, device bytes read). The runtime's prompt passes end here (read-ahead
-        done, the cache grown back), inside the time."""
-        d0 = proc_read_bytes()
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-        t0 = time.perf_counter()
-        logits = self.runner.eval(tokens)
-        self.finish_prompt()
-        self.drop_experts()
-        dt = time.perf_counter() - t0
-        d1 = proc_read_bytes()
-        self.prompt_major_faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
-        self._seen = set()
-        return logits, dt, (None if d0 is None or d1 is None else d1 - d0)
-
     def detokenize(self, ids: list[int]) -> str:
+        return self.piece_bytes(ids).decode("utf-8", errors="replace")
+
+    def piece_bytes(self, ids: list[int], special: bool = False) -> bytes:
+        """The bytes of these tokens (a multibyte character can span two of them)."""
         L = self.runner.L
         out = b""
         buf = ctypes.create_string_buffer(256)
         for t in ids:
-            n = L.llama_token_to_piece(self.runner.vocab, int(t), buf, len(buf), 0, False)
+            n = L.llama_token_to_piece(self.runner.vocab, int(t), buf, len(buf), 0, special)
             if n > 0:
                 out += buf.raw[:n]
-        return out.decode("utf-8", errors="replace")
+        return out
 
     def close(self) -> None:
         if getattr(self, "runner", None) is not None:
             self.runner.close()
             self.runner = None
-        super().close()
+        self.arm.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool | None = None,
+                record: bool = False, n_threads: int | None = None, n_seq: int = 1, mm: MoeMap | None = None,
+                n_ctx: int | None = None, n_ubatch: int | None = None, f32_kv: bool = False,
+                flash_attn: bool | None = None, **runtime_options) -> Driver:
+    """A driver over the arm these options name: `reads` the streaming runtime (its options:
+    gap, qd, cache_slots, budget, asynchronous, pins; `evict=False` a warm control), else plain
+    llama.cpp (`evict`: drop every expert page after each decode step, the emulation without a
+    limit; `callback`: the eval callback alone; `record`: keep each step's selections)."""
+    from mbolt.runtime.memory import DEFAULT_UBATCH
+    from mbolt.runtime.plain import PlainLlama
+
+    common = dict(mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch or DEFAULT_UBATCH, f32_kv=f32_kv, flash_attn=flash_attn,
+                  record=record)
+    if reads:
+        arm = StreamRuntime(path, evict=evict, **common, **runtime_options)
+    else:
+        if runtime_options.get("pins"):
+            raise MboltError("pins keep experts the runtime reads: they need explicit reads")
+        arm = PlainLlama(path, drop_after_step=evict, callback=bool(callback), **common)
+    try:
+        return Driver(arm, n_threads=n_threads, n_seq=n_seq)
+    except BaseException:
+        arm.close()
+        raise
+
+
+LlamaStream = open_driver  # the name generate, ab and the benchmarks have used
 
 
 def routing_trace(runs: list[StreamRun], mm: MoeMap):
@@ -215,5 +300,5 @@ def record_routing(path, prompts: list[list[int]], n_new: int, mm: MoeMap | None
     """Generate once warm (no reads, no eviction) with the callback recording the decode routing;
     returns it as a Trace (original ids). Deterministic (greedy or teacher-forced): every arm routes
     the same."""
-    with LlamaStream(path, reads=False, evict=False, record=True, mm=mm) as s:
+    with open_driver(path, reads=False, evict=False, record=True, mm=mm) as s:
         return routing_trace([s.generate(prompts, n_new, forced=forced)], s.mm)

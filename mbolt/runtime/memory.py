@@ -15,14 +15,10 @@ refused), and the compute buffer's pages become resident during the first prompt
 
 from __future__ import annotations
 
-import ctypes
-import math
-import re
-import threading
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 from mbolt.core.errors import MboltError
+from mbolt.runtime.binding import GGML_TYPE_F32, captured_log, lib, log_sizes, set_fields
 
 DEFAULT_CTX = 4096  # llama-server's --ctx-size default is the model's; ours is a size every budget can name
 CTX_PAD = 256  # llama.cpp pads a sequence's context to this many cells
@@ -45,79 +41,25 @@ class ContextMemory:
         return self.kv_bytes + self.compute_bytes + self.output_bytes
 
 
-_SIZE = re.compile(r"^(llama_kv_cache|llama_memory_recurrent): size = +([\d.]+) MiB")
-_COMPUTE = re.compile(r"compute buffer size = +([\d.]+) MiB")
-_OUTPUT = re.compile(r"output buffer size = +([\d.]+) MiB")
-_NCTX = re.compile(r"^llama_context: n_ctx += (\d+)")
-_FA = re.compile(r"^llama_context: flash_attn += (\w+)")
-
-
-def _mib(text: str) -> int:
-    """A size llama.cpp printed as %.2f MiB, rounded up to what it can have been."""
-    return math.ceil((float(text) + 0.005) * 2**20)
-
-
 def parse_log(lines: list[str], n_ubatch: int, flash_attn: bool) -> ContextMemory:
     """The sizes llama.cpp logged while it created a context (real or simulated)."""
-    kv = compute = output = 0
-    n_ctx = 0
-    for line in lines:
-        if m := _SIZE.match(line):
-            kv += _mib(m.group(2))
-        elif m := _COMPUTE.search(line):
-            compute += _mib(m.group(1))
-        elif m := _OUTPUT.search(line):
-            output += _mib(m.group(1))
-        elif m := _NCTX.match(line):
-            n_ctx = int(m.group(1))
-    return ContextMemory(n_ctx=n_ctx, n_ubatch=n_ubatch, flash_attn=flash_attn, kv_bytes=kv,
-                         compute_bytes=compute, output_bytes=output)
-
-
-_LOG_LOCK = threading.Lock()
-_KEEP: list = []  # ctypes callbacks llama.cpp may still call: never collected
-
-
-@contextmanager
-def captured_log(L):
-    """llama.cpp's log lines while the block runs (the log sink is process-wide: one at a time);
-    afterwards the log is silent again."""
-    lines: list[str] = []
-    buf: list[str] = []
-
-    def sink(level, text, user):
-        buf.append(text.decode("utf-8", errors="replace"))
-        if buf[-1].endswith("\n"):
-            lines.extend("".join(buf).splitlines())
-            buf.clear()
-
-    cb = L.llama_log_callback(sink)
-    quiet = L.llama_log_callback(lambda level, text, user: None)
-    _KEEP.extend((cb, quiet))
-    with _LOG_LOCK:
-        L.llama_log_set(cb, ctypes.c_void_p(0))
-        try:
-            yield lines
-        finally:
-            L.llama_log_set(quiet, ctypes.c_void_p(0))
-            _KEEP[:] = [cb, quiet]  # the newest pair stays referenced; older ones are no longer installed
+    return ContextMemory(n_ubatch=n_ubatch, flash_attn=flash_attn, **log_sizes(lines))
 
 
 def context_params(L, *, n_ctx: int, n_ubatch: int, flash_attn: bool, n_threads: int, f32_kv: bool = False,
-                   all_logits: bool = False):
+                   all_logits: bool = False, n_seq: int = 1):
     """llama_context_params as mbolt runs every context: n_batch = n_ubatch (one graph per llama_decode),
     flash attention as given (the same in every arm: it changes the buffer and the tokens), and one
-    output per micro-batch unless every token's logits are wanted (a prompt's logits for all of its
-    tokens would take n_ubatch x n_vocab x 4 B of compute buffer: 1.2 GB at 2048 tokens of a
-    150k vocabulary)."""
-    from mbolt.runtime.runner import GGML_TYPE_F32, set_fields
-
+    output per sequence of a micro-batch unless every token's logits are wanted (a prompt's logits
+    for all of its tokens would take n_ubatch x n_vocab x 4 B of compute buffer: 1.2 GB at 2048
+    tokens of a 150k vocabulary). `n_seq` sequences (a server's slots) of `n_ctx` tokens each: the
+    KV cache holds n_seq x n_ctx cells, split between them (not unified)."""
     cp = L.llama_context_default_params()
-    set_fields(cp, n_ctx=int(n_ctx), n_batch=int(n_ubatch), n_ubatch=int(n_ubatch), n_threads=n_threads,
-               n_threads_batch=n_threads,
+    set_fields(cp, n_ctx=int(n_ctx) * int(n_seq), n_batch=int(n_ubatch), n_ubatch=int(n_ubatch), n_threads=n_threads,
+               n_threads_batch=n_threads, n_seq_max=int(n_seq), kv_unified=False,
                flash_attn_type=L.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else L.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     if not all_logits:
-        set_fields(cp, n_outputs_max=1)
+        set_fields(cp, n_outputs_max=int(n_seq))
     if f32_kv:
         set_fields(cp, type_k=GGML_TYPE_F32, type_v=GGML_TYPE_F32)
     return cp
@@ -127,15 +69,13 @@ _SIMULATED: dict = {}
 
 
 def simulate(path: str, n_ctx: int, n_ubatch: int = DEFAULT_UBATCH, *, flash_attn: bool = True,
-             f32_kv: bool = False) -> ContextMemory:
-    """llama.cpp's own sizes for a context of `n_ctx` tokens and `n_ubatch`-token passes over
+             f32_kv: bool = False, n_seq: int = 1) -> ContextMemory:
+    """llama.cpp's own sizes for `n_seq` sequences of `n_ctx` tokens and `n_ubatch`-token passes over
     the model at `path` (its memory-fit pass: nothing allocated)."""
-    key = (str(path), int(n_ctx), int(n_ubatch), bool(flash_attn), bool(f32_kv))
+    key = (str(path), int(n_ctx), int(n_ubatch), bool(flash_attn), bool(f32_kv), int(n_seq))
     if key in _SIMULATED:
         return _SIMULATED[key]
-    from mbolt.runtime.runner import _lib, set_fields
-
-    L = _lib()
+    L = lib()
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     # no_alloc needs a load that maps nothing: metadata only
@@ -145,7 +85,8 @@ def simulate(path: str, n_ctx: int, n_ubatch: int = DEFAULT_UBATCH, *, flash_att
         if not model:
             raise MboltError(f"{path}: llama.cpp could not read the model's metadata")
         try:
-            cp = context_params(L, n_ctx=n_ctx, n_ubatch=n_ubatch, flash_attn=flash_attn, n_threads=1, f32_kv=f32_kv)
+            cp = context_params(L, n_ctx=n_ctx, n_ubatch=n_ubatch, flash_attn=flash_attn, n_threads=1, f32_kv=f32_kv,
+                                n_seq=n_seq)
             ctx = L.llama_init_from_model(model, cp)
             if not ctx:
                 raise MboltError(f"{path}: llama.cpp could not plan a context of {n_ctx} tokens")

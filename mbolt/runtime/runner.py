@@ -11,6 +11,7 @@ so that layer's topk has fewer rows than the batch (we record what it computed).
 from __future__ import annotations
 
 import ctypes
+import enum
 import os
 import re
 from pathlib import Path
@@ -18,98 +19,24 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.runtime.memory import (DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, captured_log, context_params,
-                                       parse_log)
+from mbolt.runtime.binding import (GGML_TYPE_I32, NAME_OFFSET, TENSOR_OFFSETS, GgmlTensor, captured_log,
+                                   check_tensor_layout, lib, quiet, set_fields)
+from mbolt.runtime.memory import DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, context_params, parse_log
 from mbolt.runtime.native import TOPK_PREFIX
 
-GGML_TYPE_F32 = 0
-GGML_TYPE_I32 = 26
 _TOPK = re.compile(rb"^" + re.escape(TOPK_PREFIX) + rb"(\d+)$")
+
+
+class Phase(enum.Enum):
+    """What a llama_decode is, as the driver tells the runtime (runtime.streamer)."""
+
+    LOAD = "load"  # before the first step
+    PROMPT = "prompt pass"  # up to n_batch tokens of one sequence's prompt (or turn)
+    DECODE = "decode step"  # one token of each live sequence (several rows: a batched step)
 
 
 class ContextFull(MboltError):
     """The tokens of a conversation do not fit the context."""
-
-
-class GgmlTensor(ctypes.Structure):
-    """Prefix of `struct ggml_tensor` (include/ggml.h of the installed package)."""
-
-    _fields_ = [
-        ("type", ctypes.c_int),
-        ("buffer", ctypes.c_void_p),
-        ("ne", ctypes.c_int64 * 4),
-        ("nb", ctypes.c_size_t * 4),
-        ("op", ctypes.c_int),
-        ("op_params", ctypes.c_int32 * 16),
-        ("flags", ctypes.c_int32),
-        ("src", ctypes.c_void_p * 10),
-        ("view_src", ctypes.c_void_p),
-        ("view_offs", ctypes.c_size_t),
-        ("data", ctypes.c_void_p),
-        ("name", ctypes.c_char * 64),
-    ]
-
-
-BINDING_VERSION = "0.3.36"  # the ggml_tensor prefix below is this release's include/ggml.h
-_NAME_OFFSET = GgmlTensor.name.offset
-
-
-def _lib():
-    try:
-        import llama_cpp
-    except ImportError:
-        raise MboltError("llama-cpp-python is not installed: pip install 'mbolt-moe[llama]'") from None
-    have = getattr(llama_cpp, "__version__", "?")
-    if have != BINDING_VERSION:
-        raise MboltError(f"llama-cpp-python {have} is installed; mbolt reads llama.cpp's tensors through the "
-                         f"ggml_tensor layout of {BINDING_VERSION}: pip install 'llama-cpp-python=={BINDING_VERSION}'")
-    return llama_cpp
-
-
-def set_fields(struct, **values) -> None:
-    """Set fields of a llama.cpp parameter struct, refusing a name the struct does not have (ctypes
-    would store it as a plain attribute that llama.cpp never sees)."""
-    known = {f[0] for f in type(struct)._fields_}
-    for k, v in values.items():
-        if k not in known:
-            raise MboltError(f"llama-cpp-python {BINDING_VERSION}: {type(struct).__name__} has no field {k!r}")
-        setattr(struct, k, v)
-
-
-_GGML = None
-
-
-def check_tensor_layout(t_ptr: int, t: GgmlTensor) -> None:
-    """Self-test of the ggml_tensor prefix against libggml's own accessors, once per process: a
-    binding whose struct differs would have us read expert ids from the wrong bytes."""
-    global _GGML
-    if _GGML is not None:
-        return
-    import llama_cpp
-
-    lib = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    for name, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
-                      ("ggml_nelements", ctypes.c_int64)):
-        getattr(lib, name).restype = res
-        getattr(lib, name).argtypes = [ctypes.c_void_p]
-    ne = 1
-    for x in t.ne:
-        ne *= int(x)
-    if (lib.ggml_get_name(t_ptr) != t.name or (lib.ggml_get_data(t_ptr) or 0) != (t.data or 0)
-            or lib.ggml_nelements(t_ptr) != ne):
-        raise MboltError("llama.cpp's ggml_tensor layout differs from the one mbolt reads (name, data or shape "
-                         f"disagree with libggml's accessors): llama-cpp-python {BINDING_VERSION} is required")
-    _GGML = lib
-
-
-_LOG_CB = None
-
-
-def _quiet(L) -> None:
-    global _LOG_CB
-    if _LOG_CB is None:
-        _LOG_CB = L.llama_log_callback(lambda level, text, user: None)
-        L.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
 
 
 class TopkTap:
@@ -127,13 +54,13 @@ class TopkTap:
         self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of the last eval
         self.error: BaseException | None = None
         self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
-        self._filter = topk_filter(self._cb, _NAME_OFFSET)  # names compared in C, when it builds
-        self.native = self._filter is not None
+        self.filter = topk_filter(self._cb, TENSOR_OFFSETS)  # names compared in C, when it builds
+        self.native = self.filter is not None
 
     def fields(self) -> dict:
         """The llama_context_params fields that install it (before the context is created)."""
-        if self._filter is not None:
-            return {"cb_eval": self._filter.cb, "cb_eval_user_data": self._filter.user_data}
+        if self.filter is not None:
+            return {"cb_eval": self.filter.cb, "cb_eval_user_data": self.filter.user_data}
         return {"cb_eval": self._cb, "cb_eval_user_data": None}
 
     def install(self, cp) -> None:
@@ -147,7 +74,7 @@ class TopkTap:
     def _eval_cb(self, t_ptr, ask, user):
         # called for every graph node (only for ffn_moe_topk-N behind the native filter): compare
         # the name's first bytes before building anything
-        if ctypes.string_at(t_ptr + _NAME_OFFSET, len(TOPK_PREFIX)) != TOPK_PREFIX:
+        if ctypes.string_at(t_ptr + NAME_OFFSET, len(TOPK_PREFIX)) != TOPK_PREFIX:
             return not ask
         t = GgmlTensor.from_address(t_ptr)
         m = _TOPK.match(t.name)
@@ -184,13 +111,16 @@ class LlamaRunner:
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = DEFAULT_CTX, n_threads: int | None = None,
                  f32_kv: bool = True, capture: bool = True, n_batch: int = DEFAULT_UBATCH, on_topk=None,
                  load_mode: str | None = None, vocab_only: bool = False, flash_attn: bool | None = None,
-                 all_logits: bool | None = None):
+                 all_logits: bool | None = None, n_seq: int = 1):
         """vocab_only: load the tokenizer alone (no tensors, no context): `tokenize` works, `eval` does not.
         n_batch: tokens per llama_decode, one graph each (n_ubatch = n_batch). flash_attn: default on,
         off with f32_kv (plain float32 attention). all_logits: eval(all_logits=True) is allowed (the
-        compute buffer then holds n_batch rows of logits; default: with f32_kv, the parity setup)."""
-        L = self.L = _lib()
-        _quiet(L)
+        compute buffer then holds n_batch rows of logits; default: with f32_kv, the parity setup).
+        n_seq: sequences of n_ctx tokens each (a server's slots), decoded together by `decode_step`.
+        `hooks` (set later: the runtime) is told what each llama_decode is before it runs
+        (`begin(phase, n_rows)`) and that it is done (`end()`)."""
+        L = self.L = lib()
+        quiet(L)
         L.llama_backend_init()
         from mbolt.core.gguf_set import open_model_header
 
@@ -220,7 +150,7 @@ class LlamaRunner:
         self.flash_attn = (not f32_kv) if flash_attn is None else bool(flash_attn)
         self.all_logits = f32_kv if all_logits is None else bool(all_logits)
         cp = context_params(L, n_ctx=n_ctx, n_ubatch=n_batch, flash_attn=self.flash_attn, n_threads=threads,
-                            f32_kv=f32_kv, all_logits=self.all_logits)
+                            f32_kv=f32_kv, all_logits=self.all_logits, n_seq=n_seq)
         self.tap = None
         if capture or on_topk is not None:
             # on_topk(layer, rows [n, k] int32 positions): called at ffn_moe_topk-N, before layer N's
@@ -233,62 +163,112 @@ class LlamaRunner:
             raise MboltError(f"{path}: llama.cpp could not create a context of {n_ctx} tokens")
         # what llama.cpp allocated, as it logged it (the KV cache, the compute buffer)
         self.memory = parse_log(lines, n_batch, self.flash_attn)
-        self.n_ctx = int(L.llama_n_ctx(self.ctx))
+        self.n_seq = int(n_seq)
+        self.n_ctx = int(L.llama_n_ctx(self.ctx)) // self.n_seq  # cells of one sequence
         self.n_batch = min(int(n_batch), int(L.llama_n_batch(self.ctx)))  # llama.cpp caps it at n_ctx
-        self.batch = L.llama_batch_init(self.n_batch, 0, 1)
-        self.n_past = 0
+        self.batch = L.llama_batch_init(max(self.n_batch, self.n_seq), 0, 1)
+        self.pos = [0] * self.n_seq  # tokens each sequence holds
+        self.hooks = None
 
     # ---- use ----
 
-    def reset(self) -> None:
-        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
-        self.n_past = 0
+    @property
+    def n_past(self) -> int:
+        return self.pos[0]
 
-    def tokenize(self, text: str, add_special: bool = False) -> list[int]:
+    def reset(self, seq: int | None = None) -> None:
+        """Forget a sequence's tokens (every sequence's when None)."""
+        mem = self.L.llama_get_memory(self.ctx)
+        if seq is None:
+            self.L.llama_memory_clear(mem, True)
+            self.pos = [0] * self.n_seq
+        else:
+            self.truncate(seq, 0)
+
+    def truncate(self, seq: int, n: int) -> None:
+        """Keep the first `n` tokens of a sequence (a follow-up turn reuses that prefix)."""
+        if n < self.pos[seq]:
+            self.L.llama_memory_seq_rm(self.L.llama_get_memory(self.ctx), seq, n, -1)
+            self.pos[seq] = n
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
         raw = text.encode("utf-8")
         n_max = len(raw) + 8
         for _ in range(2):
             buf = (self.L.llama_token * n_max)()
-            n = self.L.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, False)
+            n = self.L.llama_tokenize(self.vocab, raw, len(raw), buf, n_max, add_special, parse_special)
             if n >= 0:
                 return list(buf[:n])
             n_max = -n  # llama.cpp says how many tokens it needs
         raise MboltError(f"{self.path}: llama.cpp could not tokenize a text of {len(raw)} bytes")
 
-    def eval(self, tokens, all_logits: bool = False) -> np.ndarray:
-        """Decode tokens at positions n_past..; logits of the last token (or all) as float32."""
-        L = self.L
+    def _decode(self, phase: Phase, n: int) -> None:
+        """One llama_decode of the batch's first n rows, the runtime told before and after."""
+        b = self.batch
+        b.n_tokens = n
+        if self.hooks is not None:
+            self.hooks.begin(phase, n)
+        rc = self.L.llama_decode(self.ctx, b)
+        if self.tap is not None:
+            self.tap.raise_error()
+        if rc != 0:
+            raise MboltError(f"llama_decode failed with code {rc}")
+        if self.hooks is not None:
+            self.hooks.end()
+
+    def _logits(self, i: int) -> np.ndarray:
+        p = self.L.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(p, shape=(self.n_vocab,)).astype(np.float32)
+
+    def eval(self, tokens, all_logits: bool = False, seq: int = 0, phase: Phase = Phase.PROMPT) -> np.ndarray:
+        """Decode tokens of one sequence at its next positions, in passes of n_batch: a prompt (or
+        a turn), or one token as a decode step (`phase`). Logits of the last token (or all) as float32."""
         tokens = [int(t) for t in tokens]
         if all_logits and not self.all_logits:
             raise MboltError("eval(all_logits=True) needs a LlamaRunner built with all_logits=True")
-        if self.n_past + len(tokens) > self.n_ctx:
-            raise ContextFull(f"the {self.n_past + len(tokens)} tokens of this conversation do not fit the llama.cpp "
+        if self.pos[seq] + len(tokens) > self.n_ctx:
+            raise ContextFull(f"the {self.pos[seq] + len(tokens)} tokens of this conversation do not fit the llama.cpp "
                               f"context of {self.n_ctx} tokens: give a larger --ctx-size/-c")
         if self.tap is not None:
             self.tap.routing = {}
         outs = []
+        b = self.batch
         for s in range(0, len(tokens), self.n_batch):
             chunk = tokens[s: s + self.n_batch]
             last_chunk = s + self.n_batch >= len(tokens)
-            b = self.batch
-            b.n_tokens = len(chunk)
             for i, tok in enumerate(chunk):
                 b.token[i] = tok
-                b.pos[i] = self.n_past + i
+                b.pos[i] = self.pos[seq] + i
                 b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
+                b.seq_id[i][0] = seq
                 b.logits[i] = bool(all_logits or (last_chunk and i == len(chunk) - 1))
-            rc = L.llama_decode(self.ctx, b)
-            if self.tap is not None:
-                self.tap.raise_error()
-            if rc != 0:
-                raise MboltError(f"llama_decode failed with code {rc}")
+            self._decode(phase, len(chunk))
             for i in range(len(chunk)):
                 if b.logits[i]:
-                    p = L.llama_get_logits_ith(self.ctx, i)
-                    outs.append(np.ctypeslib.as_array(p, shape=(self.n_vocab,)).astype(np.float32))
-            self.n_past += len(chunk)
+                    outs.append(self._logits(i))
+            self.pos[seq] += len(chunk)
         return np.stack(outs) if all_logits else outs[-1]
+
+    def decode_step(self, feeds: list[tuple[int, int]]) -> list[np.ndarray]:
+        """One decode step of several sequences in one llama_decode: `feeds` (sequence, token),
+        one token each; the logits of each, in order."""
+        if len(feeds) > self.n_seq or len({s for s, _ in feeds}) != len(feeds):
+            raise MboltError(f"a decode step takes one token of each of at most {self.n_seq} sequences")
+        for s, _ in feeds:
+            if self.pos[s] + 1 > self.n_ctx:
+                raise ContextFull(f"sequence {s} holds {self.pos[s]} tokens: the llama.cpp context of {self.n_ctx} "
+                                  "tokens is full")
+        b = self.batch
+        for i, (s, tok) in enumerate(feeds):
+            b.token[i] = int(tok)
+            b.pos[i] = self.pos[s]
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = s
+            b.logits[i] = True
+        self._decode(Phase.DECODE, len(feeds))
+        for s, _ in feeds:
+            self.pos[s] += 1
+        return [self._logits(i) for i in range(len(feeds))]
 
     @property
     def native_filter(self) -> bool:

@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.lru import SlotLru
+from mbolt.core.lru import ArrayLru
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import drop_cached, drop_mapped, willneed, willneed_bytes
 from mbolt.core.ranges import merge_ranges
@@ -121,8 +121,15 @@ class ExpertStore:
             for i, t in enumerate(l.weights):
                 groups.setdefault(t.container or t.name, []).append(i)
             self._tensor_cols[l.index] = list(groups.values())
-        # the one slot cache rule (mbolt.core.lru); the bytes of a cached expert (when kept) beside it
-        self._lru: dict[int, SlotLru] = {l: SlotLru(0) for l in self._ranges}
+        # the one slot cache rule (mbolt.core.lru), its state in arrays the runtime's C filter reads
+        # and stamps (runtime.native: a decode step's layer whose experts are all cached is answered
+        # there); the bytes of a cached expert (when kept) beside it
+        n_rows = max(self._ranges, default=-1) + 1
+        self.lru_cached = np.zeros((n_rows, E), np.uint8)
+        self.lru_stamp = np.zeros((n_rows, E), np.int64)
+        self.lru_clock = np.zeros(1, np.int64)
+        self._lru: dict[int, ArrayLru] = {l: ArrayLru(0, self.lru_cached[l], self.lru_stamp[l], self.lru_clock)
+                                          for l in self._ranges}
         self._kept: dict[int, dict] = {l: {} for l in self._ranges}
         self.cache_slots = max(0, min(int(cache_slots), E))
         # A packed file pads each expert's slot (to 4 KiB or 512 B): read through the padding.
@@ -303,6 +310,14 @@ class ExpertStore:
                 self._kept[layer].pop(e, None)  # nobody holds their bytes: the page cache does
             self._admit(layer, ids)
         return misses
+
+    def count_cached(self, calls: int, experts: int) -> None:
+        """Count calls whose experts were all cached, answered without this store (the runtime's C
+        filter stamped the LRU's arrays itself)."""
+        c = self.counters
+        c.calls += calls
+        c.experts += experts
+        c.hits += experts
 
     def reserve(self, experts_per_call: int) -> int:
         """Allocate the read arena for the largest call of `experts_per_call` misses and touch
