@@ -67,3 +67,68 @@ class SlotLru:
 
     def clear(self) -> None:
         self.order.clear()
+
+
+class ArrayLru:
+    """One layer's slot cache under the same rule as SlotLru, its state in arrays that C code can
+    update: `cached[e]` (uint8) and `stamp[e]` (int64, last use) for integer keys 0..E-1, and a
+    shared `clock`. A use stamps `++clock`, so admitting keys in order leaves them most recently
+    used in that order, exactly as SlotLru moves them to the end; eviction takes the smallest
+    stamps among the unpinned. The runtime's C filter (runtime.native) answers a decode step's
+    layer whose experts are all cached by stamping them itself, without Python: its hits then
+    reorder this cache as `admit` would have (tests/test_cache.py holds the two classes to the same
+    hits and victims)."""
+
+    __slots__ = ("slots", "cached", "stamp", "clock", "pinned", "_n")
+
+    def __init__(self, slots: int, cached, stamp, clock, pinned=()):
+        self.slots = max(int(slots), 0)
+        self.cached, self.stamp, self.clock = cached, stamp, clock
+        self.pinned = set(pinned)
+        self._n = int(cached.sum())
+
+    def __contains__(self, key) -> bool:
+        return bool(self.cached[key])
+
+    def __len__(self) -> int:
+        return self._n
+
+    @property
+    def order(self) -> list[int]:
+        """The cached keys, least recently used first."""
+        import numpy as np
+
+        keys = np.flatnonzero(self.cached)
+        return keys[np.argsort(self.stamp[keys], kind="stable")].tolist()
+
+    def admit(self, keys) -> list:
+        """Make `keys` most recently used in order; returns the keys that left (LRU first)."""
+        if self.slots <= 0:
+            return []
+        cached, stamp, clock = self.cached, self.stamp, self.clock
+        for key in keys:
+            clock[0] += 1
+            stamp[key] = clock[0]
+            if not cached[key]:
+                cached[key] = 1
+                self._n += 1
+        if self._n <= self.slots:
+            return []
+        gone = [k for k in self.order if k not in self.pinned][: self._n - self.slots]
+        for k in gone:
+            cached[k] = 0
+        self._n -= len(gone)
+        return gone
+
+    def step(self, keys) -> tuple[list[bool], list]:
+        hits = [bool(self.cached[key]) for key in keys]
+        return hits, self.admit(keys)
+
+    def discard(self, key) -> None:
+        if self.cached[key]:
+            self.cached[key] = 0
+            self._n -= 1
+
+    def clear(self) -> None:
+        self.cached[:] = 0
+        self._n = 0
