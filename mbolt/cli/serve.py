@@ -21,30 +21,26 @@ _PLAIN = typer.Option(False, "--plain", help="Plain llama.cpp instead of the run
                       "off, no callback): what the runtime is measured against.")
 
 
-def _load(model: Path, ram, ctx_size, ubatch, threads, plain, on_topk=None, quiet=False):
+_PARALLEL = typer.Option(None, "--parallel", "-np", min=1, help="Conversations decoded together (llama-server's "
+                         "slots), each with its own KV cache of --ctx-size tokens. Default: from the budget (up to 4 "
+                         "whose KV caches take at most an eighth of it; 1 when only one fits).")
+
+
+def _load(model: Path, ram, ctx_size, ubatch, threads, plain, parallel=None, watchers=()):
     from rich.status import Status
 
-    from mbolt.serve.llm import open_llm
+    from mbolt.serve.model import open_model
 
-    with Status(f"loading {model.name}", console=err_console, spinner="dots") if not quiet else _Null():
-        loaded = open_llm(model, ram=ram, n_ctx=ctx_size, n_ubatch=ubatch, n_threads=threads or None, plain=plain,
-                          on_topk=on_topk)
-    if not quiet:
-        if loaded.runtime is None:
-            err_console.print(f"[dim]plain llama.cpp: the file mapped, repacking off; context {loaded.n_ctx} "
-                              "tokens[/]", highlight=False)
-        else:
-            err_console.print(f"[dim]budget {loaded.budget / 2**30:.2f} GiB ({loaded.budget_from}): "
-                              f"{loaded.runtime.describe_budget()}[/]", highlight=False)
+    with Status(f"loading {model.name}", console=err_console, spinner="dots"):
+        loaded = open_model(model, ram=ram, n_ctx=ctx_size, n_ubatch=ubatch, n_threads=threads or None, plain=plain,
+                            parallel=parallel, watchers=watchers)
+    slots = f"{loaded.driver.n_seq} slot{'s' if loaded.driver.n_seq > 1 else ''} of {loaded.n_ctx} tokens"
+    if loaded.runtime is None:
+        err_console.print(f"[dim]plain llama.cpp: the file mapped, repacking off; {slots}[/]", highlight=False)
+    else:
+        err_console.print(f"[dim]budget {loaded.budget / 2**30:.2f} GiB ({loaded.budget_from}): {slots}; "
+                          f"{loaded.runtime.describe_budget()}[/]", highlight=False)
     return loaded
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 @user_errors
@@ -60,13 +56,14 @@ def serve_cmd(
                                 "KEY` on every endpoint but / and /health (also from MBOLT_API_KEY)."),
     alias: str = typer.Option(None, "--alias", help="The model name /v1/models reports (default: the file's name); "
                               "requests may name any model."),
-    queue_size: int = typer.Option(8, "--queue", min=0, help="Requests that may wait while one runs; beyond it a "
-                                   "request gets 503 with Retry-After."),
+    queue_size: int = typer.Option(8, "--queue", min=0, help="Requests that may wait while every slot is busy; "
+                                   "beyond it a request gets 503 with Retry-After."),
     record: Path = typer.Option(None, "--record-routing", help="Record the routing of the traffic served into this "
                                 ".mbtrace (rewritten atomically after every request: readable at any time; `mbolt "
                                 "plan` takes it)."),
     record_max: int = typer.Option(100_000, "--record-max-tokens", min=1, help="Record at most this many tokens."),
     plain: bool = _PLAIN,
+    parallel: int = _PARALLEL,
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --record-routing trace."),
 ):
     """Serve a model larger than RAM with an OpenAI-compatible API (chat and completions, streamed or not),
@@ -85,13 +82,13 @@ def serve_cmd(
         output(record, "mbtrace", inputs=[model], force=force, what="trace",
                protected=(mm.fingerprint, mm.source_fingerprint))
         recorder = RoutingRecorder(record, mm, record_max)
-    loaded = _load(model, ram, ctx_size, ubatch, threads, plain, on_topk=recorder.on_topk if recorder else None)
+    loaded = _load(model, ram, ctx_size, ubatch, threads, plain, parallel, watchers=[recorder] if recorder else ())
     name = alias or Path(model).name
-    engine = Scheduler(loaded, max_queue=queue_size, recorder=recorder, name=name)
+    scheduler = Scheduler(loaded, max_queue=queue_size, recorder=recorder, name=name)
     if recorder is not None:
         recorder.flush()  # the file exists (empty) from the start
     try:
-        app = create_app(engine, api_key=api_key or None, model_name=name)
+        app = create_app(scheduler, api_key=api_key or None, model_name=name)
         shown = f"[{host}]" if ":" in host else host
         console.print(f"serving {name} at http://{shown}:{port}  (OpenAI API: http://{shown}:{port}/v1, chat page: "
                       f"http://{shown}:{port}/){'; API key required' if api_key else ''}", highlight=False)
@@ -99,7 +96,7 @@ def serve_cmd(
     except OSError as e:
         raise MboltError(f"{host}:{port}: cannot listen: {e.strerror or e}") from None
     finally:
-        engine.close()
+        scheduler.close()
         loaded.close()
 
 
@@ -126,16 +123,16 @@ def chat_cmd(
     if not open_model_header(model).get("tokenizer.chat_template"):
         raise MboltError(f"{model}: the GGUF has no tokenizer.chat_template: chat needs one (mbolt generate "
                          "takes plain text)")
-    loaded = _load(model, ram, ctx_size, ubatch, threads, plain)
-    engine = Scheduler(loaded, max_queue=1, name=Path(model).name)
+    loaded = _load(model, ram, ctx_size, ubatch, threads, plain, parallel=1)
+    scheduler = Scheduler(loaded, max_queue=1, name=Path(model).name)
     try:
         err_console.print("[dim]/exit or Ctrl-D ends; Ctrl-C stops a reply[/]")
         sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}
-        chat_loop(engine, system=system, sampling=sampling, read=input if sys.stdin.isatty() else _line_reader(),
+        chat_loop(scheduler, system=system, sampling=sampling, read=input if sys.stdin.isatty() else _line_reader(),
                   write=lambda t: (sys.stdout.write(t), sys.stdout.flush()),
                   note=lambda t: err_console.print(f"[dim]{t}[/]", highlight=False))
     finally:
-        engine.close()
+        scheduler.close()
         loaded.close()
 
 

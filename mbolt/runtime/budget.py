@@ -39,9 +39,10 @@ def expert_bytes_all_layers(mm: MoeMap) -> int:
     return sum(l.expert_bytes for l in mm.moe_layers)
 
 
-def step_bytes(mm: MoeMap) -> int:
-    """What a decode step's layer needs beyond the cache: its k experts, read before the victims go."""
-    return max(l.expert_bytes for l in mm.moe_layers) * mm.n_used
+def step_bytes(mm: MoeMap, n_seq: int = 1) -> int:
+    """What a decode step's layer needs beyond the cache: the k experts of each of its n_seq
+    sequences (at most the whole layer), read before the victims go."""
+    return max(l.expert_bytes for l in mm.moe_layers) * min(mm.n_experts, mm.n_used * max(int(n_seq), 1))
 
 
 def pass_bytes(mm: MoeMap, n_ubatch: int) -> int:
@@ -74,7 +75,8 @@ class BudgetPlan:
     engine_bytes: int
     memory: ContextMemory
     prefill_reserve: int  # one layer's pass (two with prefetch)
-    step_reserve: int
+    step_reserve: int  # one layer of a decode step of n_seq sequences
+    n_seq: int = 1
 
     @property
     def fixed(self) -> int:
@@ -103,35 +105,38 @@ def ubatch_candidates(limit: int) -> list[int]:
 
 
 def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int, dense_bytes: int,
-                engine_bytes: int, flash_attn: bool = True, f32_kv: bool = False) -> BudgetPlan:
+                engine_bytes: int, flash_attn: bool = True, f32_kv: bool = False, n_seq: int = 1) -> BudgetPlan:
     """The largest micro-batch up to `n_ubatch` that the budget holds with a k-slot cache: with the
-    next layer read ahead when two layers' passes fit, else one. Refuses (one line, the largest
-    context that would fit) when not even a one-token pass fits."""
+    next layer read ahead when two layers' passes fit, else one. `n_seq` sequences of `n_ctx`
+    tokens (a server's slots: their KV caches, and a decode step that reads up to n_seq x k experts
+    of a layer). Refuses (one line, the largest context that would fit) when not even a one-token
+    pass fits."""
     k_slots = mm.n_used * expert_bytes_all_layers(mm)
     base = dense_bytes + engine_bytes + margin(budget) + k_slots
 
+    step = step_bytes(mm, n_seq)
     for ub in ubatch_candidates(min(n_ubatch, n_ctx)):
-        mem = simulate(path, n_ctx, ub, flash_attn=flash_attn, f32_kv=f32_kv)
-        one = max(pass_bytes(mm, ub), step_bytes(mm))
+        mem = simulate(path, n_ctx, ub, flash_attn=flash_attn, f32_kv=f32_kv, n_seq=n_seq)
+        one = max(pass_bytes(mm, ub), step)
         for prefetch, reserve in ((True, one + layer_bytes(mm)), (False, one)):
             if prefetch and one < PREFETCH_SHARE * layer_bytes(mm):
                 continue  # passes this small select too little of a layer to read the next one whole
             if base + mem.total + reserve <= budget:
-                return BudgetPlan(budget, mem.n_ctx, ub, prefetch, dense_bytes, engine_bytes, mem, reserve,
-                                  step_bytes(mm))
+                return BudgetPlan(budget, mem.n_ctx, ub, prefetch, dense_bytes, engine_bytes, mem, reserve, step, n_seq)
 
     def fits(n: int) -> bool:
-        m = simulate(path, n, 1, flash_attn=flash_attn, f32_kv=f32_kv)
-        return base + m.total + step_bytes(mm) <= budget
+        m = simulate(path, n, 1, flash_attn=flash_attn, f32_kv=f32_kv, n_seq=n_seq)
+        return base + m.total + step <= budget
 
     best = largest_ctx(fits, n_ctx)
-    mem = simulate(path, n_ctx, 1, flash_attn=flash_attn, f32_kv=f32_kv)
+    mem = simulate(path, n_ctx, 1, flash_attn=flash_attn, f32_kv=f32_kv, n_seq=n_seq)
     mib = 2**20
-    parts = (f"the dense weights ({dense_bytes / mib:.0f} MiB, kept resident), the KV cache of a {mem.n_ctx}-token "
-             f"context ({mem.kv_bytes / mib:.0f} MiB), llama.cpp's buffers ({(mem.compute_bytes + mem.output_bytes) / mib:.0f} "
+    slots = f"{n_seq} slots of a {n_ctx}-token context" if n_seq > 1 else f"a {mem.n_ctx}-token context"
+    parts = (f"the dense weights ({dense_bytes / mib:.0f} MiB, kept resident), the KV cache of {slots} "
+             f"({mem.kv_bytes / mib:.0f} MiB), llama.cpp's buffers ({(mem.compute_bytes + mem.output_bytes) / mib:.0f} "
              f"MiB), a cache of the {mm.n_used} experts of one step and their reads ({(k_slots + step_bytes(mm)) / mib:.0f} "
              f"MiB), this process ({engine_bytes / mib:.0f} MiB) and a margin ({margin(budget) / mib:.0f} MiB)")
-    need = base + mem.total + step_bytes(mm)
+    need = base + mem.total + step
     hint = (f"the largest context that fits is {best} tokens (-c {best}), or give a larger --ram" if best
             else "no context fits: give a larger --ram")
     raise MboltError(f"{path}: a budget of {budget / mib:.0f} MiB cannot hold {parts}: {need / mib:.0f} MiB; {hint}")
@@ -182,7 +187,7 @@ class Budget:
             used = used_outside
         used += compute_pending
         self.prefill_slots = slots_for(self.mm, self.limit, used, self.plan.prefill_reserve)
-        self.decode_slots = max(self.prefill_slots, slots_for(self.mm, self.limit, used, step_bytes(self.mm)))
+        self.decode_slots = max(self.prefill_slots, slots_for(self.mm, self.limit, used, self.plan.step_reserve))
 
     def keep(self) -> bool:
         """Before a decode step: True when the cache gave up slots (`decode_slots` is smaller)."""

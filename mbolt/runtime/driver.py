@@ -69,21 +69,45 @@ class StreamRun:
 _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
 
 
+class _Hooks:
+    """The runtime and whoever watches the steps (a routing recorder), told in that order."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def begin(self, phase, n_rows: int) -> None:
+        for h in self.parts:
+            h.begin(phase, n_rows)
+
+    def end(self) -> None:
+        for h in self.parts:
+            h.end()
+
+    def on_topk(self, layer: int, rows) -> None:
+        for h in self.parts:
+            h.on_topk(layer, rows)
+
+
 class Driver:
     """A llama.cpp context driven by mbolt, with `arm` (a StreamRuntime or a PlainLlama) in it;
-    `n_seq` sequences of the arm's n_ctx tokens each."""
+    `n_seq` sequences of the arm's n_ctx tokens each. `watchers` (begin, on_topk, end: a routing
+    recorder) see every step and every selection (the C fast path is then off)."""
 
-    def __init__(self, arm, *, n_threads: int | None = None, n_seq: int = 1):
+    def __init__(self, arm, *, n_threads: int | None = None, n_seq: int = 1, watchers=()):
         from mbolt.runtime.runner import LlamaRunner
 
         self.arm = arm
         self.runner = None
+        if watchers:
+            arm.record = True  # every selection reaches Python
+            arm.uses_callback = True
+        hooks = _Hooks([arm, *watchers])
         try:
             self.runner = LlamaRunner(arm.model_path, n_ctx=arm.n_ctx, n_threads=n_threads, capture=False,
-                                      on_topk=arm.on_topk if arm.uses_callback else None, load_mode="mmap",
+                                      on_topk=hooks.on_topk if arm.uses_callback else None, load_mode="mmap",
                                       f32_kv=arm.f32_kv, flash_attn=arm.flash_attn, n_batch=arm.n_ubatch,
                                       n_seq=n_seq)
-            self.runner.hooks = arm
+            self.runner.hooks = hooks
             arm.attach(self.runner.memory, self.runner.tap)
         except BaseException:
             self.close()
@@ -103,22 +127,32 @@ class Driver:
 
     # ---- sequences ----
 
-    def prompt(self, tokens: list[int], seq: int = 0, keep_prefix: bool = False) -> tuple[np.ndarray, float, int | None]:
-        """Evaluate a prompt (or a turn) on a sequence: (logits of its last token, seconds to them,
-        device bytes read). With `keep_prefix` the tokens the sequence already holds that start
-        `tokens` are kept (their KV cache reused) and only the rest is evaluated; otherwise
-        `tokens` are appended to what the sequence holds."""
-        tokens = [int(t) for t in tokens]
-        if keep_prefix:
-            held = self.tokens[seq]
-            n = 0
-            while n < min(len(held), len(tokens) - 1) and held[n] == tokens[n]:
-                n += 1  # at least one token is evaluated: its logits are the answer
-            self.runner.truncate(seq, n)
-            del held[n:]
-            todo = tokens[n:]
-        else:
-            todo = tokens
+    def keep_prefix(self, seq: int, tokens: list[int]) -> list[int]:
+        """Keep what the sequence holds of the start of `tokens` (its KV cache reused: a follow-up
+        turn of the same conversation) and forget the rest; returns the tokens still to evaluate
+        (at least one: its logits are the answer)."""
+        held = self.tokens[seq]
+        n = 0
+        while n < min(len(held), len(tokens) - 1) and held[n] == tokens[n]:
+            n += 1
+        self.runner.truncate(seq, n)
+        del held[n:]
+        return [int(t) for t in tokens[n:]]
+
+    def prompt_pass(self, seq: int, tokens: list[int]) -> np.ndarray:
+        """Evaluate the next tokens of a prompt (at most n_ubatch: one pass) on a sequence; logits
+        of the last. The prompt ends with `end_prompt` (a decode step ends it too)."""
+        logits = self.runner.eval(tokens, seq=seq, phase=Phase.PROMPT)
+        self.tokens[seq].extend(int(t) for t in tokens)
+        return logits
+
+    def end_prompt(self) -> None:
+        self.arm.end_prompt()
+
+    def prompt(self, tokens: list[int], seq: int = 0) -> tuple[np.ndarray, float, int | None]:
+        """Evaluate a prompt (or a turn) after what a sequence holds: (logits of its last token,
+        seconds to them, device bytes read)."""
+        todo = [int(t) for t in tokens]
         d0 = proc_read_bytes()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
         t0 = time.perf_counter()
@@ -130,13 +164,26 @@ class Driver:
         self.tokens[seq].extend(todo)
         return logits, dt, (None if d0 is None or d1 is None else d1 - d0)
 
-    def step(self, feeds: list[tuple[int, int]]) -> list[np.ndarray]:
+    def step(self, feeds: list[tuple[int, int]], want_logits: bool = True) -> list[np.ndarray]:
         """One decode step: one token of each of these (sequence, token) in one llama_decode;
-        the logits of each."""
-        out = self.runner.decode_step(feeds)
+        the logits of each (or none: samplers read output i of the context, `Sampler.sample`)."""
+        out = self.runner.decode_step(feeds, want_logits)
         for s, t in feeds:
             self.tokens[s].append(int(t))
         return out
+
+    def sampler(self, opts) -> "Sampler":
+        from mbolt.runtime.sampling import Sampler
+
+        return Sampler(self.runner.L, self.runner.vocab, opts)
+
+    def is_eog(self, token: int) -> bool:
+        return bool(self.runner.L.llama_vocab_is_eog(self.runner.vocab, int(token)))
+
+    def token_text(self, token: int) -> str:
+        from mbolt.runtime.binding import token_text
+
+        return token_text(self.runner.L, self.runner.vocab, token)
 
     def forget(self, seq: int | None = None) -> None:
         """Clear a sequence (every sequence when None)."""
@@ -251,7 +298,7 @@ class Driver:
 def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool | None = None,
                 record: bool = False, n_threads: int | None = None, n_seq: int = 1, mm: MoeMap | None = None,
                 n_ctx: int | None = None, n_ubatch: int | None = None, f32_kv: bool = False,
-                flash_attn: bool | None = None, **runtime_options) -> Driver:
+                flash_attn: bool | None = None, watchers=(), **runtime_options) -> Driver:
     """A driver over the arm these options name: `reads` the streaming runtime (its options:
     gap, qd, cache_slots, budget, asynchronous, pins; `evict=False` a warm control), else plain
     llama.cpp (`evict`: drop every expert page after each decode step, the emulation without a
@@ -262,13 +309,13 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     common = dict(mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch or DEFAULT_UBATCH, f32_kv=f32_kv, flash_attn=flash_attn,
                   record=record)
     if reads:
-        arm = StreamRuntime(path, evict=evict, **common, **runtime_options)
+        arm = StreamRuntime(path, evict=evict, n_seq=n_seq, **common, **runtime_options)
     else:
         if runtime_options.get("pins"):
             raise MboltError("pins keep experts the runtime reads: they need explicit reads")
         arm = PlainLlama(path, drop_after_step=evict, callback=bool(callback), **common)
     try:
-        return Driver(arm, n_threads=n_threads, n_seq=n_seq)
+        return Driver(arm, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
     except BaseException:
         arm.close()
         raise

@@ -53,7 +53,7 @@ struct mbolt_filter {
     int64_t * clock;         /* the stamps' counter */
     uint8_t * seen;          /* [n_layers]: the layers whose selection was computed this step */
     int64_t fast_layers;     /* selections answered here (cumulative) */
-    int64_t fast_experts;    /* experts those selections used (rows x k, cumulative) */
+    int64_t fast_experts;    /* distinct experts those selections used (cumulative) */
 };
 
 /* every id of the computed selection (rows of k int32, strided) is a cached expert: make them the
@@ -78,14 +78,18 @@ static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
         }
     }
     int64_t * stamp = f->stamp + (int64_t) layer * f->n_experts;
+    const int64_t start = *f->clock;
+    int64_t distinct = 0;  /* a batched step's rows share experts: the union is what the store counts */
     for (int64_t j = 0; j < n; j++) {
         const int32_t * row = (const int32_t *) (data + j * nb[1]);
         for (int64_t i = 0; i < k; i++) {
-            stamp[perm[row[i]]] = ++*f->clock;
+            int64_t * s = stamp + perm[row[i]];
+            distinct += *s <= start;
+            *s = ++*f->clock;
         }
     }
     f->fast_layers += 1;
-    f->fast_experts += n * k;
+    f->fast_experts += distinct;
     return true;
 }
 

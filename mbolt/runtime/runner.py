@@ -249,9 +249,10 @@ class LlamaRunner:
             self.pos[seq] += len(chunk)
         return np.stack(outs) if all_logits else outs[-1]
 
-    def decode_step(self, feeds: list[tuple[int, int]]) -> list[np.ndarray]:
+    def decode_step(self, feeds: list[tuple[int, int]], want_logits: bool = True) -> list[np.ndarray]:
         """One decode step of several sequences in one llama_decode: `feeds` (sequence, token),
-        one token each; the logits of each, in order."""
+        one token each; the logits of each, in order (output i of the step is row i: a sampler
+        can read it from the context instead, `want_logits=False`)."""
         if len(feeds) > self.n_seq or len({s for s, _ in feeds}) != len(feeds):
             raise MboltError(f"a decode step takes one token of each of at most {self.n_seq} sequences")
         for s, _ in feeds:
@@ -268,7 +269,7 @@ class LlamaRunner:
         self._decode(Phase.DECODE, len(feeds))
         for s, _ in feeds:
             self.pos[s] += 1
-        return [self._logits(i) for i in range(len(feeds))]
+        return [self._logits(i) for i in range(len(feeds))] if want_logits else []
 
     @property
     def native_filter(self) -> bool:

@@ -113,6 +113,7 @@ class StreamRuntime:
     pins: pin the hottest experts of each layer (PIN_SHARE of the slots) by the route map's heat.
     record: keep each decode step's selections (`step_routing`; the C fast path is then off).
     evict: False keeps whatever the kernel keeps (a warm control: nothing dropped after a step).
+    n_seq: the sequences the driver decodes together (their KV caches and steps are budgeted).
     """
 
     uses_callback = True
@@ -120,7 +121,7 @@ class StreamRuntime:
     def __init__(self, path, *, gap: int = 0, qd: int = 1, cache_slots: int = 0, n_ctx: int | None = None,
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
-                 flash_attn: bool | None = None, evict: bool = True):
+                 flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -171,7 +172,7 @@ class StreamRuntime:
                 self.budget = Budget.planned(budget, self.mm, self.model_path, n_ctx=self.n_ctx,
                                              n_ubatch=self.n_ubatch, dense_bytes=self.dense_bytes(),
                                              engine_bytes=own_bytes() + ENGINE_EXTRA, flash_attn=self.flash_attn,
-                                             f32_kv=f32_kv)
+                                             f32_kv=f32_kv, n_seq=n_seq)
                 self.n_ubatch = self.budget.plan.n_ubatch
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
                                      drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous)

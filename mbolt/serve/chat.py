@@ -1,4 +1,4 @@
-"""`mbolt chat`: a conversation in the terminal over the same engine the server runs.
+"""`mbolt chat`: a conversation in the terminal over the same scheduler the server runs.
 
 Multi-turn with the model's chat template (each turn is sent with the whole history; the KV cache
 of the shared prefix is reused; when the history outgrows three quarters of the context the oldest
@@ -16,7 +16,7 @@ import sys
 from mbolt.serve.scheduler import SAMPLING_DEFAULTS, Scheduler, Job, RequestError
 
 
-def chat_loop(engine: Scheduler, *, system: str | None = None, sampling: dict | None = None, read=input,
+def chat_loop(scheduler: Scheduler, *, system: str | None = None, sampling: dict | None = None, read=input,
               write=sys.stdout.write, note=None) -> int:
     """Run the conversation until /exit or end of input; returns the number of replies."""
     note = note or (lambda text: write(text + "\n"))
@@ -38,18 +38,18 @@ def chat_loop(engine: Scheduler, *, system: str | None = None, sampling: dict | 
             continue
         history.append({"role": "user", "content": text})
         try:
-            tokens, stop, dropped = fit_history(engine, history)
+            tokens, stop, dropped = fit_history(scheduler, history)
         except RequestError as e:
             history.pop()
             note(f"[{e}]")
             continue
         if dropped:
             note(f"[the {dropped} oldest turn{'s' if dropped > 1 else ''} left the context]")
-        n_new = min(engine.check_fits(tokens, None), max(1, engine.loaded.n_ctx // 2))
+        n_new = min(scheduler.check_fits(tokens, None), max(1, scheduler.loaded.n_ctx // 2))
         events: queue.Queue = queue.Queue()
         job = Job(tokens, n_new, {**SAMPLING_DEFAULTS, **(sampling or {})}, stop, lambda k, d: events.put((k, d)))
-        engine.submit(job)
-        before = engine.stats()
+        scheduler.submit(job)
+        before = scheduler.stats()
         reply, end = [], None
         while end is None:
             try:
@@ -57,7 +57,7 @@ def chat_loop(engine: Scheduler, *, system: str | None = None, sampling: dict | 
             except queue.Empty:
                 continue
             except KeyboardInterrupt:
-                engine.cancel(job)
+                scheduler.cancel(job)
                 continue
             if k == "text":
                 reply.append(d)
@@ -72,19 +72,19 @@ def chat_loop(engine: Scheduler, *, system: str | None = None, sampling: dict | 
         write("\n")
         history.append({"role": "assistant", "content": "".join(reply)})
         replies += 1
-        note(summary_line(before, engine.stats(), end))
+        note(summary_line(before, scheduler.stats(), end))
 
 
-def fit_history(engine: Scheduler, history: list[dict]) -> tuple[list[int], list[str], int]:
+def fit_history(scheduler: Scheduler, history: list[dict]) -> tuple[list[int], list[str], int]:
     """The conversation's tokens, the oldest turns dropped (the system prompt kept) until it
     leaves a quarter of the context for the reply. Returns (tokens, stop strings, turns dropped)."""
-    room = engine.loaded.n_ctx * 3 // 4
+    room = scheduler.loaded.n_ctx * 3 // 4
     dropped = 0
     while True:
-        tokens, stop = engine.prepare_chat(history)
+        tokens, stop = scheduler.prepare_chat(history)
         first = 1 if history and history[0]["role"] == "system" else 0
         if len(tokens) <= room or len(history) - first <= 1:
-            engine.check_fits(tokens, None)  # the last message alone too long: one line, the chat goes on
+            scheduler.check_fits(tokens, None)  # the last message alone too long: one line, the chat goes on
             return tokens, stop, dropped
         del history[first]
         dropped += 1

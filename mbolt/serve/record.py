@@ -1,9 +1,11 @@
 """The routing of served traffic, as an .mbtrace that `mbolt plan` takes like any trace.
 
-The recorder sees every expert selection llama.cpp computes (the eval callback's rows, positions
-in the file, mapped to original experts through the route map). A step is one graph: a prompt
-pass (one row per token; the last MoE layer routes only the tokens whose logits are wanted) or a
-decode step (one row). Tokens are kept in memory up to `max_tokens` (the rest is not recorded),
+The recorder watches the driver's steps (runtime.driver: `begin`, every selection through
+`on_topk`, `end`): the eval callback's rows are positions in the file, mapped to original experts
+through the route map. A step is one graph: a prompt pass of one slot (one row per token; the last
+MoE layer routes only the tokens whose logits are wanted) or a decode step (one row per replying
+slot; the scheduler names the slots of the rows, `rows`). A token's sequence in the trace is its
+slot's request. Tokens are kept in memory up to `max_tokens` (the rest is not recorded),
 and after every request the whole trace is written atomically (temporary file, fsync, rename), so
 the file is complete and readable at any moment while the server runs.
 """
@@ -29,22 +31,29 @@ class RoutingRecorder:
         self._pos: list[np.ndarray] = []
         self.n_tokens = 0
         self._request = -1
-        self._next_pos = 0
+        self._next_pos: dict[int, int] = {}
         self._step: dict[int, np.ndarray] = {}
-        self._prev_layer = 1 << 30
+        self._rows: list[int] = []
+        self._decode = False
         self._lock = threading.Lock()
 
-    def on_topk(self, layer: int, rows: np.ndarray) -> None:
-        if layer >= self.perm.shape[0]:
-            return
-        if layer <= self._prev_layer and self._step:
-            self._close_step()
-        self._prev_layer = layer
-        self._step[layer] = self.perm[layer][np.asarray(rows, np.int64)].astype(np.int16)
+    def rows(self, requests: list[int]) -> None:
+        """The requests the rows of the next step belong to (the scheduler, before each step)."""
+        self._rows = list(requests)
 
-    def _close_step(self) -> None:
+    def begin(self, phase, n_rows: int) -> None:
+        from mbolt.runtime.runner import Phase
+
+        self._decode = phase is Phase.DECODE
+        self._step = {}
+
+    def on_topk(self, layer: int, rows: np.ndarray) -> None:
+        if layer < self.perm.shape[0]:
+            self._step[layer] = self.perm[layer][np.asarray(rows, np.int64)].astype(np.int16)
+
+    def end(self) -> None:
         step, self._step = self._step, {}
-        n = max(r.shape[0] for r in step.values())
+        n = max((r.shape[0] for r in step.values()), default=0)
         if n == 0 or self.n_tokens >= self.max_tokens:
             return
         n_keep = min(n, self.max_tokens - self.n_tokens)
@@ -52,23 +61,24 @@ class RoutingRecorder:
         for layer, r in step.items():
             m, k = r.shape
             ex[n - m:, layer, :min(k, self.mm.n_used)] = r[:, :self.mm.n_used]  # the last rows are the last tokens
-        pos = np.arange(self._next_pos, self._next_pos + n, dtype=np.int32)
-        self._next_pos += n
+        reqs = self._rows if len(self._rows) == n else [self._rows[0] if self._rows else 0] * n
+        pos = np.empty(n, np.int32)
+        for i, q in enumerate(reqs):
+            pos[i] = self._next_pos.get(q, 0)
+            self._next_pos[q] = pos[i] + 1
         with self._lock:
             self._experts.append(ex[:n_keep])
-            self._phase.append(np.full(n_keep, PREFILL if n > 1 else DECODE, np.uint8))
-            self._seq.append(np.full(n_keep, max(self._request, 0), np.int32))
+            self._phase.append(np.full(n_keep, DECODE if self._decode else PREFILL, np.uint8))
+            self._seq.append(np.asarray(reqs[:n_keep], np.int32))
             self._pos.append(pos[:n_keep])
             self.n_tokens += n_keep
 
-    def begin_request(self) -> None:
+    def begin_request(self) -> int:
+        """A new request: its number (its sequence in the trace)."""
         self._request += 1
-        self._next_pos = 0
+        return self._request
 
     def end_request(self) -> None:
-        if self._step:
-            self._close_step()
-        self._prev_layer = 1 << 30
         self.flush()
 
     def trace(self) -> Trace:

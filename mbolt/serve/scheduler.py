@@ -1,32 +1,42 @@
-"""One model serving requests one at a time, in arrival order.
+"""One model serving many conversations: slots decoded together (continuous batching).
 
-The server's HTTP handlers and the terminal chat both talk to an `Scheduler`: `prepare_chat` or
+The server's HTTP handlers and the terminal chat both talk to a `Scheduler`: `prepare_chat` or
 `prepare_text` turn a request into prompt tokens (the GGUF's own chat template, rendered by
-llama-cpp-python's Jinja2 formatter; its stop strings and end-of-generation tokens), checked
-against the context; `submit` queues it (bounded: beyond the bound it is refused, the server says
-503); one worker thread runs the queue through `Llama.create_completion` on those tokens, which
-reuses the KV cache of the prefix the previous request left (a follow-up turn after no other
-conversation). Each job's events (text pieces, then the end with its usage) go to a callback;
-`cancel` stops a job at its next token, or inside its prompt through llama.cpp's abort callback.
+llama-cpp-python's Jinja2 formatter, tools included; its stop strings), checked against the
+context; `submit` queues it (bounded: beyond the bound it is refused, the server says 503).
 
-Sampling defaults are llama-server's (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05,
-repeat_penalty 1.0), so temperature 0 gives the runtime's greedy tokens.
+One worker thread runs the model through the runtime's one driver (runtime.driver), the same
+path `generate` and the benchmarks run. The driver holds `parallel` sequences (llama-server's
+slots, `-np`); a job takes the free slot whose tokens share the longest prefix with its prompt (a
+follow-up turn reuses its KV cache). Each turn of the loop evaluates one prompt pass (at most
+n_ubatch tokens) of one newcomer, then one decode step of every slot that is replying: one token
+each, in one llama_decode, so the runtime reads the union of their experts once per layer. A
+newcomer's prompt never stalls the running replies for longer than one pass, and a reply that ends
+or a client that leaves frees its slot at the next step. Each job's events (text pieces, then the
+end with its usage) go to a callback; `cancel` stops a job at its next step, or inside its prompt
+pass through llama.cpp's abort callback.
+
+Sampling is llama.cpp's sampler chain (runtime.sampling) with llama-server's defaults
+(temperature 0.8, top_k 40, top_p 0.95, min_p 0.05, repeat_penalty 1.0): temperature 0 gives the
+runtime's greedy tokens; a job's grammar (GBNF) constrains its reply.
 """
 
 from __future__ import annotations
 
-import queue
+import collections
 import threading
 import time
 from dataclasses import dataclass, field
 
 from mbolt.core.errors import MboltError
+from mbolt.serve.text import ReplyText
 
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
+RATE_WINDOW_S = 10.0  # tok/s per slot and in total over this many seconds
 
 
 class RequestError(MboltError):
-    """A request the engine refuses (HTTP 400): `code` is OpenAI's error code, `param` the field."""
+    """A request the scheduler refuses (HTTP 400): `code` is OpenAI's error code, `param` the field."""
 
     def __init__(self, message: str, param: str | None = None, code: str = "invalid_request"):
         super().__init__(message)
@@ -39,24 +49,61 @@ class Job:
     max_tokens: int
     sampling: dict
     stop: list[str]
-    on_event: object  # on_event(kind, data): ("text", str), ("end", {"finish_reason", "usage"}), ("error", str)
+    on_event: object  # on_event(kind, data): ("text", str), ("end", {"finish_reason", "usage", ...}), ("error", str)
     cancelled: threading.Event = field(default_factory=threading.Event)
     started: bool = False
+    grammar: str | None = None  # GBNF the reply must match (tool calls, JSON output)
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class Slot:
+    seq: int
+    job: Job | None = None
+    sampler: object = None
+    todo: list[int] = field(default_factory=list)  # prompt tokens still to evaluate
+    last: int | None = None  # the token the next step feeds
+    out: list[int] = field(default_factory=list)
+    text: ReplyText | None = None
+    t_start: float = 0.0
+    t_first: float | None = None
+    prompt_s: float = 0.0
+    n_prompt_new: int = 0
+    recent: collections.deque = field(default_factory=collections.deque)  # times of its last tokens
+    request: int = 0  # the recorder's number of its job
+
+
+@dataclass
+class Counters:
+    """What the server did (cumulative), for /metrics and the page."""
+
+    requests: int = 0
+    prompt_tokens: int = 0  # evaluated (a reused prefix is not)
+    prompt_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    step_rows: int = 0  # sequences decoded, summed over steps
+    last_decode_tokens_per_s: float = 0.0  # of the reply under way, else of the last one
 
 
 class Scheduler:
     def __init__(self, loaded, *, max_queue: int = 8, recorder=None, name: str = ""):
         self.loaded = loaded
-        self.llm = loaded.llm
+        self.driver = loaded.driver
+        self.n_ctx = loaded.n_ctx
         self.max_queue = int(max_queue)
         self.recorder = recorder
         self.name = name
-        self._jobs: queue.Queue = queue.Queue()
-        self._waiting = 0
-        self._lock = threading.Lock()
-        self._running: Job | None = None
+        self.counters = Counters()
+        self.slots = [Slot(seq) for seq in range(self.driver.n_seq)]
+        self._queue: collections.deque = collections.deque()
+        self._cv = threading.Condition()
+        self._closing = False
+        self._in_pass: Job | None = None
+        self._recent: collections.deque = collections.deque()  # times of tokens of every slot
         self._template = self._chat_template()
-        self._worker = threading.Thread(target=self._work, name="mbolt-engine", daemon=True)
+        self._worker = threading.Thread(target=self._work, name="mbolt-scheduler", daemon=True)
         self._worker.start()
 
     # ---- requests ----
@@ -64,44 +111,45 @@ class Scheduler:
     def _chat_template(self):
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        llm = self.llm
-        template = llm.metadata.get("tokenizer.chat_template")
+        template = self.loaded.metadata.get("tokenizer.chat_template")
         if not template:
             return None
-        eos, bos = llm.token_eos(), llm.token_bos()
-        text = lambda t: llm._model.token_get_text(t) if t != -1 else ""  # noqa: E731
-        return Jinja2ChatFormatter(template=template, eos_token=text(eos), bos_token=text(bos),
-                                   stop_token_ids=[eos])
+        L, vocab = self.driver.runner.L, self.driver.runner.vocab
+        eos, bos = L.llama_vocab_eos(vocab), L.llama_vocab_bos(vocab)
+        return Jinja2ChatFormatter(template=template, eos_token=self.driver.token_text(eos),
+                                   bos_token=self.driver.token_text(bos), stop_token_ids=[eos])
 
     @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def prepare_chat(self, messages: list[dict]) -> tuple[list[int], list[str]]:
-        """Prompt tokens and the template's stop strings for a conversation."""
+    def prepare_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                     tool_choice=None) -> tuple[list[int], list[str]]:
+        """Prompt tokens and the template's stop strings for a conversation (and the tools it may
+        call, rendered by the template)."""
         if self._template is None:
             raise RequestError("this model's GGUF has no tokenizer.chat_template: use /v1/completions",
                                "messages", "no_chat_template")
         try:
-            res = self._template(messages=messages)
+            res = self._template(messages=messages, tools=tools, tool_choice=tool_choice)
         except Exception as e:  # a template may raise on a conversation it does not accept
             raise RequestError(f"the model's chat template refused the messages: {e}", "messages") from None
-        ids = self.llm.tokenize(res.prompt.encode("utf-8"), add_bos=not res.added_special, special=True)
+        ids = self.driver.runner.tokenize(res.prompt, add_special=not res.added_special, parse_special=True)
         stop = res.stop if isinstance(res.stop, list) else [res.stop] if res.stop else []
         return ids, [s for s in stop if s]
 
     def prepare_text(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
-            n_vocab = self.llm.n_vocab()
+            n_vocab = self.driver.runner.n_vocab
             if not prompt or any(not isinstance(t, int) or not 0 <= t < n_vocab for t in prompt):
                 raise RequestError(f"prompt token ids must be integers in 0..{n_vocab - 1}", "prompt")
             return list(prompt)
-        return self.llm.tokenize(prompt.encode("utf-8"), add_bos=True, special=True)
+        return self.driver.runner.tokenize(prompt, add_special=True, parse_special=True)
 
     def check_fits(self, tokens: list[int], max_tokens: int | None) -> int:
         """The number of tokens to generate: max_tokens, or what the context leaves; refused
         (context_length_exceeded) when the prompt and max_tokens do not fit the context."""
-        n_ctx = self.loaded.n_ctx
+        n_ctx = self.n_ctx
         if not tokens:
             raise RequestError("the prompt has no tokens", "prompt")
         if len(tokens) >= n_ctx:
@@ -116,117 +164,205 @@ class Scheduler:
 
     def submit(self, job: Job) -> bool:
         """Queue a job; False when the queue is full (the job is not taken)."""
-        with self._lock:
-            if self._waiting >= self.max_queue:
+        with self._cv:
+            if len(self._queue) >= self.max_queue and not any(s.job is None for s in self.slots):
                 return False
-            self._waiting += 1
-        self._jobs.put(job)
+            job.submitted = time.perf_counter()
+            self._queue.append(job)
+            self._cv.notify()
         return True
 
     def cancel(self, job: Job) -> None:
-        """Stop a job: not started, it is skipped; running, it stops at its next token, or inside
-        its prompt (llama.cpp's abort callback stops the graph between two nodes)."""
+        """Stop a job: queued, it is dropped; running, it stops at the next step, or inside its
+        prompt pass (llama.cpp's abort callback stops the graph between two nodes)."""
         job.cancelled.set()
-        with self._lock:
-            if self._running is job:
+        with self._cv:
+            if self._in_pass is job:
                 self.loaded.abort.set()
+            self._cv.notify()
 
     @property
     def queue_length(self) -> int:
-        return self._waiting
+        return len(self._queue)
 
     def close(self) -> None:
-        self._jobs.put(None)
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
         self._worker.join(timeout=60)
 
     # ---- the worker ----
 
     def _work(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            with self._lock:
-                self._waiting -= 1
-                if job.cancelled.is_set():
-                    continue
-                self._running = job
-                self.loaded.abort.clear()
+            with self._cv:
+                while not self._closing and not self._queue and not any(s.job for s in self.slots):
+                    self._cv.wait()
+                if self._closing:
+                    return
+                jobs = self._take()
             try:
-                self._run(job)
-            except Exception as e:  # the server never dies from a request
-                job.on_event("error", f"{type(e).__name__}: {e}")
-            finally:
-                with self._lock:
-                    self._running = None
-                    self.loaded.abort.clear()
+                for slot, job in jobs:
+                    self._start(slot, job)
+                self._turn()
+            except Exception as e:  # the server never dies from a request: every job in flight gets the error
+                for s in self.slots:
+                    if s.job is not None:
+                        self._finish(s, "error", f"{type(e).__name__}: {e}")
+                        self.driver.forget(s.seq)
 
-    def _run(self, job: Job) -> None:
-        llm = self.llm
-        llm.begin_request()
-        if self.recorder is not None:
-            self.recorder.begin_request()
-        finish = "length"
-        t0 = time.perf_counter()
+    def _take(self) -> list[tuple[Slot, Job]]:
+        """Queued jobs for the free slots (each the one holding the longest prefix of its prompt);
+        called with the lock held."""
+        free = [s for s in self.slots if s.job is None]
+        out = []
+        while self._queue and free:
+            job = self._queue.popleft()
+            if job.cancelled.is_set():
+                continue
+            held = self.driver.tokens
+            slot = max(free, key=lambda s: _common(held[s.seq], job.tokens))
+            free.remove(slot)
+            out.append((slot, job))
+        return out
+
+    def _start(self, s: Slot, job: Job) -> None:
+        from mbolt.runtime.sampling import SamplingOptions
+
+        opts = SamplingOptions(**{k: v for k, v in job.sampling.items() if k in SamplingOptions.__dataclass_fields__},
+                               grammar=job.grammar)
         try:
-            stream = llm.create_completion(prompt=job.tokens, max_tokens=job.max_tokens, stream=True,
-                                           stop=job.stop or None, **job.sampling)
-            for chunk in stream:
-                if job.cancelled.is_set():
-                    stream.close()
-                    finish = "cancelled"
-                    break
-                choice = chunk["choices"][0]
-                if choice.get("text"):
-                    job.on_event("text", choice["text"])
-                if choice.get("finish_reason"):
-                    finish = choice["finish_reason"]
-        except RuntimeError as e:
-            # llama_decode failed: aborted for a client that went away, or an error in the eval callback
-            tap = self.loaded.tap
-            if tap is not None and tap.error is not None:
-                tap.raise_error()
+            s.sampler = self.driver.sampler(opts)
+        except Exception as e:  # a grammar llama.cpp refuses: this job's error, not the server's
+            job.on_event("error", f"{type(e).__name__}: {e}" if not isinstance(e, MboltError) else str(e))
+            return
+        job.started = True
+        s.job, s.out, s.last, s.text = job, [], None, ReplyText(job.stop)
+        s.todo = self.driver.keep_prefix(s.seq, job.tokens)
+        s.t_start, s.t_first, s.prompt_s, s.n_prompt_new = job.submitted, None, 0.0, len(s.todo)
+        self.counters.requests += 1
+        if self.recorder is not None:
+            s.request = self.recorder.begin_request()
+
+    def _turn(self) -> None:
+        """One prompt pass of one newcomer, then one decode step of every replying slot."""
+        for s in self.slots:
+            if s.job is not None and s.job.cancelled.is_set():
+                self._finish(s, "cancelled")
+        prompting = [s for s in self.slots if s.job is not None and s.todo]
+        if prompting:
+            self._prompt_pass(min(prompting, key=lambda s: s.job.submitted))
+        replying = [s for s in self.slots if s.job is not None and not s.todo and s.last is not None]
+        if replying:
+            self._decode(replying)
+
+    def _prompt_pass(self, s: Slot) -> None:
+        d, job = self.driver, s.job
+        chunk, s.todo = s.todo[: d.runner.n_batch], s.todo[d.runner.n_batch:]
+        with self._cv:
+            self._in_pass = job
+        t0 = time.perf_counter()
+        if self.recorder is not None:
+            self.recorder.rows([s.request])
+        try:
+            d.prompt_pass(s.seq, chunk)
+            if not s.todo:
+                d.end_prompt()
+        except MboltError:
             if not job.cancelled.is_set():
-                raise MboltError(f"llama.cpp: {e}") from None
-            finish = "cancelled"
+                raise
+            d.forget(s.seq)  # aborted inside the pass: what it holds is not a prefix any more
+            self._finish(s, "cancelled")
+            return
         finally:
-            llm.end_request()
-            if self.recorder is not None:
-                self.recorder.end_request()
-        usage = {"prompt_tokens": len(job.tokens), "completion_tokens": llm.mbolt_generated,
-                 "total_tokens": len(job.tokens) + llm.mbolt_generated}
-        job.on_event("end", {"finish_reason": finish, "usage": usage, "seconds": time.perf_counter() - t0,
-                             "tokens": list(llm.mbolt_tokens), "prompt_tokens": list(job.tokens)})
+            with self._cv:
+                self._in_pass = None
+                self.loaded.abort.clear()
+        dt = time.perf_counter() - t0
+        s.prompt_s += dt
+        c = self.counters
+        c.prompt_tokens += len(chunk)
+        c.prompt_s += dt
+        if not s.todo:
+            s.t_first = time.perf_counter()
+            self._emit(s, s.sampler.sample(d.runner.ctx, -1))
+
+    def _decode(self, replying: list[Slot]) -> None:
+        d = self.driver
+        if self.recorder is not None:
+            self.recorder.rows([s.request for s in replying])
+        t0 = time.perf_counter()
+        d.step([(s.seq, s.last) for s in replying], want_logits=False)
+        tokens = [s.sampler.sample(d.runner.ctx, i) for i, s in enumerate(replying)]
+        now = time.perf_counter()
+        c = self.counters
+        c.decode_s += now - t0
+        c.decode_tokens += len(replying)
+        c.decode_steps += 1
+        c.step_rows += len(replying)
+        for s, tok in zip(replying, tokens):
+            s.recent.append(now)
+            self._recent.append(now)
+            self._emit(s, tok)
+        while self._recent and now - self._recent[0] > RATE_WINDOW_S:
+            self._recent.popleft()
+
+    def _emit(self, s: Slot, tok: int) -> None:
+        """A sampled token: the end of the reply (end of generation, a stop string, max_tokens), or
+        its text out and the token fed at the next step."""
+        d = self.driver
+        if d.is_eog(tok):
+            self._finish(s, "stop")
+            return
+        s.out.append(int(tok))
+        piece = s.text.add(d.piece_bytes([tok]))
+        if piece:
+            s.job.on_event("text", piece)
+        if s.text.stopped:
+            self._finish(s, "stop")
+        elif len(s.out) >= s.job.max_tokens:
+            self._finish(s, "length")
+        else:
+            s.last = int(tok)
+
+    def _finish(self, s: Slot, reason: str, error: str | None = None) -> None:
+        job = s.job
+        s.job, s.last, s.todo = None, None, []
+        if s.sampler is not None:
+            s.sampler.close()
+            s.sampler = None
+        if self.recorder is not None:
+            self.recorder.end_request()
+        if error is not None:
+            job.on_event("error", error)
+            return
+        rest = s.text.flush() if reason != "stop" else ""
+        if rest:
+            job.on_event("text", rest)
+        now = time.perf_counter()
+        n = len(s.out)
+        reply_s = now - s.t_first if s.t_first else 0.0
+        if n > 1 and reply_s > 0:
+            self.counters.last_decode_tokens_per_s = (n - 1) / reply_s
+        usage = {"prompt_tokens": len(job.tokens), "completion_tokens": n, "total_tokens": len(job.tokens) + n}
+        job.on_event("end", {"finish_reason": reason, "usage": usage, "seconds": now - s.t_start,
+                             "ttft_s": (s.t_first - s.t_start) if s.t_first else None,
+                             "prompt_eval_s": s.prompt_s, "prompt_tokens_evaluated": s.n_prompt_new,
+                             "tokens": list(s.out), "prompt_tokens": list(job.tokens), "slot": s.seq})
 
     # ---- numbers ----
 
     def stats(self) -> dict:
         """What /metrics, /stats and the chat's line show."""
-        import resource
+        from mbolt.serve.stats import scheduler_stats
 
-        from mbolt.runtime.store import proc_read_bytes
+        return scheduler_stats(self)
 
-        lo, rt = self.loaded, self.loaded.runtime
-        c = self.llm.mbolt_counters
-        out = {"model": self.name, "mode": "plain llama.cpp" if rt is None else "mbolt runtime",
-               "budget_bytes": lo.budget, "budget_from": lo.budget_from or None, "n_ctx": lo.n_ctx,
-               "n_ubatch": lo.n_ubatch, "queue_length": self._waiting, **c.to_dict(),
-               "device_read_bytes": proc_read_bytes(),
-               "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
-        if rt is not None:
-            sc, ps = rt.store.counters, rt.prompt
-            out.update(dense_resident_bytes=rt.locked_bytes + rt.copied_bytes, dense_locked_bytes=rt.locked_bytes,
-                       dense_copied_bytes=rt.copied_bytes, expert_slots=rt.decode_slots,
-                       expert_slots_prompt=rt.prefill_slots, cache_hits=sc.hits - ps.hits,
-                       cache_misses=sc.misses - ps.misses,  # decode steps (the prompt passes' are apart)
-                       decode_read_bytes=sc.bytes, prompt_read_bytes=ps.bytes, prompt_passes=ps.passes,
-                       reclaimed=rt.reclaimed)
-        else:
-            out.update(dense_resident_bytes=None, expert_slots=None, cache_hits=None, cache_misses=None)
-        hm = (out.get("cache_hits") or 0) + (out.get("cache_misses") or 0)
-        out["hit_rate"] = out["cache_hits"] / hm if hm else None
-        out["decode_tokens_per_s"] = c.decode_tokens / c.decode_s if c.decode_s else None
-        out["prompt_tokens_per_s"] = c.prompt_tokens / c.prompt_s if c.prompt_s else None
-        out["mb_per_token"] = (out["decode_read_bytes"] / c.decode_tokens / 1e6
-                               if rt is not None and c.decode_tokens else None)
-        return out
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,95 @@
+"""The model a server (or the terminal chat) runs: the runtime's one driver (runtime.driver),
+the same path `generate` and the benchmarks run, with `parallel` sequences (slots).
+
+`open_model` plans the budget before anything is loaded (a budget that cannot hold the model's
+dense weights, the KV cache of every slot's context and one step's experts is one error line),
+loads, then holds the dense weights and sizes the expert cache. `plain=True` is the same server
+over plain llama.cpp (mapped, no repacking, no callback): what the runtime is measured against.
+Without `parallel`, the budget chooses: the most slots up to 4 whose KV caches take at most an
+eighth of it, 1 when only one fits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mbolt.core.errors import MboltError
+from mbolt.runtime.memory import DEFAULT_UBATCH
+
+MAX_AUTO_PARALLEL = 4
+KV_SHARE = 8  # automatic slots: their KV caches take at most 1/KV_SHARE of the budget
+
+
+@dataclass
+class Loaded:
+    """A model ready to serve: the driver, what the budget line says, llama.cpp's abort flag."""
+
+    driver: object
+    abort: object
+    n_ctx: int
+    n_ubatch: int
+    budget: int | None
+    budget_from: str
+    metadata: dict
+
+    @property
+    def runtime(self):
+        """The streaming runtime (None for plain llama.cpp)."""
+        return self.driver.arm if self.driver.arm.store is not None else None
+
+    def close(self) -> None:
+        self.driver.close()
+
+
+def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None) -> int:
+    """The slots a budget affords by default (see the module docstring)."""
+    if not budget:
+        return 1
+    from mbolt.runtime.memory import simulate
+
+    for n in range(MAX_AUTO_PARALLEL, 1, -1):
+        try:
+            kv = simulate(model_path, n_ctx, min(n_ubatch, n_ctx), n_seq=n).kv_bytes
+        except MboltError:
+            continue
+        if kv * KV_SHARE <= budget:
+            return n
+    return 1
+
+
+def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
+               n_threads: int | None = None, plain: bool = False, parallel: int | None = None,
+               watchers=()) -> Loaded:
+    """Load `path` for serving: mbolt's runtime with the budget (`ram`, else the cgroups' limit,
+    else available memory), or plain llama.cpp; `parallel` slots (None: from the budget);
+    `watchers` see every step (a routing recorder)."""
+    from mbolt.core.gguf_set import open_model_header
+    from mbolt.core.memlimit import budget as find_budget
+    from mbolt.core.moe_map import moe_map
+    from mbolt.runtime.driver import open_driver
+    from mbolt.runtime.memory import resolve_ctx
+    from mbolt.runtime.native import AbortFlag
+
+    mm = moe_map(path)
+    limit, where = (None, "") if plain else find_budget(ram)
+    ctx, _ = resolve_ctx(n_ctx, mm)
+    n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch, limit)
+    if n_seq < 1:
+        raise MboltError(f"--parallel must be at least 1, got {n_seq}")
+    if plain:
+        d = open_driver(path, reads=False, evict=False, mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch, n_threads=n_threads,
+                        n_seq=n_seq, watchers=watchers)
+    else:
+        d = open_driver(path, reads=True, mm=mm, budget=limit, qd=4, asynchronous=True, n_ctx=n_ctx,
+                        n_ubatch=n_ubatch, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
+    try:
+        abort = AbortFlag(d.runner.L)
+        d.runner.L.llama_set_abort_callback(d.runner.ctx, abort.cb, abort.data)
+        d.make_cold()
+        header = open_model_header(path)
+        template = header.get("tokenizer.chat_template")
+        meta = {"tokenizer.chat_template": template} if template else {}
+    except BaseException:
+        d.close()
+        raise
+    return Loaded(d, abort, d.runner.n_ctx, d.n_ubatch, limit, where, meta)

@@ -1,0 +1,65 @@
+"""The numbers a server shows (/stats for the page, /metrics for Prometheus, the chat's line):
+the scheduler's counters, its slots, and the runtime's reads and cache."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+from mbolt.runtime.store import proc_read_bytes
+
+
+def scheduler_stats(sched) -> dict:
+    lo, d, c = sched.loaded, sched.driver, sched.counters
+    rt = d.arm if d.arm.store is not None else None  # the streaming runtime (plain has no store)
+    now = time.perf_counter()
+    window = [t for t in list(sched._recent) if now - t <= 10.0]
+    slots = []
+    for s in sched.slots:
+        recent = [t for t in list(s.recent) if now - t <= 10.0]
+        slots.append({"id": s.seq, "busy": s.job is not None, "prompting": bool(s.todo),
+                      "prompt_tokens": len(s.job.tokens) if s.job else 0, "generated": len(s.out) if s.job else 0,
+                      "held_tokens": len(d.tokens[s.seq]), "tokens_per_s": len(recent) / 10.0})
+    out = {"model": sched.name, "mode": "plain llama.cpp" if rt is None else "mbolt runtime",
+           "budget_bytes": lo.budget, "budget_from": lo.budget_from or None, "n_ctx": lo.n_ctx,
+           "n_ubatch": lo.n_ubatch, "parallel": d.n_seq, "slots": slots,
+           "slots_busy": sum(s["busy"] for s in slots), "queue_length": sched.queue_length,
+           "requests": c.requests, "prompt_tokens": c.prompt_tokens, "prompt_s": c.prompt_s,
+           "decode_tokens": c.decode_tokens, "decode_s": c.decode_s, "decode_steps": c.decode_steps,
+           "last_decode_tokens_per_s": c.last_decode_tokens_per_s, "tokens_per_s_recent": len(window) / 10.0,
+           "rows_per_step": c.step_rows / c.decode_steps if c.decode_steps else None,
+           "device_read_bytes": proc_read_bytes(),
+           "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
+    if rt is not None:
+        sc, ps = rt.store.counters, rt.prompt
+        decode_experts = sc.experts - (ps.hits + ps.misses)
+        n_moe = max(len(rt.moe_layers), 1)
+        out.update(dense_resident_bytes=rt.locked_bytes + rt.copied_bytes, dense_locked_bytes=rt.locked_bytes,
+                   dense_copied_bytes=rt.copied_bytes, expert_slots=rt.decode_slots,
+                   expert_slots_prompt=rt.prefill_slots, cache_hits=sc.hits - ps.hits,
+                   cache_misses=sc.misses - ps.misses,  # decode steps (the prompt passes' are apart)
+                   decode_read_bytes=sc.bytes, prompt_read_bytes=ps.bytes, prompt_passes=ps.passes,
+                   reclaimed=rt.reclaimed,
+                   expert_union_per_step=(decode_experts / (c.decode_steps * n_moe) if c.decode_steps else None),
+                   n_experts=rt.mm.n_experts, n_used=rt.mm.n_used)
+    else:
+        out.update(dense_resident_bytes=None, expert_slots=None, cache_hits=None, cache_misses=None)
+    hm = (out.get("cache_hits") or 0) + (out.get("cache_misses") or 0)
+    out["hit_rate"] = out["cache_hits"] / hm if hm else None
+    out["decode_tokens_per_s"] = c.decode_tokens / c.decode_s if c.decode_s else None
+    out["prompt_tokens_per_s"] = c.prompt_tokens / c.prompt_s if c.prompt_s else None
+    out["mb_per_token"] = (out["decode_read_bytes"] / c.decode_tokens / 1e6
+                           if rt is not None and c.decode_tokens else None)
+    return out
+
+
+def cache_map(sched) -> dict | None:
+    """Per layer, which experts the cache holds (by position in the file, as the page draws them)."""
+    d = sched.driver
+    store = d.arm.store
+    if store is None:
+        return None
+    perm = d.arm.perm
+    layers = sorted(d.arm.moe_layers)
+    return {"n_experts": int(perm.shape[1]), "layers": layers,
+            "cached": [store.lru_cached[layer][perm[layer]].astype(int).tolist() for layer in layers]}
