@@ -4,7 +4,8 @@ Each server is a fresh process inside a memory cgroup of 40% of the file (the pa
 to it), started after the model's pages were dropped, at 128 KiB readahead; the group's peak is
 reset once the server has loaded. Arms:
   mbolt   `mbolt serve MODEL` (the streaming runtime, budget from the cgroup)
-  plain   `mbolt serve MODEL --plain` (llama.cpp mapped, repacking off, no callback: the same server)
+  plain   `mbolt serve MODEL --plain` (llama.cpp mapped, repacking off, no callback: the same server) at
+          -ub 512 and -ub 2048 (plain-512, plain-2048); plain's figures are its better micro-batch per turn
   warm    `mbolt serve MODEL --plain` without a limit, the file in memory (the compute alone)
 
 A client session of 4 turns on /v1/completions (the bench models have no chat template): a first
@@ -12,7 +13,10 @@ prompt of 2,000 tokens of real text, then each turn appends the reply and 100 mo
 text (the KV cache of the conversation is reused), 256 tokens per reply, sampled at temperature 1
 with a fixed seed (greedy decoding of synthetic weights repeats a few tokens, and then every
 expert stays cached and nothing is measured; the same seed gives every arm the same tokens).
-Per turn: time to first token (the server's evaluation of the prompt) and decode tok/s after it.
+Per turn, timed by the client the same way in every arm: time to first token (request sent to the
+first streamed event carrying a token), decode tok/s after it ((tokens - 1) / the rest of the wall
+time), the tokens the server says it generated (usage: a reply must be exactly 256; an overrun is
+reported, never hidden).
 
 Then a load run on mbolt: 8 concurrent clients x 4 requests (200-token prompts, 64-token replies),
 a queue bound of 4: every request answered or refused with 503, no OOM kill, the group's peak after
@@ -20,8 +24,10 @@ the load under the budget, no error in the server's log.
 
   python scripts/bench_serve.py [--model q864] [--rounds 1]     (models from bench_memlimit.py prepare)
 
-Goals (issue 27, prereg/serve.toml): decode >= 1.5x plain in every turn; the first TTFT <= 1.15x warm;
-the same tokens in every arm.
+Goals are read from the pre-registration (--prereg, default prereg/serve.toml: [goals]
+decode_over_plain_min, first_ttft_over_warm_max), which must be committed and locked, the tree clean
+outside results/ and prereg/ (bench.prereg); the result records the revision, the machine and the
+load average. --dry-run checks that and prints the plan.
 """
 
 from __future__ import annotations
@@ -44,14 +50,17 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_memlimit import paths  # noqa: E402
+from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, open_bench_prereg, run_record  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
+from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import MemoryGroup, readahead  # noqa: E402
 from mbolt.core.pagecache import evict  # noqa: E402
 
 FIRST, APPEND, REPLY, TURNS = 2000, 100, 256, 4
 LOAD_CLIENTS, LOAD_REQUESTS, LOAD_PROMPT, LOAD_REPLY, LOAD_QUEUE = 8, 4, 200, 64, 4
 SEED = 1234
-GOALS = {"decode_over_plain_min": 1.5, "ttft_over_warm_max": 1.15}
+PLAIN_UBATCH = (512, 2048)  # plain at its better micro-batch: both run, the better taken per turn
+GOAL_KEYS = ("decode_over_plain_min", "first_ttft_over_warm_max")
 
 
 def log(*a):
@@ -74,11 +83,11 @@ def session_text_ids(model: Path) -> list[int]:
 class Served:
     """A server process (in a group, or not) and its client."""
 
-    def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8):
+    def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8, ubatch: int = 0):
         self.model = model
         self.port = _port()
         argv = [sys.executable, "-m", "mbolt", "serve", str(model), "--port", str(self.port), "-c", "4096",
-                "--queue", str(queue)] + (["--plain"] if plain else [])
+                "--queue", str(queue)] + (["--plain"] if plain else []) + (["-ub", str(ubatch)] if ubatch else [])
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.proc = group.popen(argv, **kw) if group is not None else subprocess.Popen(argv, **kw)
         self.err: list[str] = []
@@ -106,29 +115,29 @@ class Served:
         return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats").read())
 
     def turn(self, prompt: list[int], n: int, seed: int) -> dict:
-        """One streamed completion. TTFT is the server's evaluation of the prompt (its /stats
-        counters): the first streamed chunk can lag behind the first token, since a token whose
-        bytes end inside a UTF-8 character is held back until the character is whole, and
-        synthetic weights sample arbitrary byte tokens. Decode tok/s is the tokens after the first
-        over the client's wall time after the prompt."""
-        before = self.metrics()
+        """One streamed completion, timed by the client: TTFT is the request to the first streamed
+        event that carries a token (a choice; its text may be empty while a UTF-8 character is
+        still incomplete), decode tok/s the tokens after the first over the wall time after it.
+        The token count is the server's usage (the reply must be exactly `n`)."""
         t0 = time.perf_counter()
-        text, usage = [], None
+        first, text, usage = None, [], None
         for ch in self.client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=1.0,
                                                  top_p=1.0, seed=seed, stream=True,
                                                  stream_options={"include_usage": True},
                                                  extra_body={"top_k": 0, "min_p": 0.0}):
+            if ch.choices and first is None:
+                first = time.perf_counter() - t0
             if ch.choices and ch.choices[0].text:
                 text.append(ch.choices[0].text)
             if ch.usage:
                 usage = ch.usage
         wall = time.perf_counter() - t0
-        after = self.metrics()
-        prompt_s = after["prompt_s"] - before["prompt_s"]
-        n_out = usage.completion_tokens if usage else 0
-        return {"prompt_tokens": len(prompt), "prompt_tokens_evaluated": after["prompt_tokens"] - before["prompt_tokens"],
-                "ttft_s": prompt_s, "wall_s": wall, "completion_tokens": n_out,
-                "decode_tokens_per_s": (n_out - 1) / (wall - prompt_s) if n_out > 1 and wall > prompt_s else None,
+        n_out = usage.completion_tokens if usage else None
+        return {"prompt_tokens": len(prompt), "ttft_s": first, "ttft_source": "client: first streamed token event",
+                "wall_s": wall, "completion_tokens": n_out, "max_tokens": n,
+                "tokens_exact": n_out == n, "overrun": (n_out - n) if n_out is not None and n_out > n else 0,
+                "decode_tokens_per_s": (n_out - 1) / (wall - first) if n_out and n_out > 1 and first is not None
+                and wall > first else None,
                 "text_sha256": hashlib.sha256("".join(text).encode()).hexdigest(), "text": "".join(text)}
 
     def stop(self) -> str:
@@ -151,7 +160,7 @@ def session(srv: Served, ids: list[int]) -> list[dict]:
     with LlamaRunner(srv.model, vocab_only=True) as v:
         for t in range(TURNS):
             r = srv.turn(ctx, REPLY, SEED + t)
-            log(f"    turn {t + 1}: prompt {len(ctx)} tokens, ttft {r['ttft_s']:.2f} s, "
+            log(f"    turn {t + 1}: prompt {len(ctx)} tokens, ttft {r['ttft_s'] or 0:.2f} s, "
                 f"{r['decode_tokens_per_s'] or 0:.2f} tok/s")
             turns.append({k: v_ for k, v_ in r.items() if k != "text"})
             ctx = ctx + v.tokenize(r["text"]) + list(ids[pos:pos + APPEND])
@@ -202,7 +211,8 @@ def run_arm(model: Path, mode: str, ram: int, ids: list[int], with_load: bool = 
             err = srv.stop()
         return {"mode": mode, "load_s": srv.load_s, "turns": turns, "log_errors": _errors(err)}
     with MemoryGroup(ram) as g:
-        srv = Served(model, mode == "plain", g, queue=LOAD_QUEUE if with_load else 8)
+        plain = mode.startswith("plain")
+        srv = Served(model, plain, g, queue=LOAD_QUEUE if with_load else 8, ubatch=int(mode.split("-")[1]) if plain else 0)
         g.reset_peak()  # the load touched the whole group: what follows counts
         try:
             turns = session(srv, ids)
@@ -221,56 +231,108 @@ def _errors(text: str) -> list[str]:
     return [ln for ln in text.splitlines() if "Traceback" in ln or ln.lower().startswith("error")]
 
 
+PLAIN_ARMS = tuple(f"plain-{ub}" for ub in PLAIN_UBATCH)
+ARMS = ("warm", *PLAIN_ARMS, "mbolt")
+
+
+def per_turn_rows(rounds: list[dict]) -> list[dict]:
+    """Per turn: medians over rounds of each arm's client-timed TTFT and decode tok/s; plain is its
+    better micro-batch (the better plain arm of the turn, by median); the ratios are paired: per
+    round, mbolt over that plain arm (and over warm) in the same round, then the median."""
+    med = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
+    out = []
+    for t in range(len(rounds[0]["arms"]["mbolt"]["turns"])):
+        def vals(mode, key):
+            return [rd["arms"][mode]["turns"][t][key] for rd in rounds if rd["arms"][mode]["turns"][t][key] is not None]
+
+        def paired(a, b, key):
+            xs = [rd["arms"][a]["turns"][t][key] / rd["arms"][b]["turns"][t][key] for rd in rounds
+                  if rd["arms"][a]["turns"][t][key] is not None and rd["arms"][b]["turns"][t][key]]
+            return med(xs)
+
+        row = {"turn": t + 1}
+        for mode in ARMS:
+            row[f"{mode}_ttft_s"] = med(vals(mode, "ttft_s"))
+            row[f"{mode}_decode_tokens_per_s"] = med(vals(mode, "decode_tokens_per_s"))
+        dec_arm = max(PLAIN_ARMS, key=lambda m: row[f"{m}_decode_tokens_per_s"] or 0.0)
+        ttft_arm = min(PLAIN_ARMS, key=lambda m: row[f"{m}_ttft_s"] or float("inf"))
+        row.update({"plain_decode_arm": dec_arm, "plain_ttft_arm": ttft_arm,
+                    "plain_decode_tokens_per_s": row[f"{dec_arm}_decode_tokens_per_s"],
+                    "plain_ttft_s": row[f"{ttft_arm}_ttft_s"],
+                    "decode_over_plain": paired("mbolt", dec_arm, "decode_tokens_per_s"),
+                    "ttft_over_plain": paired("mbolt", ttft_arm, "ttft_s"),
+                    "ttft_over_warm": paired("mbolt", "warm", "ttft_s")})
+        out.append(row)
+    return out
+
+
+def reply_lengths(rounds: list[dict]) -> dict:
+    """Every reply's token count from the server's usage: a reply is exactly REPLY tokens, and an
+    overrun (llama-cpp-python's multibyte path can pass max_tokens) is reported with where it was."""
+    off = [{"round": k, "arm": mode, "turn": i + 1, "completion_tokens": t["completion_tokens"]}
+           for k, rd in enumerate(rounds) for mode, arm in rd["arms"].items() for i, t in enumerate(arm["turns"])
+           if t["completion_tokens"] != t["max_tokens"]]
+    return {"max_tokens": REPLY, "all_exact": not off, "not_exact": off}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="q864")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--prereg", type=Path, default=ROOT / "prereg" / "serve.toml")
+    ap.add_argument("--dry-run", action="store_true", help="check the pre-registration and print the plan")
     a = ap.parse_args()
+    dst = ROOT / "results" / f"serve_{a.model}.json"
+    try:
+        pr, lock = open_bench_prereg(a.prereg, ROOT, count_run=not a.dry_run)
+        pr.require_goals(GOAL_KEYS)
+        check_rerun(pr, dst)
+    except MboltError as e:
+        raise SystemExit(f"error: {e}") from None
+    if a.dry_run:
+        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {a.rounds} round(s) of "
+              f"{', '.join(ARMS)} ({TURNS} turns, {REPLY} tokens per reply, TTFT timed by the client)")
+        return
     model = paths(a.model)["stock"]
     if not model.exists():
         raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {a.model}` first")
+    rec = run_record(pr, lock, ROOT, model)
     size = model.stat().st_size
     ram = int(0.4 * size)
     ids = session_text_ids(model)
     rounds = []
     with readahead(model, 128) as ra:
         for r in range(a.rounds):
-            order = ["warm", "plain", "mbolt"] if r % 2 == 0 else ["mbolt", "plain", "warm"]
+            order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
             arms = {}
             for mode in order:
                 log(f"round {r + 1}: {mode}")
                 arms[mode] = run_arm(model, mode, ram, ids, with_load=(mode == "mbolt"))
             rounds.append({"order": order, "arms": arms})
-    med = lambda xs: float(np.median([x for x in xs if x is not None])) if any(x is not None for x in xs) else None  # noqa: E731
-    per_turn = []
-    for t in range(TURNS):
-        row = {"turn": t + 1}
-        for mode in ("warm", "plain", "mbolt"):
-            ts = [rd["arms"][mode]["turns"][t] for rd in rounds]
-            row[f"{mode}_ttft_s"] = med([x["ttft_s"] for x in ts])
-            row[f"{mode}_decode_tokens_per_s"] = med([x["decode_tokens_per_s"] for x in ts])
-        row["decode_over_plain"] = row["mbolt_decode_tokens_per_s"] / row["plain_decode_tokens_per_s"]
-        row["ttft_over_plain"] = row["mbolt_ttft_s"] / row["plain_ttft_s"]
-        row["ttft_over_warm"] = row["mbolt_ttft_s"] / row["warm_ttft_s"]
-        per_turn.append(row)
-    texts = {mode: [x["text_sha256"] for rd in rounds for x in rd["arms"][mode]["turns"]] for mode in ("warm", "plain", "mbolt")}
-    same = texts["warm"] == texts["plain"] == texts["mbolt"]
+    per_turn = per_turn_rows(rounds)
+    texts = {mode: [x["text_sha256"] for rd in rounds for x in rd["arms"][mode]["turns"]] for mode in ARMS}
+    same = all(texts[m] == texts["mbolt"] for m in ARMS)
     mb = [rd["arms"]["mbolt"] for rd in rounds]
     load = [m["load"] for m in mb]
-    out = {"benchmark": "mbolt serve under a real memory limit (issue 27)", "script": "scripts/bench_serve.py",
+    out = {"benchmark": "mbolt serve under a real memory limit (issues 27, 33)", "script": "scripts/bench_serve.py",
            "model": a.model, "file_bytes": size, "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra,
            "session": {"first_prompt": FIRST, "append_per_turn": APPEND, "reply": REPLY, "turns": TURNS,
-                       "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per turn"},
-           "per_turn": per_turn, "same_tokens": same, "rounds": rounds,
+                       "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per turn",
+                       "timing": "client: request to the first streamed token event; decode = (tokens - 1) / the rest",
+                       "plain": f"the better of {', '.join(PLAIN_ARMS)} per turn"},
+           "per_turn": per_turn, "same_tokens": same, "reply_lengths": reply_lengths(rounds), "rounds": rounds,
            "load": load, "peak_after_load_bytes_max": max(m["peak_after_load_bytes"] or 0 for m in mb),
-           "oom_kills": sum(m["oom_kills"] for m in mb) + sum(rd["arms"]["plain"]["oom_kills"] for rd in rounds)}
-    g = GOALS
+           "oom_kills": sum(rd["arms"][m]["oom_kills"] for rd in rounds for m in ARMS if m != "warm")}
+    dec_min = min((r["decode_over_plain"] for r in per_turn if r["decode_over_plain"] is not None), default=None)
+    g_dec, g_ttft = pr.goal("decode_over_plain_min"), pr.goal("first_ttft_over_warm_max")
     out["goals"] = [
-        {"goal": "decode >= 1.5x plain in every turn", "value": min(r["decode_over_plain"] for r in per_turn),
-         "met": min(r["decode_over_plain"] for r in per_turn) >= g["decode_over_plain_min"]},
-        {"goal": "first TTFT <= 1.15x warm", "value": per_turn[0]["ttft_over_warm"],
-         "met": per_turn[0]["ttft_over_warm"] <= g["ttft_over_warm_max"]},
+        {"goal": f"decode >= {g_dec}x plain (its better micro-batch) in every turn", "value": dec_min,
+         "met": dec_min is not None and dec_min >= g_dec},
+        {"goal": f"first TTFT <= {g_ttft}x warm (client-timed)", "value": per_turn[0]["ttft_over_warm"],
+         "met": per_turn[0]["ttft_over_warm"] is not None and per_turn[0]["ttft_over_warm"] <= g_ttft},
         {"goal": "the same tokens in every arm", "value": same, "met": bool(same)},
+        {"goal": f"every reply exactly {REPLY} tokens (usage)", "value": len(out["reply_lengths"]["not_exact"]),
+         "met": out["reply_lengths"]["all_exact"]},
         {"goal": "load run: every request answered or refused with 503, no OOM kill, peak under the budget, "
                  "no error in the log",
          "value": {"answered": sum(x["answered"] for x in load), "refused": sum(x["refused_503"] for x in load),
@@ -279,11 +341,13 @@ def main() -> None:
          and out["oom_kills"] == 0 and out["peak_after_load_bytes_max"] <= ram
          and not any(m["log_errors"] for m in mb)},
     ]
-    dst = ROOT / "results" / f"serve_{a.model}.json"
-    write_text_atomic(dst, json.dumps(out, indent=1, default=float) + "\n")
+    out.update(finish_record(rec))
+    write_text_atomic(dst, json.dumps(keep_earlier(pr, dst, out), indent=1, default=float) + "\n")
     log("wrote", dst)
     for goal in out["goals"]:
         log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+    for x in out["reply_lengths"]["not_exact"]:
+        log(f"  reply not {REPLY} tokens: {x}")
 
 
 if __name__ == "__main__":

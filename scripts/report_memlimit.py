@@ -26,6 +26,8 @@ def fmt(x, spec=".2f", unit=""):
 def load(prefix: str) -> list[dict]:
     out = []
     for p in sorted(RESULTS.glob(f"{prefix}_*.json")):
+        if ".run" in p.name:  # an earlier run kept beside its successor: listed under it (earlier())
+            continue
         d = json.loads(p.read_text())
         if prefix != "memlimit" or "headline" in d:  # the steady-decode format (issue 28)
             out.append(d)
@@ -47,12 +49,61 @@ def met(goals: list[dict]) -> str:
     return "; ".join(f"{g['goal']}: {value(g['value'])} ({'met' if g['met'] else 'MISSED'})" for g in goals)
 
 
+def earlier(d: dict) -> list[str]:
+    """The runs a result replaced (a re-run after a miss is an addendum): each stays in the report."""
+    add = (d.get("prereg") or {}).get("addendum")
+    lines = [f"- {d['model']}: this run is an addendum to {add['to']} after a miss: {add['miss']}."] if add else []
+    for e in d.get("earlier_runs", []):
+        lines.append(f"- {d['model']}: earlier run `results/{e['file']}` (git {e.get('git') or 'n/a'}): goals: "
+                     f"{met(e.get('goals') or [])}.")
+    return lines
+
+
+def run_line(d: dict) -> str:
+    m = d.get("machine")
+    if not m:
+        return ""
+    return (f"- {d['model']}: git {d.get('git')}; {m['cpu']}, {m['cores']} cores, {fmt(m['memory_bytes'] / 2**30, '.1f')} "
+            f"GiB, kernel {m['kernel']}, {m['device']} (read_ahead_kb {m.get('read_ahead_kb')}); load "
+            f"{d.get('loadavg_before')} before, {d.get('loadavg_after')} after.")
+
+
+def paired(st: dict | None) -> str:
+    if not st or st.get("median") is None:
+        return "n/a"
+    ci = st.get("ci95")
+    return f"{st['median']:.2f}x" + (f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else f" ({len(st['rounds'])} rounds)")
+
+
+def session_tuned(d: dict) -> tuple[str, list[str]]:
+    """A session result with plain tuned (issue 33): per configuration, paired ratios."""
+    t, tuned = d["ttft_s"], d["plain_tuned_readahead_kb"]
+    dec = d["decode_tokens_per_s"]
+    shipped = dec.get(str(d["as_shipped_readahead_kb"])) or dec.get(d["as_shipped_readahead_kb"])
+    line = (f"| {model_name(d)} | **{fmt(t['mbolt'], '.1f')}** / {fmt(t['warm_512'], '.1f')} "
+            f"({fmt(d['ttft_over_warm'])}x warm) | TTFT {paired(d['ttft_over_plain_tuned'])} of "
+            f"{d['best_plain_ttft_arm']} at {tuned['ttft']} KiB; decode **{paired(d['decode_over_plain_tuned'])}** "
+            f"{d['best_plain_decode_arm']} at {tuned['decode']} KiB | decode mbolt {fmt(shipped['mbolt'])} tok/s; "
+            f"over plain as shipped {paired(d['over_plain_as_shipped']['decode'])} | "
+            f"{fmt(d['followup_over_bound'])}x bound | {100 * d['prompt_bw_share']:.0f}% | "
+            f"{fmt(d['user_over_root'])} | {fmt(d['aa']['plain'], '.3f')}, {fmt(d['aa']['mbolt'], '.3f')} |")
+    sweep = "; ".join(f"{ra} KiB " + ", ".join(f"{a} {fmt(v['decode_tokens_per_s'])} tok/s {fmt(v['ttft_s'], '.1f')} s"
+                                                for a, v in arms.items()) for ra, arms in d["sweep"]["plain"].items())
+    return line, [f"- {d['model']}: plain's readahead sweep: {sweep}."]
+
+
 def session() -> str:
     out = ["| model | TTFT, 2,000 tokens: mbolt / warm / plain-512 / plain-2048 (s) | decode after it: mbolt / "
            "plain-512 / plain-2048 (tok/s) | follow-up TTFT: mbolt / warm / bound (s) | prompt read MB/s "
            "(sequential) | ordinary user / root | A/A plain, mbolt |", "|---|---|---|---|---|---|---|"]
     notes = []
+    tuned_rows = []
     for d in load("session"):
+        if "configs" in d:
+            line, more = session_tuned(d)
+            tuned_rows.append(line)
+            notes += more + [f"- {d['model']} goals: {met(d['goals'])}."] + earlier(d) + [run_line(d)]
+            continue
         t, dec, f = d["ttft_s"], d["decode_tokens_per_s"], d["followup_ttft_s"]
         out.append(
             f"| {model_name(d)} | **{fmt(t['mbolt'], '.1f')}** / {fmt(t['warm_512'], '.1f')} / "
@@ -70,7 +121,13 @@ def session() -> str:
             notes.append(f"- {d['model']}: the runtime asked for 2048-token passes: TTFT {fmt(row['ttft_s'], '.1f')} s, "
                          f"decode {fmt(m2048)} tok/s (512: {fmt(t['mbolt'], '.1f')} s, {fmt(dec['mbolt'])} tok/s).")
         notes.append(f"- {d['model']} goals: {met(d['goals'])}.")
-    return "\n".join(out + [""] + notes)
+        notes += earlier(d)
+    if tuned_rows:
+        out = (out if len(out) > 2 else []) + [
+            "", "| model | TTFT mbolt / warm (s) | over plain tuned (same-round ratio) | as shipped (128 KiB) | "
+            "follow-up | prompt read share | ordinary user / root | A/A plain, mbolt |",
+            "|---|---|---|---|---|---|---|---|"] + tuned_rows
+    return "\n".join(out + [""] + [n for n in notes if n])
 
 
 def decode() -> str:
@@ -88,12 +145,15 @@ def decode() -> str:
                    f"{fmt(aa['mbolt'], '.3f')} | {fmt(b.get('tokens_per_s'))} tok/s ({b.get('limit', 'n/a')}) | "
                    f"{fmt(d.get('share_of_bound'))} |")
         ro = d["reorder_over_stock"].get("128") or d["reorder_over_stock"].get(128)
-        sweep = ", ".join(f"{ra} KiB {fmt(v)}" for ra, v in sorted(d["sweep"]["plain_tokens_per_s"].items(),
-                                                                     key=lambda kv: -int(kv[0])))
+        sw = d["sweep"]
+        per = (sw["plain_tokens_per_s"] if "plain_tokens_per_s" in sw
+               else {ra: v["plain-stock"]["decode_tokens_per_s"] for ra, v in sw["plain"].items()})
+        sweep = ", ".join(f"{ra} KiB {fmt(v)}" for ra, v in sorted(per.items(), key=lambda kv: -int(kv[0])))
         notes.append(f"- {d['model']}: plain's readahead sweep ({d['sweep']['tokens']} tokens, {d['sweep']['rounds']} "
                      f"rounds): {sweep} tok/s; the reorder file over stock at 128 KiB: plain {fmt(ro['plain'])}x, "
                      f"mbolt {fmt(ro['mbolt'])}x; warm {fmt(d['warm_tokens_per_s'])} tok/s; goals: {met(d['goals'])}.")
-    return "\n".join(out + [""] + notes)
+        notes += earlier(d) + [run_line(d)]
+    return "\n".join(out + [""] + [n for n in notes if n])
 
 
 def drives() -> str:
@@ -102,18 +162,26 @@ def drives() -> str:
            "|---|---|---|---|---|---|---|---|"]
     out_goals = []
     for d in load("drives"):
-        for prof, p in d["profiles"].items():
-            rows = {r["arm"]: r.get("decode_tokens_per_s") for r in p["ab"]["summary"]}
-            lw = p["law"]
-            out.append(f"| {d['model']} | {prof} | {fmt(rows.get('plain-stock'))} / {fmt(rows.get('plain-reorder'))} | "
-                       f"{fmt(rows.get('mbolt-stock'))} / {fmt(rows.get('mbolt-reorder'))} | "
-                       f"**{fmt(p['over_plain'])}x** | {fmt(p['layout_gain']['plain'])} / "
-                       f"{fmt(lw['plain']['predicted_gain'])} | {fmt(p['layout_gain']['mbolt'])} / "
-                       f"{fmt(lw['mbolt']['predicted_gain'])} | "
-                       + (f"{fmt(p['bound']['tokens_per_s'])} tok/s ({100 * p['share_of_bound']:.0f}%) |"
-                          if p.get("bound") else "- |"))
-        out_goals.append(f"- {d['model']}: goals: {met(d['goals'])}.")
-    return "\n".join(out + [""] + out_goals)
+        for prof, pp in d["profiles"].items():
+            # issue 33's results: one configuration per readahead (128 KiB as shipped, plain tuned)
+            cs = pp["configs"].items() if "configs" in pp else [(str(d.get("readahead_kb", 128)), pp)]
+            for ra, p in cs:
+                out.append(drive_row(d, f"{prof} at {ra} KiB", p))
+        out_goals += [f"- {d['model']}: goals: {met(d['goals'])}."] + earlier(d) + [run_line(d)]
+    return "\n".join(out + [""] + [g for g in out_goals if g])
+
+
+def drive_row(d: dict, where: str, p: dict) -> str:
+    rows = {r["arm"]: r.get("decode_tokens_per_s") for r in p["ab"]["summary"]}
+    lw = p["law"]
+    over = p["over_plain"]["median"] if isinstance(p["over_plain"], dict) else p["over_plain"]
+    return (f"| {d['model']} | {where} | {fmt(rows.get('plain-stock'))} / {fmt(rows.get('plain-reorder'))} | "
+            f"{fmt(rows.get('mbolt-stock'))} / {fmt(rows.get('mbolt-reorder'))} | "
+            f"**{fmt(over)}x** | {fmt(p['layout_gain']['plain'])} / "
+            f"{fmt(lw['plain']['predicted_gain'])} | {fmt(p['layout_gain']['mbolt'])} / "
+            f"{fmt(lw['mbolt']['predicted_gain'])} | "
+            + (f"{fmt(p['bound']['tokens_per_s'])} tok/s ({100 * p['share_of_bound']:.0f}%) |"
+               if p.get("bound") else "- |"))
 
 
 def serve() -> str:

@@ -173,3 +173,76 @@ def test_willneed_reads_a_long_range_only_in_pieces(tmp_path):
     finally:
         os.close(fd)
     assert one_call < 0.6 and pieces == 1.0
+
+
+def _bench_memlimit():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "bench_memlimit.py"
+    spec = importlib.util.spec_from_file_location("bench_memlimit_under_test", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _round(arm, k, tokens, wall, ttft=1.0, rejected=False):
+    return {"arm": arm, "round": k, "tokens": tokens, "wall_s": wall, "ttft_s": ttft, "rejected": rejected}
+
+
+def test_session_ratio_is_the_median_of_same_round_ratios():
+    """Per round mbolt / plain of the same round, then the median: rounds 0-2 decode mbolt at
+    10, 4, 9 tok/s and plain at 5, 1, 6 -> ratios 2.0, 4.0, 1.5, median 2.0. The ratio of the
+    medians would be 9 / 5 = 1.8: not what the pre-registration defines. A rejected round pairs
+    with nothing. TTFT pairs the same way: 3/6, 2/2, 4/2 -> median 1.0."""
+    bm = _bench_memlimit()
+    d = {"rounds": [_round("mbolt", 0, 100, 10.0, 3.0), _round("plain-512", 0, 100, 20.0, 6.0),
+                    _round("mbolt", 1, 100, 25.0, 2.0), _round("plain-512", 1, 100, 100.0, 2.0),
+                    _round("mbolt", 2, 90, 10.0, 4.0), _round("plain-512", 2, 60, 10.0, 2.0),
+                    _round("mbolt", 3, 100, 1.0), _round("plain-512", 3, 100, 1.0, rejected=True)]}
+    st = bm.pair_stats(d, "mbolt", "plain-512")
+    assert st["rounds"] == pytest.approx([2.0, 4.0, 1.5])
+    assert st["median"] == pytest.approx(2.0)
+    assert st["ci95"] is None and "3 rounds" in st["ci_note"]  # too few rounds for an interval
+    assert bm.pair_stats(d, "mbolt", "plain-512", key=bm.ttft_of)["median"] == pytest.approx(1.0)
+
+
+def test_plain_sweep_brackets_8k_to_1m_and_picks_inside():
+    bm = _bench_memlimit()
+    assert sorted(bm.READAHEADS) == [8, 16, 32, 64, 128, 256, 512, 1024]
+    swept = {ra: {"arms": {"plain-512": {"decode_tokens_per_s": 1.0, "ttft_s": 30.0},
+                           "plain-2048": {"decode_tokens_per_s": 1.0, "ttft_s": 30.0}}} for ra in bm.READAHEADS}
+    swept[32]["arms"]["plain-2048"]["decode_tokens_per_s"] = 1.6  # the best decode: 32 KiB, via the 2048 arm
+    swept[256]["arms"]["plain-512"]["ttft_s"] = 21.0  # the best TTFT (lowest): 256 KiB
+    assert bm.best_window(swept) == 32
+    assert bm.best_window(swept, "ttft_s") == 256
+
+
+def test_every_stage_reads_its_goals_from_the_prereg(tmp_path):
+    """A pre-registration without one of a stage's goals is refused before anything is measured."""
+    from mbolt.bench.prereg import load_bench_prereg
+
+    bm = _bench_memlimit()
+    p = tmp_path / "s.toml"
+    p.write_text("[goals]\nttft_over_warm_max = 1.15\n[predictions]\nx = 1\n")
+    pr = load_bench_prereg(p)
+    with pytest.raises(MboltError, match="lacks decode_over_best_plain_min, followup_over_bound_max"):
+        pr.require_goals(bm.STAGE_GOALS["session"])
+    assert "q72_over_plain_tuned_min" in [k.format(model="q72") for k in bm.STAGE_GOALS["decode"]]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("runuser"), reason="runuser needs root")
+def test_user_arm_runs_as_uid_nobody_and_is_refused_in_one_line_when_it_cannot(tmp_path):
+    """The ordinary-user arm is a non-root uid (runuser -u nobody), not root without CAP_IPC_LOCK;
+    when nobody cannot start the worker or read the model (mode 600 here) the run is refused
+    before it starts, in one line naming the uid and the file."""
+    from mbolt.bench.ab_llama import ORDINARY_USER, check_ordinary_user
+
+    assert ORDINARY_USER[:4] == ["runuser", "-u", "nobody", "--"]
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    model.chmod(0o600)
+    with pytest.raises(MboltError) as e:
+        check_ordinary_user([str(model)])
+    assert "uid nobody" in str(e.value) and str(model) in str(e.value) and "\n" not in str(e.value)

@@ -193,21 +193,65 @@ def test_cost_picks_the_nearest_measured_queue_depth():
 
 
 def test_throttled_layout_law_by_hand():
-    """The law on a throttled drive, computed by hand. Cloud profile (3,000 IOPS, 125 MB/s):
-    stock reads 300 ops and 100 MB per token -> max(0.1 s, 0.8 s) = 0.8 s of I/O, at 1 tok/s
-    s = 0.8; reorder reads 150 ops and 80 MB -> 0.64 s, g = 0.8 / 0.64 = 1.25;
-    gain = 1 / (0.2 + 0.8 / 1.25) = 1 / 0.84 = 1.190476..."""
+    """The law on a throttled drive as a prediction, computed by hand. The stock arm measured 300
+    reads and 100 MB per token at 1 tok/s; the layout's ratios are 0.5 reads and 0.8 bytes, so the
+    reorder file is predicted at 150 reads and 80 MB (its own measured reads are no input); the
+    probe's cost is t_op 100 us and 1 GB/s. Cloud profile (3,000 IOPS, 125 MB/s):
+    stock max(300 x 1e-4 + 0.1 = 0.13 s, 0.1 s, 0.8 s) = 0.8 s, s = 0.8;
+    reorder max(0.015 + 0.08 = 0.095 s, 0.05 s, 0.64 s) = 0.64 s, g = 1.25;
+    gain = 1 / (0.2 + 0.8 / 1.25) = 1 / 0.84."""
     from mbolt.bench.predict import throttled_io_s, throttled_layout_law
 
     assert throttled_io_s(300, 100e6, 3000, 125e6) == pytest.approx(0.8, rel=1e-12)
     assert throttled_io_s(6000, 100e6, 3000, 125e6) == pytest.approx(2.0, rel=1e-12)  # operations bind
     assert throttled_io_s(6000, 100e6, None, 550e6) == pytest.approx(100 / 550, rel=1e-12)  # no IOPS cap
-    law = throttled_layout_law((300, 100e6, 1.0), (150, 80e6), 3000, 125e6)
+    probe = (100e-6, 1e9)
+    law = throttled_layout_law((300, 100e6, 1.0), (0.5, 0.8), probe, 3000, 125e6)
+    assert law["predicted_per_token"] == {"reorder_reads": 150.0, "reorder_bytes": pytest.approx(80e6)}
+    assert law["io_s_per_token"]["stock"] == pytest.approx(0.8, rel=1e-12)
+    assert law["io_s_per_token"]["reorder"] == pytest.approx(0.64, rel=1e-12)
     assert law["s"] == pytest.approx(0.8, rel=1e-12)
     assert law["g"] == pytest.approx(1.25, rel=1e-12)
     assert law["predicted_gain"] == pytest.approx(1 / 0.84, rel=1e-12)
-    # an arm slower than its I/O alone allows: s is capped at 1 (all of its time is I/O)
-    assert throttled_layout_law((300, 100e6, 5.0), (150, 50e6), 3000, 125e6)["predicted_gain"] == pytest.approx(2.0)
+    # no cap: the probe's cost alone. stock 0.13 s, reorder 0.095 s, s = 0.13, g = 0.13 / 0.095;
+    # gain = 1 / (0.87 + 0.095) = 1 / 0.965
+    free = throttled_layout_law((300, 100e6, 1.0), (0.5, 0.8), probe, None, None)
+    assert free["s"] == pytest.approx(0.13, rel=1e-12)
+    assert free["predicted_gain"] == pytest.approx(1 / 0.965, rel=1e-12)
+    # sata (550 MB/s, no IOPS cap): stock max(0.13, 100/550) = 0.181818 s, reorder 80/550 = 0.145454 s,
+    # g = 1.25, gain = 1 / (1 - 100/550 + 80/550) = 1 / (1 - 20/550) = 550 / 530
+    sata = throttled_layout_law((300, 100e6, 1.0), (0.5, 0.8), probe, None, 550e6)
+    assert sata["predicted_gain"] == pytest.approx(550 / 530, rel=1e-12)
+    # an arm slower than its I/O alone allows: s is capped at 1 (all of its time is I/O), gain = g = 2
+    assert throttled_layout_law((300, 100e6, 5.0), (0.5, 0.5), probe, 3000, 125e6)["predicted_gain"] == \
+        pytest.approx(2.0)
+
+
+def test_layout_read_ratios_from_the_evaluator(tmp_path):
+    """Every token routes to experts 0 and 2 of each of 2 layers (F32 slices of 64 x 32 x 4 =
+    8,192 B, 3 roles). Stock: each role's two slices are apart, 2 x 3 x 2 = 12 reads of
+    2 x 2 x 3 x 8,192 = 98,304 B, and a converter's 32-byte alignment makes every read straddle
+    one page more: 98,304 + 12 x 4,096 = 147,456 device bytes. A reorder file that puts 2 right
+    after 0: one run per role, 6 reads, its slices on pages: 98,304 B. Ratios 6/12 and
+    98,304/147,456 = 2/3, from the two files' geometry and the trace, never a measurement."""
+    from mbolt.bench.predict import layout_read_ratios
+    from mbolt.core.moe_map import moe_map
+    from mbolt.core.trace import DECODE, Trace
+    from mbolt.gguf.config import tiny
+    from mbolt.gguf.synth import write_synth
+    from mbolt.rewrite.reorder import reorder
+
+    src = write_synth(tmp_path / "s.gguf", tiny("qwen3moe", n_layers=2, dense_layers=0, expert_type="F32"))
+    mm = moe_map(src)
+    E = mm.n_experts
+    perm = np.array([[0, 2] + [e for e in range(E) if e not in (0, 2)]] * 2, dtype=np.int32)
+    reorder(src, tmp_path / "r.gguf", perm, layout="reorder")
+    n = 6
+    tr = Trace(2, E, 2, np.tile(np.array([[0, 2], [0, 2]], dtype=np.int16), (n, 1, 1)),
+               np.full(n, DECODE, np.uint8), np.zeros(n, np.int32), np.arange(n, dtype=np.int32))
+    reads, nbytes = layout_read_ratios(tr, mm, moe_map(tmp_path / "r.gguf"))
+    assert reads == pytest.approx(0.5)
+    assert nbytes == pytest.approx(98304 / 147456)
 
 
 def test_law_holds_bands():

@@ -57,7 +57,7 @@ class Server:
         self.base = f"http://127.0.0.1:{self.port}"
         self.trace = tmp / "served.mbtrace"
         self.proc = subprocess.Popen([sys.executable, "-m", "mbolt", "serve", str(model), "--ram", "2G", "-c", "1024",
-                                      "--port", str(self.port), "--api-key", KEY, "--queue", "1", "--record-routing",
+                                      "--port", str(self.port), "--api-key", KEY, "--queue", "1", "--parallel", "1", "--record-routing",
                                       str(self.trace), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
         deadline = time.time() + 120

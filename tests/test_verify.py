@@ -235,3 +235,25 @@ def test_stale_sidecar_is_flagged(files, tmp_path):
     assert c.ok is False and "stale" in c.detail and not rep.ok
     side.write_text((out["reorder"].parent / "reorder.gguf.mbolt.json").read_text())
     assert verify(src, a).ok
+
+
+def test_flipped_head_count_kv_in_the_output_is_one_line_naming_the_key(files, tmp_path):
+    """Issue 33's reliability defect: a byte of head_count_kv flipped in a rewritten file made
+    `mbolt verify` crash with a traceback in its reference parity. Through the command line, as a
+    user runs it: exit 2 and one line naming the key (the value no longer fits the attention
+    tensors, checked where the model is opened)."""
+    import subprocess
+    import sys
+
+    src, out, _ = files
+    bad = copy(out["reorder"], tmp_path / "kv.gguf")
+    kv = read_header(bad).kv["qwen3moe.attention.head_count_kv"]
+    assert int(kv.value) == 2
+    flip(bad, kv.span[1] - 4)  # the low byte of the little-endian u32 value: 2 -> 66
+    assert int(read_header(bad).kv["qwen3moe.attention.head_count_kv"].value) == 66
+    r = subprocess.run([sys.executable, "-m", "mbolt", "verify", str(src), str(bad)], capture_output=True, text=True,
+                       timeout=300)
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert len(lines) == 1 and "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert "qwen3moe.attention.head_count_kv = 66" in lines[0] and str(bad) in lines[0]

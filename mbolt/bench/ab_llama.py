@@ -56,6 +56,12 @@ def check_llama_arms(arms: list[Arm], info: dict, mode: str, ram: int = 0, drive
             raise MboltError(f"arm {a.name}: give the llama.cpp slot budget as cache=N, not frac")
         if a.user and not ram:
             raise MboltError(f"arm {a.name}: user runs the arm as a process of its own: it needs --ram")
+        if a.user and drive:
+            raise MboltError(f"arm {a.name}: a drive profile is set by the worker in its block-I/O cgroup, which "
+                             f"uid {ORDINARY_UID} cannot write: no user arm under --drive")
+    users = sorted({a.path for a in arms if a.user})
+    if users:
+        check_ordinary_user(users)
     if drive and not ram:
         raise MboltError("--drive throttles each arm's own process: it needs --ram")
     if drive:
@@ -68,8 +74,26 @@ def _slots(arm: Arm) -> int:
     return arm.cache_slots if arm.mode != "os" else 0
 
 
-# an ordinary user's limits, as root: no CAP_IPC_LOCK (mlock then obeys RLIMIT_MEMLOCK) and its 8 MiB default
-ORDINARY_USER = ["setpriv", "--bounding-set=-ipc_lock", "--inh-caps=-ipc_lock", "prlimit", "--memlock=8388608"]
+# an ordinary user is an ordinary user: a non-root uid (no capability at all, so mlock obeys
+# RLIMIT_MEMLOCK), at the 8 MiB default a distribution gives it; the model must be readable by it
+ORDINARY_UID = "nobody"
+ORDINARY_USER = ["runuser", "-u", ORDINARY_UID, "--", "prlimit", "--memlock=8388608"]
+
+
+def check_ordinary_user(paths: list[str]) -> None:
+    """Before a user arm runs: uid nobody can start this interpreter, import the worker and read
+    each model file. One line saying what it cannot (a path under /root, a file mode)."""
+    code = ("import sys, mbolt.bench.ab_llama\n"
+            "for p in sys.argv[1:]:\n    open(p, 'rb').read(1)\n")
+    try:
+        r = subprocess.run(["runuser", "-u", ORDINARY_UID, "--", sys.executable, "-c", code, *paths],
+                           capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise MboltError(f"user arm: cannot run as uid {ORDINARY_UID} ({e}): runuser needs root") from None
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
+        raise MboltError(f"user arm: uid {ORDINARY_UID} cannot run the worker ({sys.executable}) or read "
+                         f"{', '.join(paths)}: {last}")
 WORKER_TIMEOUT_S = 3600  # one arm-round in a group; past it the process is killed (never a hang)
 
 
@@ -92,6 +116,8 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     if arm.user:
         argv = ORDINARY_USER + argv
     with MemoryGroup(job.ram) as group, _io_group(arm, job) as io:
+        if arm.user:
+            _let_reset_peak(group)
         proc = group.popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                            **({"also": io.path} if io is not None else {}))
         try:
@@ -114,6 +140,19 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     if served is not None:
         res.drive_served_bytes, res.drive_served_reads = served.bytes, served.ios
     return res
+
+
+def _let_reset_peak(group) -> None:
+    """The worker resets its group's peak after the load (reset_own_peak): hand that one file to
+    the ordinary user's uid, as a cgroup delegation would."""
+    import os
+    import pwd
+
+    f = group.path / ("memory.max_usage_in_bytes" if group.kind == "v1" else "memory.peak")
+    try:
+        os.chown(f, pwd.getpwnam(ORDINARY_UID).pw_uid, -1)
+    except (OSError, KeyError):
+        pass  # then its peak after load is unknown (None), said in the result, not a failure
 
 
 def _io_group(arm: Arm, job: ArmJob):

@@ -111,17 +111,50 @@ def throttled_io_s(reads: float, nbytes: float, iops: float | None, bps: float |
     return max(reads / iops if iops else 0.0, nbytes / bps if bps else 0.0)
 
 
-def throttled_layout_law(stock: tuple[float, float, float], reorder: tuple[float, float],
-                         iops: float | None, bps: float | None) -> dict:
-    """The slice-size law on a throttled drive: the reorder file's predicted decode gain over the
-    stock file from each arm's reads and device bytes per token and the stock arm's tok/s
-    (`stock` = (reads, bytes, tok/s), `reorder` = (reads, bytes)). s = the stock arm's share of
-    time in its I/O (at most 1), g = stock I/O time / reorder I/O time, gain = 1/((1-s) + s/g)."""
-    io_stock, io_reorder = throttled_io_s(*stock[:2], iops, bps), throttled_io_s(*reorder, iops, bps)
+def throttled_layout_law(stock: tuple[float, float, float], layout_ratio: tuple[float, float],
+                         probe_cost: tuple[float, float], iops: float | None, bps: float | None) -> dict:
+    """The slice-size law on a throttled drive, as a prediction: the reorder file's decode gain over
+    the stock file from what is known before the reorder arm runs. `stock` = the STOCK arm's
+    measured (reads, bytes, tok/s) per token; `layout_ratio` = (reads, bytes) of the reorder file
+    over the stock file as the layout evaluator counts them on the same routing
+    (`layout_read_ratios`); `probe_cost` = (t_op s, BW B/s) of the drive from `mbolt probe`.
+    The reorder arm's reads are the stock arm's scaled by the layout's ratio, never its own
+    measured ones. Each file's I/O time per token is the slowest of the drive's own cost
+    (reads x t_op + bytes / BW) and the profile's caps (`throttled_io_s`); s = the stock arm's
+    share of time in its I/O (at most 1), g = stock I/O time / reorder I/O time,
+    gain = 1/((1-s) + s/g)."""
+    t_op, bw = probe_cost
+    reorder = (stock[0] * layout_ratio[0], stock[1] * layout_ratio[1])
+
+    def io_s(reads: float, nbytes: float) -> float:
+        return max(io_time(reads, nbytes, t_op, bw), throttled_io_s(reads, nbytes, iops, bps))
+
+    io_stock, io_reorder = io_s(*stock[:2]), io_s(*reorder)
     s = min(1.0, io_stock * stock[2])
     g = io_stock / io_reorder if io_reorder > 0 else None
-    return {"io_s_per_token": {"stock": io_stock, "reorder": io_reorder}, "s": s, "g": g,
+    return {"inputs": "stock arm's measured reads and bytes, the layout's read and byte ratios, the probe's cost",
+            "predicted_per_token": {"reorder_reads": reorder[0], "reorder_bytes": reorder[1]},
+            "probe_cost": {"t_op_s": t_op, "bw_bytes_per_s": bw},
+            "io_s_per_token": {"stock": io_stock, "reorder": io_reorder}, "s": s, "g": g,
             "predicted_gain": end_to_end(g, s) if g else None}
+
+
+def layout_read_ratios(trace: Trace, stock_mm: MoeMap, reorder_mm: MoeMap, gap: int = 0,
+                       cache_slots: int = 0) -> tuple[float, float]:
+    """(reads, device bytes) per token of the reorder file over the stock file on `trace`, as the
+    evaluator counts them (`counts`: the same merge rule and cache for both files). The layout's
+    effect on reads, known before either file is read."""
+    def of(mm: MoeMap, rewritten: bool) -> dict:
+        rm = mm.route_map
+        return counts(trace, rm.perm, mm, rm.layout if rm.layout != "stock" else "reorder", gap, cache_slots,
+                      mm.moe_layers[0].slot_padding, rewritten=rewritten)
+
+    a, b = of(stock_mm, False), of(reorder_mm, True)
+    if not a["reads_per_token"] or not a["device_bytes_per_token"]:
+        from mbolt.core.errors import MboltError
+
+        raise MboltError("layout law: the stock file reads nothing on this trace (every expert cached)")
+    return b["reads_per_token"] / a["reads_per_token"], b["device_bytes_per_token"] / a["device_bytes_per_token"]
 
 
 def law_predicts_no_change(predicted: float) -> bool:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import time
 import tomllib
 from dataclasses import dataclass
@@ -80,15 +81,26 @@ def _expand(s: str) -> str:
     return out
 
 
-def load_prereg(path: str | os.PathLike) -> Prereg:
-    p = Path(path)
+def _read_toml(p: Path) -> dict:
     from mbolt.core.checks import read_text
 
     text = read_text(p, "pre-registration")
     try:
-        raw = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise MboltError(f"{p}: not valid TOML ({e})") from None
+
+
+def _read_lock(lp: Path) -> dict:
+    try:
+        return json.loads(lp.read_text())
+    except ValueError:
+        raise MboltError(f"{lp}: damaged lock file") from None
+
+
+def load_prereg(path: str | os.PathLike) -> Prereg:
+    p = Path(path)
+    raw = _read_toml(p)
     need = ("name", "mode", "metric", "baseline", "treatment", "predicted_speedup", "pass_threshold", "arm")
     miss = [k for k in need if k not in raw]
     if miss:
@@ -142,10 +154,7 @@ def check_and_lock(pr: Prereg) -> dict:
     """Refuse an edited pre-registration; lock a new one. Returns the lock record."""
     lp = lock_path(pr.path)
     if lp.exists():
-        try:
-            lock = json.loads(lp.read_text())
-        except ValueError:
-            raise MboltError(f"{lp}: damaged lock file") from None
+        lock = _read_lock(lp)
         if lock.get("sha256") != pr.sha256:
             raise MboltError(f"{pr.path} was edited after its first run (hash {pr.sha256[:12]} vs locked "
                              f"{str(lock.get('sha256'))[:12]} at {lock.get('locked_at')}): refusing; "
@@ -183,3 +192,222 @@ def verdict(pr: Prereg, summary: list[dict], aa_tolerance: float = AA_TOLERANCE)
         "prediction_error": got / pr.predicted_speedup - 1,
         "prediction_in_ci": None if not ci else ci[0] <= pr.predicted_speedup <= ci[1],
     }
+
+
+# ---- the benchmark scripts' pre-registrations (scripts/bench_memlimit.py, scripts/bench_serve.py) ----
+#
+# A script's pre-registration is free-form TOML with `script`, `rounds`, a `[goals]` table (the
+# decision rules the script reads: nothing of them lives in the script) and a `[predictions]`
+# table. A re-run after a miss is a new file with an `[addendum]` table: `to` (the earlier
+# pre-registration) and `miss` (which goal of which run it follows). Before a run: the file is
+# committed (tracked, unchanged against HEAD), locked (`python -m mbolt.bench.prereg lock FILE`,
+# the lock committed beside it), and the tree is clean outside results/ and prereg/; the result
+# records the revision, the machine and the load average before and after.
+
+BENCH_KEEP = ("results", "prereg")  # what a benchmark writes: a change there does not make the code dirty
+
+
+@dataclass
+class BenchPrereg:
+    path: str
+    sha256: str
+    raw: dict
+    goals: dict
+    predictions: dict
+    addendum: dict | None
+
+    def goal(self, key: str):
+        """A decision rule of the pre-registration; a missing one is refused (never a default)."""
+        if key not in self.goals:
+            raise MboltError(f"{self.path}: [goals] has no {key} (the script reads its goals from the "
+                             "pre-registration)")
+        return self.goals[key]
+
+    def require_goals(self, keys) -> None:
+        """Every goal the run will judge, checked before hours of measuring rather than after."""
+        miss = [k for k in keys if k not in self.goals]
+        if miss:
+            raise MboltError(f"{self.path}: [goals] lacks {', '.join(miss)}")
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256, "goals": self.goals, "predictions": self.predictions,
+                "addendum": self.addendum}
+
+
+def load_bench_prereg(path: str | os.PathLike) -> BenchPrereg:
+    p = Path(path)
+    raw = _read_toml(p)
+    for k in ("goals", "predictions"):
+        if not isinstance(raw.get(k), dict) or not raw[k]:
+            raise MboltError(f"{p}: no [{k}] table: write the {k} down before the first run")
+    add = raw.get("addendum")
+    if add is not None:
+        if not isinstance(add, dict) or not str(add.get("to", "")).strip() or not str(add.get("miss", "")).strip():
+            raise MboltError(f"{p}: [addendum] needs `to` (the earlier pre-registration) and `miss` (the goal it "
+                             "missed, and in which result)")
+    return BenchPrereg(str(p), file_sha256(p), raw, dict(raw["goals"]), dict(raw["predictions"]), add)
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise MboltError(f"{root}: git is needed to check the pre-registration ({e})") from None
+
+
+def _rel(root: Path, path: str | os.PathLike) -> str:
+    p = Path(path).resolve()
+    try:
+        return str(p.relative_to(root.resolve()))
+    except ValueError:
+        raise MboltError(f"{path}: the pre-registration must live in the repository ({root})") from None
+
+
+def require_committed(root: Path, path: str | os.PathLike) -> None:
+    """`path` is tracked by git and unchanged against HEAD (the index and the work tree alike)."""
+    rel = _rel(root, path)
+    if _git(root, "ls-files", "--error-unmatch", "--", rel).returncode != 0:
+        raise MboltError(f"{path}: not committed: commit the pre-registration before the run")
+    if _git(root, "diff", "--quiet", "HEAD", "--", rel).returncode != 0:
+        raise MboltError(f"{path}: changed since it was committed: a new prediction is a new pre-registration")
+
+
+def dirty_outside(root: Path, keep=BENCH_KEEP) -> list[str]:
+    """Paths changed or untracked (not ignored) outside `keep`: code the result would not name."""
+    r = _git(root, "status", "--porcelain", "--untracked-files=all", "--", ".",
+             *(f":(exclude){k}" for k in keep))
+    if r.returncode != 0:
+        raise MboltError(f"{root}: not a git checkout ({r.stderr.strip() or 'git status failed'})")
+    return [ln[3:] for ln in r.stdout.splitlines() if ln.strip()]
+
+
+def lock_bench(path: str | os.PathLike) -> dict:
+    """Write the lock of a new pre-registration (refused when one exists: a lock is written once)."""
+    pr = load_bench_prereg(path)
+    lp = lock_path(pr.path)
+    if lp.exists():
+        raise MboltError(f"{lp}: already locked (a new prediction is a new pre-registration file)")
+    lock = {"sha256": pr.sha256, "locked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "runs": 0}
+    write_text_atomic(lp, json.dumps(lock, indent=1) + "\n")
+    return lock
+
+
+def open_bench_prereg(path: str | os.PathLike, root: str | os.PathLike,
+                      count_run: bool = True) -> tuple[BenchPrereg, dict]:
+    """The gate a benchmark script passes before it measures: committed, locked with the file's hash,
+    the lock committed, the tree clean outside results/ and prereg/. Returns the pre-registration
+    and its lock record (its run count incremented; `count_run` False: checked only, for a dry run)."""
+    root = Path(root)
+    pr = load_bench_prereg(path)
+    require_committed(root, pr.path)
+    lp = lock_path(pr.path)
+    if not lp.exists():
+        raise MboltError(f"{pr.path}: not locked: run `python -m mbolt.bench.prereg lock {pr.path}` and commit "
+                         "the lock beside it")
+    if _git(root, "ls-files", "--error-unmatch", "--", _rel(root, lp)).returncode != 0:
+        raise MboltError(f"{lp}: not committed: commit the lock with the pre-registration")
+    dirty = dirty_outside(root)
+    if dirty:
+        more = f" and {len(dirty) - 3} more" if len(dirty) > 3 else ""
+        raise MboltError(f"{root}: uncommitted changes outside results/ and prereg/ ({', '.join(dirty[:3])}{more}): "
+                         "commit them, so the result names the code it ran")
+    if not count_run:
+        lock = _read_lock(lp)
+        if lock.get("sha256") != pr.sha256:
+            raise MboltError(f"{pr.path} does not match its lock (hash {pr.sha256[:12]} vs locked "
+                             f"{str(lock.get('sha256'))[:12]}): refusing")
+        return pr, lock
+    return pr, check_and_lock(pr)
+
+
+def check_rerun(pr: BenchPrereg, result_path: str | os.PathLike) -> None:
+    """Refuse to measure what this pre-registration already measured: a re-run is an addendum."""
+    p = Path(result_path)
+    if not p.exists():
+        return
+    try:
+        old = json.loads(p.read_text())
+    except ValueError:
+        raise MboltError(f"{p}: an earlier result that is not JSON: move it aside by hand") from None
+    if (old.get("prereg") or {}).get("sha256") == pr.sha256:
+        raise MboltError(f"{p} was measured under {pr.path} already: a re-run is a new pre-registration with an "
+                         "[addendum] naming the miss")
+
+
+def keep_earlier(pr: BenchPrereg, result_path: str | os.PathLike, result: dict) -> dict:
+    """Before a result replaces an earlier one: the earlier file stays beside it
+    (`NAME.runK.json`) and the new result lists every earlier run (file, pre-registration, goals),
+    so a report shows both. Returns `result`."""
+    p = Path(result_path)
+    earlier: list[dict] = []
+    if p.exists():
+        old = json.loads(p.read_text())
+        earlier = list(old.get("earlier_runs", []))
+        k = len(earlier) + 1
+        kept = p.with_name(f"{p.stem}.run{k}.json")
+        while kept.exists():
+            k += 1
+            kept = p.with_name(f"{p.stem}.run{k}.json")
+        os.replace(p, kept)
+        earlier.append({"file": kept.name, "prereg": old.get("prereg"), "git": old.get("git"),
+                        "goals": old.get("goals")})
+    result["earlier_runs"] = earlier
+    return result
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") or line.startswith("Model"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def run_record(pr: BenchPrereg, lock: dict, root: str | os.PathLike, data_path: str | os.PathLike) -> dict:
+    """What a result records of its run, before it starts: the pre-registration, the revision, the
+    machine (CPU, cores, memory, kernel, the block device under `data_path` with its read_ahead_kb)
+    and the load average. `finish_record` adds the load average after."""
+    from mbolt.bench.env import environment, git_revision
+
+    env = environment(data_path)
+    return {"prereg": {**pr.to_dict(), "run": lock.get("runs"), "locked_at": lock.get("locked_at")},
+            "git": git_revision(root),
+            "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_bytes": env["memory"].get("MemTotal"),
+                        "kernel": env["kernel"], "device": env["device"], "block": env["block"],
+                        "read_ahead_kb": env["block"].get("read_ahead_kb"), "filesystem": env["filesystem"]},
+            "loadavg_before": env["loadavg"], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def finish_record(rec: dict) -> dict:
+    try:
+        rec["loadavg_after"] = os.getloadavg()
+    except OSError:
+        rec["loadavg_after"] = None
+    rec["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return rec
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m mbolt.bench.prereg lock FILE`: lock a benchmark script's pre-registration."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2 or args[0] != "lock":
+        print("usage: python -m mbolt.bench.prereg lock prereg/NAME.toml", file=sys.stderr)
+        return 2
+    try:
+        lock = lock_bench(args[1])
+    except MboltError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{lock_path(args[1])}: sha256 {lock['sha256'][:16]}, locked {lock['locked_at']}: commit both files")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -13,6 +13,20 @@ rotations make the lags independent codes, so z_t is close to a hash of the last
 byte-level vocabulary then still routes each position differently (routing fixed by the token id
 gave pair lifts far above a real model's). `share` makes neighbours' states alike: the overlap knob.
 
+Reuse (a `ReuseTarget`: LRU hit rates of a real trace and its consecutive overlap). A real model
+keeps using a narrow set of experts for a whole passage: in BigMoeOnEdge's Qwen3-30B-A3B trace
+the overlap with the token 2..20 places back stays at 0.25-0.29 of k (lag 1: 0.38, the 128-token
+heat of the passage alone: 0.24), so lag heads, which reach MAX_LAGS tokens, cannot give its LRU
+hits at 51 slots (lag-1 share alone tops out near 0.26 / 0.39 / 0.62 at 16 / 27 / 51 slots against
+0.61 / 0.76 / 0.90). A window head adds `gain` times the attention-weighted mean of the codes of
+the passage (unrotated, so it is common to neighbours): its score WINDOW_KERNEL * mean cos(d
+theta_p) over the rotary pairs slower than THETA_MIN (down to WINDOW_THETA) falls like a power of
+the distance, then flat at e^-WINDOW_KERNEL, so it averages about 25 tokens whatever the context
+length (a stationary state: a flatter kernel would average ever more tokens of a long prompt).
+`gain` is fitted (share 0) so that top-k of the target's k reproduces the LRU curve and the
+overlap in 128-token windows of the calibration text, each window a cold cache, as the trace
+(the overlap alone at another expert count: routing_reuse.ReuseTarget).
+
 Every MoE layer reads z through its own loadings A [E, D] and a per-expert bias b (heat):
 logit_e = b_e + A_e . z. A = S Q + lam N: S from the profile's pairs (the top RANK eigenvectors
 of the log-lift matrix, so experts of a strong pair respond to the same directions), Q a random
@@ -30,11 +44,13 @@ pairs in the profile's cut matches the profile's (a lower rank where even lam ->
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from mbolt.core.routing_stats import cut_lifts, cut_summary, set_counts
+from mbolt.gguf.routing_reuse import (ReuseTarget, consecutive_overlap, mean_reuse, reuse_error, reuse_stats,
+                                      window_starts)
 
 CALIB_PROMPTS = 100  # the first lines of mbolt/data/prompts.jsonl calibrate; the rest stay unseen
 MAX_LAGS = 4  # heads of layer 0 that carry context (lags 1..4)
@@ -46,6 +62,10 @@ LAM0, LAM_RANGE = 0.3, (0.03, 8.0)  # random loadings; 0 would leave experts wit
 RANK = 32  # directions of the pair structure: enough for the profiles' pairs (more reproduced no more of them)
 LIFT_TOL = 0.04  # |log(median lift / target)| the lam search stops at
 SHARE_MAX = 3.0
+WINDOW_KERNEL = 12.0  # the window head's score at distance 0 (see module doc; 8 grows with context, 16 is shorter)
+WINDOW_THETA = 1e-4  # the slowest rotary pair of the window kernel
+GAIN0, GAIN_RANGE = 16.0, (0.5, 200.0)  # the window gain's first guess (Qwen3's trace at k=6: ~18) and bounds
+MIN_WINDOW_PAIRS = 4
 BYTE_MERGES = [(32, ord("t")), (ord("h"), ord("e")), (ord("i"), ord("n")), (32, ord("a"))]  # vocabulary.py's
 
 
@@ -84,29 +104,52 @@ class Heads:
     rot: np.ndarray  # [n, D, carried] orthonormal columns
     theta: np.ndarray  # [n_rot / 2] rotary frequencies
     pairs: np.ndarray  # indices of the rotary pairs the kernel uses
+    # the window head's rotary pairs (empty: no window head); it is head len(lags)
+    window_pairs: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     @property
     def carried(self) -> int:
         return self.rot.shape[2]
 
-    def mix(self, share: float) -> np.ndarray:
-        """[n, D, carried] M_h: what each head writes per unit of the code it reads."""
+    @property
+    def window(self) -> bool:
+        return len(self.window_pairs) > 0
+
+    def mix(self, share: float, gain: float = 0.0) -> np.ndarray:
+        """[heads, D, carried] M_h: what each head writes per unit of the code it reads (the
+        window head, last: `gain` times the code as is)."""
         m = LAG_WEIGHT * self.rot.copy()
-        m[0] += share * np.eye(*m.shape[1:])
-        return m
+        eye = np.eye(*m.shape[1:])
+        m[0] += share * eye
+        return np.concatenate([m, gain * eye[None]]) if self.window else m
 
     def scores(self, n: int) -> np.ndarray:
-        """[heads, n] attention score at distance 0..n-1: KERNEL * mean cos((d - lag) theta_p)."""
+        """[heads, n] attention score at distance 0..n-1: KERNEL * mean cos((d - lag) theta_p) over
+        the fast pairs; the window head's WINDOW_KERNEL * mean cos(d theta_p) over its own."""
         d = np.arange(n)[None, :, None] - self.lags[:, None, None]
-        return KERNEL * np.cos(d * self.theta[self.pairs][None, None, :]).mean(axis=2)
+        lag = KERNEL * np.cos(d * self.theta[self.pairs][None, None, :]).mean(axis=2)
+        if not self.window:
+            return lag
+        win = WINDOW_KERNEL * np.cos(np.arange(n)[:, None] * self.theta[self.window_pairs][None, :]).mean(axis=1)
+        return np.concatenate([lag, win[None]])
 
 
-def make_heads(n_heads: int, n_rot: int, rope_base: float, D: int, carried: int, rng) -> Heads:
+def window_pairs(theta: np.ndarray) -> np.ndarray:
+    """The window kernel's rotary pairs: slower than THETA_MIN, down to WINDOW_THETA, leaving the
+    slowest pair out (the window head's query puts its surplus there: no key reads it)."""
+    wp = np.flatnonzero((theta < THETA_MIN) & (theta >= WINDOW_THETA))
+    return wp[wp != len(theta) - 1]
+
+
+def make_heads(n_heads: int, n_rot: int, rope_base: float, D: int, carried: int, rng, window: bool = False) -> Heads:
+    """Lag heads 1..n (n = MAX_LAGS at most), then the window head when `window` (one head fewer
+    for the lags)."""
     theta = rope_base ** (-2.0 * np.arange(n_rot // 2) / n_rot)
     pairs = np.flatnonzero(theta >= THETA_MIN)
-    n = min(MAX_LAGS, n_heads)
+    n = min(MAX_LAGS, n_heads - window)
     rot = np.stack([np.linalg.qr(rng.standard_normal((D, D)))[0][:, :carried] for _ in range(n)])
-    return Heads(np.arange(1, n + 1), rot, theta, pairs)
+    wp = window_pairs(theta) if window else np.zeros(0, np.int64)
+    return Heads(np.arange(1, n + 1), rot, theta, pairs, wp)
 
 
 def head_context(tokens: list[np.ndarray], codes: np.ndarray, heads: Heads) -> np.ndarray:
@@ -117,15 +160,16 @@ def head_context(tokens: list[np.ndarray], codes: np.ndarray, heads: Heads) -> n
     from scipy.signal import fftconvolve
 
     n_max = max(len(t) for t in tokens)
-    w = np.exp(heads.scores(n_max) - KERNEL)  # [heads, n]; the peak is KERNEL
+    scores = heads.scores(n_max)
+    w = np.exp(scores - scores.max(axis=1, keepdims=True))  # [heads, n]
     den = np.cumsum(w, axis=1)
     c = heads.carried
-    out = np.empty((len(heads.lags), sum(len(t) for t in tokens), c))
+    out = np.empty((len(w), sum(len(t) for t in tokens), c))
     at = 0
     for t in tokens:
         n = len(t)
         x = codes[t, :c]
-        for h in range(len(heads.lags)):
+        for h in range(len(w)):
             out[h, at:at + n] = fftconvolve(w[h, :n, None], x, axes=0)[:n] / den[h, :n, None]
         at += n
     return out
@@ -212,10 +256,7 @@ def layer_stats(sel: np.ndarray, seq: np.ndarray, E: int, k: int) -> dict:
     heat, counts = set_counts(sel, E)
     n = len(sel)
     st = cut_summary(heat, cut_lifts(counts, heat, n), n, k)
-    x = np.zeros((n, E), bool)
-    x[np.arange(n)[:, None], sel] = True
-    same = seq[1:] == seq[:-1]
-    ov = float((x[1:] & x[:-1]).sum(axis=1)[same].mean() / k) if same.any() else None
+    ov = consecutive_overlap(sel, seq, E)
     st["overlap"] = ov
     st["overlap_vs_heat"] = ov / st["heat_overlap"] if ov is not None and st["heat_overlap"] else None
     return st
@@ -266,6 +307,14 @@ def fit_layer(z: np.ndarray, seq: np.ndarray, load: Loadings, rate: np.ndarray, 
         rank, lam = rank // 2, LAM0
 
 
+def probe_fits(z: np.ndarray, probes: list[tuple], seq: np.ndarray, k: int, bs: list) -> list[LayerFit]:
+    """The probe layers (loadings, rate) fitted at lam = LAM0, each from its last biases `bs`
+    (updated: the next knob's fit starts from them)."""
+    fits = [fit_layer(z, seq, load, rate, k, None, b=b) for (load, rate), b in zip(probes, bs)]
+    bs[:] = [f.b for f in fits]
+    return fits
+
+
 def fit_share(z_of, probes: list[tuple], seq: np.ndarray, k: int, target: float) -> tuple[float, float, float]:
     """(share, overlap / heat overlap reached, its slope in the share): secant steps on the mean
     over the probe layers (loadings, rate) at lam = LAM0; the overlap grows with the share of the
@@ -273,13 +322,7 @@ def fit_share(z_of, probes: list[tuple], seq: np.ndarray, k: int, target: float)
     bs: list = [None] * len(probes)
 
     def measure(share):
-        z = z_of(share)
-        vals = []
-        for i, (load, rate) in enumerate(probes):
-            f = fit_layer(z, seq, load, rate, k, None, b=bs[i])
-            bs[i] = f.b
-            vals.append(f.stats["overlap_vs_heat"] or 1.0)
-        return float(np.mean(vals))
+        return float(np.mean([f.stats["overlap_vs_heat"] or 1.0 for f in probe_fits(z_of(share), probes, seq, k, bs)]))
 
     pts = [(0.0, measure(0.0))]
     if pts[0][1] >= target:
@@ -295,16 +338,48 @@ def fit_share(z_of, probes: list[tuple], seq: np.ndarray, k: int, target: float)
     return min(pts, key=lambda p: abs(p[1] / target - 1)) + (slope,)
 
 
+def fit_gain(z_of, probes: list[tuple], seq: np.ndarray, k: int, target: ReuseTarget,
+             starts: np.ndarray) -> tuple[float, float, float]:
+    """(gain, reuse_error reached, its slope in log gain): secant steps on the mean over the probe
+    layers (loadings, rate; biases for the model's k, reuse at the target's k) at lam = LAM0;
+    reuse grows with the gain of the window head."""
+    bs: list = [None] * len(probes)
+
+    def measure(gain):
+        z = z_of(gain)
+        stats = [reuse_stats(topk(z @ f.A.T + f.b, target.k), seq, len(f.b), target, starts)
+                 for f in probe_fits(z, probes, seq, k, bs)]
+        return reuse_error(mean_reuse(stats), target, len(probes[0][1]))
+
+    pts: list[tuple[float, float]] = []
+    gain, slope = GAIN0, 0.0
+    for _ in range(6):
+        pts.append((gain, measure(gain)))
+        if abs(pts[-1][1]) < 0.01:
+            break
+        if len(pts) >= 2 and pts[-1][0] != pts[-2][0]:
+            (g0, e0), (g1, e1) = pts[-2], pts[-1]
+            slope = (e1 - e0) / (math.log(g1) - math.log(g0))
+        step = -pts[-1][1] / slope if slope > 0 else (0.4 if pts[-1][1] < 0 else -0.4)
+        gain = float(np.clip(pts[-1][0] * math.exp(np.clip(step, -1.5, 1.5)), *GAIN_RANGE))
+    return min(pts, key=lambda p: abs(p[1])) + (slope,)
+
+
 @dataclass
 class ModelFit:
     share: float
     overlap_vs_heat: float  # at the fitted share, mean over the layers (calibration)
     layers: list[LayerFit]  # one per target, in order
+    gain: float = 0.0  # the window head's (0: no reuse target)
+    reuse: dict | None = None  # reuse_stats, mean over the layers (calibration)
 
 
 def fit_model(targets: list[tuple[np.ndarray, np.ndarray]], k: int, codes: np.ndarray, heads: Heads,
-              rng: np.random.Generator, overlap_target: float, progress=None) -> ModelFit:
-    """targets: per synthetic MoE layer, (heat [E] of its profile layer, its pairs [P, 4])."""
+              rng: np.random.Generator, overlap_target: float | None, progress=None,
+              reuse: ReuseTarget | None = None) -> ModelFit:
+    """targets: per synthetic MoE layer, (heat [E] of its profile layer, its pairs [P, 4]). With
+    `reuse` (heads with a window head) the window gain is fitted to it and share is 0; else share
+    is fitted to `overlap_target` (consecutive overlap / heat overlap)."""
     tokens = calibration_tokens()
     flat = np.concatenate(tokens)
     seq = np.repeat(np.arange(len(tokens)), [len(t) for t in tokens])
@@ -313,21 +388,42 @@ def fit_model(targets: list[tuple[np.ndarray, np.ndarray]], k: int, codes: np.nd
     loads = [(make_loadings(pairs, E, D, rng), heat / heat.sum() * k,
               float(np.median(pairs[:, 3])) if len(pairs) else None) for heat, pairs in targets]
     probes = [loads[i][:2] for i in sorted({0, len(loads) // 2})]
-    share, _, slope = fit_share(lambda s: latent(flat, codes, ctx, heads.mix(s)), probes, seq, k, overlap_target)
-    z = latent(flat, codes, ctx, heads.mix(share))
+    if reuse is not None:
+        starts = window_starts(seq, reuse.window)
+        z_of = lambda g: latent(flat, codes, ctx, heads.mix(0.0, g))  # noqa: E731
+        knob, _, slope = fit_gain(z_of, probes, seq, k, reuse, starts)
+
+        def reached(z, layers):
+            for f in layers:
+                f.stats["reuse"] = reuse_stats(topk(z @ f.A.T + f.b, reuse.k), seq, E, reuse, starts)
+            return reuse_error(mean_reuse([f.stats["reuse"] for f in layers]), reuse, E)
+        step = lambda x, err: float(np.clip(x * math.exp(-err / slope), *GAIN_RANGE))  # noqa: E731
+    else:
+        z_of = lambda s: latent(flat, codes, ctx, heads.mix(s))  # noqa: E731
+        knob, _, slope = fit_share(z_of, probes, seq, k, overlap_target)
+
+        def reached(z, layers):
+            return float(np.mean([f.stats["overlap_vs_heat"] or 1.0 for f in layers])) / overlap_target - 1
+        step = lambda x, err: float(np.clip(x - err * overlap_target / slope, 0.0, SHARE_MAX))  # noqa: E731
+    z = z_of(knob)
     layers = []
     for i, (load, rate, med) in enumerate(loads):
         layers.append(fit_layer(z, seq, load, rate, k, med))
         if progress:
             progress(i + 1, len(loads))
-    reached = float(np.mean([f.stats["overlap_vs_heat"] or 1.0 for f in layers]))
-    if slope > 0 and abs(reached / overlap_target - 1) > 0.03:
+    err = reached(z, layers)
+    if slope > 0 and abs(err) > 0.03:
         # the probes are two layers: one step on the mean over all of them (biases refitted)
-        s2 = float(np.clip(share + (overlap_target - reached) / slope, 0.0, SHARE_MAX))
-        z = latent(flat, codes, ctx, heads.mix(s2))
-        again = [fit_layer(z, seq, load, rate, k, None, lam=f.lam, b=f.b, rank=f.rank)
+        k2 = step(knob, err)
+        z2 = z_of(k2)
+        again = [fit_layer(z2, seq, load, rate, k, None, lam=f.lam, b=f.b, rank=f.rank)
                  for (load, rate, _), f in zip(loads, layers)]
-        r2 = float(np.mean([f.stats["overlap_vs_heat"] or 1.0 for f in again]))
-        if abs(r2 / overlap_target - 1) < abs(reached / overlap_target - 1):
-            share, layers, reached = s2, again, r2
-    return ModelFit(share, reached, layers)
+        err2 = reached(z2, again)
+        if abs(err2) < abs(err):
+            knob, layers, err = k2, again, err2
+        elif reuse is not None:
+            reached(z, layers)  # the kept layers' own reuse statistics
+    ratio = float(np.mean([f.stats["overlap_vs_heat"] or 1.0 for f in layers]))
+    if reuse is None:
+        return ModelFit(knob, ratio, layers)
+    return ModelFit(0.0, ratio, layers, knob, mean_reuse([f.stats["reuse"] for f in layers]))

@@ -11,9 +11,14 @@ co-activation JSON, or measured from a trace by layout/stats.py) is planted inst
   log lifts, diluted by random loadings until the median lift of the pairs in the profile's cut
   is the profile's (per layer);
 * neighbouring tokens: layer 0's attention adds the codes of the previous MAX_LAGS tokens (one
-  head per lag, each with its own rotation), and part of the previous token's code as is
-  (`share`, fitted so that consecutive overlap / heat overlap reaches `overlap_vs_heat`: 1.22 by
-  default, granite's measured ratio, or the trace's own when the profile is a trace).
+  head per lag, each with its own rotation);
+* reuse from token to token: with a `reuse` target (a real trace's LRU hit rates and consecutive
+  overlap, gguf/routing_reuse.py; a profile has no token order, so BigMoeOnEdge's Qwen3-30B-A3B
+  figures by default) a window head adds `gain` times the mean code of the last ~25 tokens, the
+  gain fitted so that top-k at the trace's k reproduces them (routing_fit.py's module doc says
+  why a window and not lags). A trace given as the profile keeps the older knob: part of the
+  previous token's code as is (`share`, fitted so that consecutive overlap / heat overlap reaches
+  the trace's own ratio, `overlap_vs_heat`).
 
 gguf/routing_fit.py holds the model and the fit: everything is simulated on calibration text
 (mbolt/data/prompts.jsonl lines 0-99) as llama.cpp computes it, so lines 100+ are unseen text.
@@ -23,7 +28,7 @@ router row's m part is a per-expert bias) and a D-dim latent space L, D = min(LA
 (hidden - 1) / 2). A token's embedding is sqrt(H) (TOKEN_B m + TOKEN_L zeta_t + rest), zeta_t its
 unit code in L. Layer 0's heads: q = k = constant vectors read off m (with q/k RMSNorm the score
 is then exact), built on the rotary pairs faster than THETA_MIN so that head h's score peaks at
-distance lag_h (q is k turned by lag_h x theta_p per pair); v reads the first min(D, head_dim)
+distance lag_h (q is k turned by lag_h x theta_p per pair; the window head: `_units`); v reads the first min(D, head_dim)
 code coordinates; o writes them back into L through the head's mix (routing_fit.Heads). The
 attention of every other layer is zero, so every router reads the same latent state.
 Router row e of a layer: (b_e / TOKEN_B m + A_e / TOKEN_L in L) / sqrt(H): logit = (b_e + A_e . z)
@@ -45,7 +50,9 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.gguf.routing import PROBS_BIAS_STD, rng_for
-from mbolt.gguf.routing_fit import KERNEL, THETA_MIN, ModelFit, fit_model, make_heads
+from mbolt.gguf.routing_fit import (KERNEL, MIN_WINDOW_PAIRS, THETA_MIN, WINDOW_KERNEL, ModelFit, fit_model,
+                                    make_heads, window_pairs)
+from mbolt.gguf.routing_reuse import ReuseTarget, load_reuse
 
 TOKEN_B, TOKEN_L = 0.3, 0.8  # shares of a token embedding along m and in the latent space
 LATENT_MAX = 512
@@ -59,7 +66,8 @@ MIN_PAIRS = 4  # rotary pairs the heads' kernel needs to peak at one distance (h
 @dataclass
 class RoutingTarget:
     """What a profile says, in its own layers: heat [L, E] counts over n_tokens, pairs per layer
-    [P, 4] (i, j, count, lift) in the profile's cut, and the overlap ratio to reach."""
+    [P, 4] (i, j, count, lift) in the profile's cut, and the reuse to reach: a trace's own overlap
+    ratio (`overlap_vs_heat`), else a `reuse` target (BigMoeOnEdge's Qwen3-30B-A3B unless given)."""
 
     source: str
     n_experts: int
@@ -67,8 +75,15 @@ class RoutingTarget:
     n_tokens: int
     heat: np.ndarray
     pairs: list[np.ndarray]
-    overlap_vs_heat: float = OVERLAP_VS_HEAT
+    overlap_vs_heat: float | None = None
+    reuse: ReuseTarget | None = None
     fits: dict = field(default_factory=dict, repr=False, compare=False)  # cached fits per geometry
+
+    def __post_init__(self):
+        if self.overlap_vs_heat is None and self.reuse is None:
+            from mbolt.data import QWEN3_30B_REUSE, path
+
+            self.reuse = load_reuse(path(QWEN3_30B_REUSE))  # a profile has no token order of its own
 
     def layers(self) -> np.ndarray:
         return np.flatnonzero(self.heat.sum(axis=1) > 0)
@@ -108,6 +123,16 @@ def check(cfg) -> None:
                          f"use head_dim 64 or more")
     if not len(t.layers()):
         raise MboltError(f"{where}: the profile records no routing")
+    if t.reuse is not None:
+        if cfg.n_heads < 2:
+            raise MboltError(f"{where}: the reuse needs 2 attention heads or more (a lag head and a window head)")
+        theta = cfg.rope_base ** (-2.0 * np.arange(cfg.n_rot // 2) / cfg.n_rot)
+        if len(window_pairs(theta)) < MIN_WINDOW_PAIRS:
+            raise MboltError(f"{where}: the window head needs {MIN_WINDOW_PAIRS} rotary pairs slower than {THETA_MIN} "
+                             f"rad/token, rope dims {cfg.n_rot} at base {cfg.rope_base:g} have "
+                             f"{len(window_pairs(theta))}: use head_dim 64 or more")
+        if t.reuse.k > cfg.n_experts:
+            raise MboltError(f"{where}: the reuse target's top-{t.reuse.k} is more than the model's {cfg.n_experts} experts")
 
 
 class RoutingLike:
@@ -138,13 +163,15 @@ class RoutingLike:
         rest *= math.sqrt(1 - TOKEN_B**2 - TOKEN_L**2)
         emb = TOKEN_B * self.common + TOKEN_L * self.codes @ self.latent.T + rest
         self.embeddings = (emb * math.sqrt(H)).astype(np.float32)
-        self.heads = make_heads(cfg.n_heads, cfg.n_rot, cfg.rope_base, D, min(D, cfg.head_dim), rng)
+        self.heads = make_heads(cfg.n_heads, cfg.n_rot, cfg.rope_base, D, min(D, cfg.head_dim), rng,
+                                window=t.reuse is not None)
         moe = list(range(cfg.dense_layers, cfg.n_layers))
         self.profile_layer = dict(zip(moe, layer_map(len(moe), t.layers())))
         key = (cfg.seed, H, E, cfg.n_used, cfg.n_heads, cfg.head_dim, cfg.n_rot, cfg.rope_base, tuple(moe), vocab_size)
         if key not in t.fits:
             targets = [(t.heat[self.profile_layer[i]], t.pairs[self.profile_layer[i]]) for i in moe]
-            t.fits[key] = fit_model(targets, cfg.n_used, self.codes, self.heads, rng, t.overlap_vs_heat)
+            t.fits[key] = fit_model(targets, cfg.n_used, self.codes, self.heads, rng, t.overlap_vs_heat,
+                                    reuse=t.reuse)
         self.fit: ModelFit = t.fits[key]
         self.layer_fit = dict(zip(moe, self.fit.layers))
         self.groups = np.full((cfg.n_layers, E), -1, dtype=np.int32)  # no planted groups
@@ -159,11 +186,19 @@ class RoutingLike:
         return rng_for(self.cfg.seed, f"blk.{layer}.exp_probs_b").standard_normal(self.cfg.n_experts) * PROBS_BIAS_STD
 
     def _units(self) -> tuple[np.ndarray, np.ndarray]:
-        """Unit k vector and the q vector of every head (before scaling), over one head's dims."""
+        """Unit k vector and the unit q vector of every head (before scaling), over one head's dims.
+        With a window head k is half on the lag heads' pairs and half on the window's (so every
+        score carries 1/sqrt(2): `_kernel` makes up for it), and the window head's q reads its
+        pairs at WINDOW_KERNEL / KERNEL of its norm, the rest on the slowest pair, which no key
+        reads (its score is then WINDOW_KERNEL * mean cos: a lower peak than the lag heads')."""
         cfg, h = self.cfg, self.heads
         d, half = cfg.head_dim, cfg.n_rot // 2
+
+        def dims(p):  # the two dims of rotary pairs p
+            return (p, p + half) if cfg.arch in NEOX_ARCHS else (2 * p, 2 * p + 1)
+
         p = h.pairs
-        a, b = (p, p + half) if cfg.arch in NEOX_ARCHS else (2 * p, 2 * p + 1)  # the two dims of a rotary pair
+        a, b = dims(p)
         k = np.zeros(d)
         k[a] = 1 / math.sqrt(len(p))
         q = np.zeros((cfg.n_heads, d))
@@ -171,7 +206,19 @@ class RoutingLike:
             lag = h.lags[min(i, len(h.lags) - 1)]  # heads past the lags: lag-1 queries, no output
             q[i, a] = np.cos(lag * h.theta[p]) / math.sqrt(len(p))
             q[i, b] = -np.sin(lag * h.theta[p]) / math.sqrt(len(p))
+        if h.window:
+            w, _ = dims(h.window_pairs)
+            k[w] = 1 / math.sqrt(len(w))
+            k /= math.sqrt(2)
+            part = WINDOW_KERNEL / KERNEL
+            q[len(h.lags)] = 0
+            q[len(h.lags), w] = part / math.sqrt(len(w))
+            q[len(h.lags), dims(np.array([half - 1]))[0]] = math.sqrt(1 - part**2)
         return k, q
+
+    def _kernel(self) -> float:
+        """The score scale that gives the lag heads KERNEL at their lag (see _units)."""
+        return KERNEL * (math.sqrt(2) if self.heads.window else 1.0)
 
     def attention(self, layer: int):
         """(q [n_heads d, H], k [n_kv d, H], v [n_kv d, H], o [H, n_heads d]) of a layer: the
@@ -184,33 +231,36 @@ class RoutingLike:
         # with q/k RMSNorm the scale is the norm weight's (context_norm); without, q.k = KERNEL sqrt(d)
         # exactly as <m, x> = TOKEN_B sqrt(H) at layer 0 (x = the token's embedding)
         norm = cfg.arch in ("qwen3moe", "olmoe")
-        scale = 1 / TOKEN_B if norm else math.sqrt(KERNEL * math.sqrt(d)) / (TOKEN_B * math.sqrt(H))
+        scale = 1 / TOKEN_B if norm else math.sqrt(self._kernel() * math.sqrt(d)) / (TOKEN_B * math.sqrt(H))
         q = np.concatenate([np.outer(u, self.common) for u in q_units]) * scale
         k = np.tile(np.outer(k_unit, self.common), (cfg.n_kv_heads, 1)) * scale
         c = self.heads.carried
         v1 = np.zeros((d, H))
         v1[:c] = self.latent[:, :c].T / (math.sqrt(H) * TOKEN_L)  # reads the first c code coordinates
         o = np.zeros((H, q_w))
-        for i, m in enumerate(self.heads.mix(self.fit.share)):
+        for i, m in enumerate(self.heads.mix(self.fit.share, self.fit.gain)):
             o[:, i * d:i * d + c] = math.sqrt(H) * TOKEN_L * self.latent @ m
         return q, k, np.tile(v1, (cfg.n_kv_heads, 1)), o
 
     def context_norm(self) -> float:
         """q/k norm weight: the score at a head's lag is KERNEL after the norm (d/|pairs| per pair)."""
-        return math.sqrt(KERNEL / math.sqrt(self.cfg.head_dim)) if self.cfg.arch in ("qwen3moe", "olmoe") else 1.0
+        return math.sqrt(self._kernel() / math.sqrt(self.cfg.head_dim)) if self.cfg.arch in ("qwen3moe", "olmoe") else 1.0
 
     def summary(self) -> dict:
-        """The fit: profile layers used, share, and the calibration statistics (means over layers)."""
+        """The fit: profile layers used, share, window gain, and the calibration statistics (means
+        over layers; `reuse`: at the reuse target's k, beside the target)."""
         st = [f.stats for f in self.fit.layers]
 
         def mean(key):
             vals = [s[key] for s in st if s[key] is not None]
             return float(np.mean(vals)) if vals else None
 
-        return {"source": self.cfg.routing_like.source, "profile_layers": list(self.profile_layer.values()),
-                "share": self.fit.share, "lam": [f.lam for f in self.fit.layers],
+        t = self.cfg.routing_like
+        reuse = None if t.reuse is None else {"target": dict(vars(t.reuse)), "calibration": self.fit.reuse}
+        return {"source": t.source, "profile_layers": list(self.profile_layer.values()),
+                "share": self.fit.share, "gain": self.fit.gain, "lam": [f.lam for f in self.fit.layers],
                 "calibration": {key: mean(key) for key in ("entropy_norm", "top10_share", "cut_lift_p50",
-                                                           "overlap", "overlap_vs_heat")}}
+                                                           "overlap", "overlap_vs_heat")}, "reuse": reuse}
 
     def kv(self) -> list[bytes]:
         from gguf import GGUFValueType
@@ -220,5 +270,6 @@ class RoutingLike:
         s = self.summary()
         return [encode_kv("mbolt.synth.routing_like", GGUFValueType.STRING, s["source"]),
                 encode_kv("mbolt.synth.routing_like.share", GGUFValueType.FLOAT32, s["share"]),
+                encode_kv("mbolt.synth.routing_like.gain", GGUFValueType.FLOAT32, s["gain"]),
                 encode_kv("mbolt.synth.routing_like.layers", GGUFValueType.ARRAY,
                           [int(x) for x in s["profile_layers"]], GGUFValueType.INT32)]

@@ -158,6 +158,7 @@ class StreamRuntime:
         self.step_routing: dict[int, np.ndarray] = {}  # layer -> positions of the last row (record)
         self.reclaimed = 0  # cached experts found reclaimed by the kernel (read again)
         self.after_step_s = 0.0  # dropping a decode step's leftovers after it (not the step's time)
+        self.fast_layers = 0  # decode layers the C filter answered (every expert cached)
         self.store = self.reader = self.filter = None
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
         self._computed = False  # no graph ran yet (the compute buffer's pages are not resident)
@@ -253,6 +254,7 @@ class StreamRuntime:
         if self.filter is not None:
             seen, layers, experts = self.filter.take_counts()
             self.store.count_cached(layers, experts)
+            self.fast_layers += layers
         if self.phase is Phase.DECODE:
             missing = self.moe_layers - seen
             if missing:
