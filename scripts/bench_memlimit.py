@@ -75,7 +75,9 @@ from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.predict import law_holds, law_predicts_no_change, layout_read_ratios, throttled_layout_law  # noqa: E402
 from mbolt.bench.prereg import BenchPrereg, check_rerun, finish_record, keep_earlier, load_bench_prereg  # noqa: E402
 from mbolt.bench.prereg import open_bench_prereg, run_record  # noqa: E402
-from mbolt.bench.stats import aa_row, ci_note, median_ci  # noqa: E402
+from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical, ttft_of  # noqa: E402
+from mbolt.bench.probe import sequential_read  # noqa: E402
+from mbolt.bench.stats import aa_row  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402
@@ -178,43 +180,6 @@ def prepare(name: str) -> None:
     log(name, "ready:", p["stock"].stat().st_size, "bytes")
 
 
-# ---- the drive, measured in the same run ----
-
-
-def sequential_read(path: Path, nbytes: int = 1 << 30) -> dict:
-    """The drive's sequential read bandwidth on the model file's first `nbytes`, cold: (a) as the
-    runtime's reader reads (posix_fadvise WILLNEED in the pieces the kernel takes whole, then each
-    piece's last byte awaited), (b) one thread of 4 MiB preadv (what dd does). Bytes per second of
-    each, and the better of the two."""
-    from mbolt.core.pagecache import evict, willneed_bytes
-
-    size = path.stat().st_size
-    n = min(nbytes, size)
-    out = {"bytes": n}
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-        evict(path)
-        step = willneed_bytes(path)
-        t = time.perf_counter()
-        for off in range(0, n, step):
-            os.posix_fadvise(fd, off, min(step, n - off), os.POSIX_FADV_WILLNEED)
-        for off in range(0, n, step):
-            os.pread(fd, 1, min(off + step, n) - 1)
-        out["willneed_bytes_per_s"] = n / (time.perf_counter() - t)
-        evict(path)
-        buf = bytearray(4 << 20)
-        t = time.perf_counter()
-        for off in range(0, n, len(buf)):
-            os.preadv(fd, [memoryview(buf)[:min(len(buf), n - off)]], off)
-        out["pread_4m_bytes_per_s"] = n / (time.perf_counter() - t)
-    finally:
-        os.close(fd)
-        evict(path)
-    out["bytes_per_s"] = max(out["willneed_bytes_per_s"], out["pread_4m_bytes_per_s"])
-    return out
-
-
 # ---- one configuration ----
 
 
@@ -252,40 +217,6 @@ def run_ab_config(name: str, arms: list[Arm], w: Workload, rounds: int, ram: int
     return _compact(res.to_dict())
 
 
-def row(d: dict, arm: str) -> dict:
-    return next(r for r in d["summary"] if r["arm"] == arm)
-
-
-def decode_rate(r: dict) -> float:
-    return r["tokens"] / r["wall_s"]
-
-
-def same_round_ratios(d: dict, a: str, b: str, key=decode_rate) -> list[float]:
-    """Per round: key(a) / key(b) of the same round (valid rounds of both)."""
-    by = {(r["arm"], r["round"]): r for r in d["rounds"] if not r["rejected"] and r["tokens"]}
-    return [key(x) / key(by[(b, k)]) for (arm, k), x in sorted(by.items(), key=lambda kv: kv[0][1])
-            if arm == a and (b, k) in by and key(by[(b, k)])]
-
-
-def pair_ratio(d: dict, a: str, b: str, key=decode_rate) -> float | None:
-    """Median over rounds of key(a) / key(b) in the same round."""
-    xs = same_round_ratios(d, a, b, key)
-    return float(np.median(xs)) if xs else None
-
-
-def pair_stats(d: dict, a: str, b: str, key=decode_rate) -> dict:
-    """The paired same-round ratio as the pre-registrations define it: per round a / b, their
-    median, and the exact interval of that median (stats.median_ci; none below its round count,
-    said in `ci_note`)."""
-    xs = same_round_ratios(d, a, b, key)
-    return {"arm": a, "over": b, "median": float(np.median(xs)) if xs else None, "rounds": xs,
-            "ci95": median_ci(xs) if xs else None, "ci_note": ci_note(len(xs))}
-
-
-def ttft_of(r: dict) -> float:
-    return r["ttft_s"]
-
-
 def sweep_plain(name: str, arms: list[Arm], w: Workload, ram: int, seed: int, drive: str = "") -> dict:
     """plain llama.cpp's readahead swept (READAHEADS; a short run per window, plain arms only: it
     only picks the window that suits plain best). {window KiB: {"arms": {arm: decode tok/s, ttft},
@@ -300,20 +231,9 @@ def sweep_plain(name: str, arms: list[Arm], w: Workload, ram: int, seed: int, dr
     return out
 
 
-def best_window(swept: dict, metric: str = "decode_tokens_per_s") -> int:
-    """The readahead at which plain's best arm did best (highest tok/s, lowest TTFT)."""
-    sign = -1.0 if metric == "ttft_s" else 1.0
-    return max(swept, key=lambda ra: max(sign * v[metric] for v in swept[ra]["arms"].values()))
-
-
 def sweep_summary(swept: dict) -> dict:
     return {"windows_kb": list(swept), "tokens": SWEEP_TOKENS, "rounds": SWEEP_ROUNDS,
             "plain": {str(ra): v["arms"] for ra, v in swept.items()}}
-
-
-def tokens_identical(*ds: dict) -> bool:
-    hashes = {r["tokens_sha256"] for d in ds for r in d["rounds"] if not r["rejected"]}
-    return len(hashes) == 1
 
 
 def session(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: int = 0) -> dict:

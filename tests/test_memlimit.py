@@ -196,16 +196,17 @@ def test_session_ratio_is_the_median_of_same_round_ratios():
     10, 4, 9 tok/s and plain at 5, 1, 6 -> ratios 2.0, 4.0, 1.5, median 2.0. The ratio of the
     medians would be 9 / 5 = 1.8: not what the pre-registration defines. A rejected round pairs
     with nothing. TTFT pairs the same way: 3/6, 2/2, 4/2 -> median 1.0."""
-    bm = _bench_memlimit()
+    from mbolt.bench.paired import pair_stats, ttft_of
+
     d = {"rounds": [_round("mbolt", 0, 100, 10.0, 3.0), _round("plain-512", 0, 100, 20.0, 6.0),
                     _round("mbolt", 1, 100, 25.0, 2.0), _round("plain-512", 1, 100, 100.0, 2.0),
                     _round("mbolt", 2, 90, 10.0, 4.0), _round("plain-512", 2, 60, 10.0, 2.0),
                     _round("mbolt", 3, 100, 1.0), _round("plain-512", 3, 100, 1.0, rejected=True)]}
-    st = bm.pair_stats(d, "mbolt", "plain-512")
+    st = pair_stats(d, "mbolt", "plain-512")
     assert st["rounds"] == pytest.approx([2.0, 4.0, 1.5])
     assert st["median"] == pytest.approx(2.0)
     assert st["ci95"] is None and "3 rounds" in st["ci_note"]  # too few rounds for an interval
-    assert bm.pair_stats(d, "mbolt", "plain-512", key=bm.ttft_of)["median"] == pytest.approx(1.0)
+    assert pair_stats(d, "mbolt", "plain-512", key=ttft_of)["median"] == pytest.approx(1.0)
 
 
 def test_plain_sweep_brackets_8k_to_1m_and_picks_inside():
@@ -215,8 +216,10 @@ def test_plain_sweep_brackets_8k_to_1m_and_picks_inside():
                            "plain-2048": {"decode_tokens_per_s": 1.0, "ttft_s": 30.0}}} for ra in bm.READAHEADS}
     swept[32]["arms"]["plain-2048"]["decode_tokens_per_s"] = 1.6  # the best decode: 32 KiB, via the 2048 arm
     swept[256]["arms"]["plain-512"]["ttft_s"] = 21.0  # the best TTFT (lowest): 256 KiB
-    assert bm.best_window(swept) == 32
-    assert bm.best_window(swept, "ttft_s") == 256
+    from mbolt.bench.paired import best_window
+
+    assert best_window(swept) == 32
+    assert best_window(swept, "ttft_s") == 256
 
 
 def test_every_stage_reads_its_goals_from_the_prereg(tmp_path):

@@ -98,7 +98,11 @@ def test_ab_under_a_real_limit(model, tmp_path):
         assert x["peak_bytes"] is not None and 0 < x["peak_bytes"] <= LIMIT
         assert x["tokens"] == 2 * N_NEW and not x["rejected"]
     assert rounds["plain"]["major_faults"] > 0  # the limit is real: experts come back through faults
-    assert rounds["mbolt"]["major_faults"] == 0 and rounds["mbolt-reorder"]["major_faults"] == 0
+    # the runtime reads every selected expert before llama.cpp touches it: no expert faults. A
+    # group this tight can still reclaim a code page of the process's own libraries (2 faults
+    # were seen once, with the whole suite running beside it); plain faults in every expert it misses
+    for arm in ("mbolt", "mbolt-reorder"):
+        assert rounds[arm]["major_faults"] <= 4 < rounds["plain"]["major_faults"], (arm, rounds[arm]["major_faults"])
     assert rounds["mbolt"]["reads"] > 0 and rounds["plain"]["hits"] == 0
     assert all(row["decode_tokens_per_s"] > 0 for row in d["summary"])
     assert "expert slots/layer" in rounds["mbolt"]["note"]

@@ -20,6 +20,8 @@ Policies (budget = expert slots per layer; the OS policy pools the same total):
                      distinct experts, i.e. the initial fill is free, as it is for learned-pin's
                      pinned set: so it is an upper bound for every policy with `budget` slots per
                      layer, whatever their start state. `scope="global"` bounds the OS policy.
+- `LayerCachePolicy` per-layer caches of any class with SlotLru's interface (`mbolt.core.cache_policy`:
+                     crf = LRFU, lfu, lru-2, arc, 2q), each starting empty: `compare_policies`.
 - `OptPolicy`        Belady's MIN under the one cache rule: the fewest misses any per-layer cache
                      of `budget` slots can have when, like LRU, it starts empty and admits every
                      expert a token selects (evicting the cached expert used again farthest ahead,
@@ -45,10 +47,20 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core import cache_policy as cp
 from mbolt.core.lru import SlotLru
 from mbolt.core.trace import DECODE, Trace, select_phase, split_trace
 
 POLICIES = ("learned-pin", "lru", "os", "belady", "opt")
+# per-layer policies `compare_policies` replays beside the LRU and MIN (`mbolt cache --policies`)
+LAYER_POLICIES = {
+    "crf": lambda slots, E, lam: cp.CrfCache(slots, E, lam),
+    "lfu": lambda slots, E, lam: cp.CrfCache(slots, E, 0.0),
+    "lru-2": lambda slots, E, lam: cp.Lru2Cache(slots, E),
+    "arc": lambda slots, E, lam: cp.ArcCache(slots, E),
+    "2q": lambda slots, E, lam: cp.TwoQCache(slots, E),
+}
+COMPARED = ("lru", *LAYER_POLICIES, "opt")
 
 
 # ---- the access sequence ----
@@ -110,6 +122,17 @@ class LruPolicy(CachePolicy):
 
     def access(self, layer, expert):
         return self.layers[layer].touch(expert)
+
+
+class LayerCachePolicy(CachePolicy):
+    """One cache per layer, made by `make()` (any class with SlotLru's step)."""
+
+    def __init__(self, name: str, n_layers: int, make):
+        self.name = name
+        self.layers = [make() for _ in range(n_layers)]
+
+    def step(self, layer, experts):
+        return self.layers[layer].step(experts)[0]
 
 
 class LearnedPinPolicy(CachePolicy):
@@ -255,6 +278,11 @@ class OptPolicy(CachePolicy):
 class ReplayStats:
     accesses: int = 0
     hits: int = 0
+    layer_misses: np.ndarray | None = None  # int64 [n_layers] (token-by-token replay only)
+
+    def bytes_missed(self, expert_bytes: np.ndarray) -> int:
+        """The bytes read: each layer's misses times its expert's size."""
+        return int(np.dot(self.layer_misses, np.asarray(expert_bytes, np.int64)))
 
     @property
     def misses(self) -> int:
@@ -276,12 +304,15 @@ def replay(trace: Trace, policy: CachePolicy, per_access: bool = False) -> Repla
         for lay, e in zip(layers.tolist(), experts.tolist()):
             hits += acc(lay, e)
         return ReplayStats(len(layers), hits)
+    missed = np.zeros(trace.n_layers, np.int64)
     for row in np.asarray(trace.experts).tolist():
         for lay, ids in enumerate(row):
             ids = [e for e in ids if e >= 0]
             if ids:
-                hits += sum(policy.step(lay, ids))
-    return ReplayStats(len(layers), hits)
+                h = sum(policy.step(lay, ids))
+                hits += h
+                missed[lay] += len(ids) - h
+    return ReplayStats(len(layers), hits, missed)
 
 
 # ---- the sweep `mbolt cache` runs ----
@@ -342,6 +373,40 @@ def cache_sweep(trace: Trace, budgets=(4, 8, 16), *, in_sample: bool = False,
     return CacheSweep([int(b) for b in budgets], rows, "in-sample" if in_sample else "held-out",
                       train.n_tokens, test.n_tokens, pin_share, phase, list(trace.notes),
                       "per access (nuthatch)" if per_access else "per token (the one cache rule)")
+
+
+def compare_policies(trace: Trace, budgets, policies=COMPARED, *, lam: float = cp.DEFAULT_LAM,
+                     expert_bytes: np.ndarray | None = None) -> list[dict]:
+    """Per budget, every policy of `policies` (names of COMPARED) replayed from an empty cache
+    over `trace` (its tokens as given: select the phase first): hit rate, misses, bytes when
+    `expert_bytes` (per layer) is given, and misses / MIN's at that budget."""
+    unknown = [p for p in policies if p not in COMPARED]
+    if unknown:
+        raise MboltError(f"unknown cache policy {unknown[0]!r} (choose from {', '.join(COMPARED)})")
+    L, E = trace.n_layers, trace.n_experts
+    rows = []
+    for b in budgets:
+        b = int(b)
+        if b <= 0:
+            raise MboltError(f"budget must be positive, got {b}")
+        row = {"budget": b}
+        for name in dict.fromkeys((*policies, "opt")):
+            if name == "lru":
+                pol = LruPolicy(L, b)
+            elif name == "opt":
+                pol = OptPolicy(L, b)
+            else:
+                make = LAYER_POLICIES[name]
+                pol = LayerCachePolicy(name, L, lambda: make(b, E, lam))
+            st = replay(trace, pol)
+            row[name] = {"hit_rate": st.hit_rate, "misses": st.misses}
+            if expert_bytes is not None:
+                row[name]["bytes"] = st.bytes_missed(expert_bytes)
+            row["accesses"] = st.accesses
+        for name in policies:
+            row[name]["vs_min"] = row[name]["misses"] / max(row["opt"]["misses"], 1)
+        rows.append(row)
+    return rows
 
 
 def nuthatch_lines_trace(path: str | Path) -> Trace:

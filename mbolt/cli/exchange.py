@@ -115,10 +115,11 @@ def export_heat_cmd(
 @user_errors
 def import_trace_cmd(
     src: Path = typer.Argument(..., help="A routing trace: the original mbolt's MBOLT_TRACE, nuthatch text or NUTHTRC1, "
-                               "colibri ROUTE_TRACE, iliria FAROUTE1 or llama.cpp moe-trace CSV (auto-detected)."),
+                               "colibri ROUTE_TRACE, iliria FAROUTE1, llama.cpp moe-trace CSV or BigMoeOnEdge route_trace CSV "
+                               "(auto-detected)."),
     out: Path = typer.Option(..., "-o", "--out", help="Output .mbtrace path."),
     fmt: str = typer.Option("auto", "--format", help="auto, mbtrace, mbolt, nuthatch-text, nuthatch-bin, "
-                            "colibri-route, faroute or moe-csv."),
+                            "colibri-route, faroute, moe-csv or bigmoeonedge."),
     n_layers: int = typer.Option(None, "--layers", min=1, max=4096, help="Model layers (when the file implies fewer)."),
     n_experts: int = typer.Option(None, "--experts", min=1, max=32767, help="Experts per layer (when the file implies fewer)."),
     prefill_tokens: int = typer.Option(0, "--prefill-tokens", min=0, help="NUTHTRC1: leading positions that were the prompt."),

@@ -106,6 +106,11 @@ def cache_cmd(
                                         "expert cached as of the previous token, as plan and the store count)."),
     plot: Path = typer.Option(None, "--plot", help="Also draw the hit-rate curves into this PNG."),
     force: bool = typer.Option(False, "--force", help="Overwrite an earlier --plot PNG."),
+    policies: str = typer.Option("", "--policies", help="Instead of the sweep, compare per-layer policies from an "
+                                 "empty cache over the --phase tokens, comma separated: lru, crf (LRFU: recency "
+                                 "and frequency), lfu, lru-2, arc, 2q; or 'all'. Each is shown against MIN."),
+    lam: float = typer.Option(None, "--lam", min=0.0, help="crf's decay per token (default: mbolt's, chosen by "
+                              "replay on real traces); 0 is LFU."),
     as_json: bool = typer.Option(False, "--json", help="Print the sweep as JSON."),
 ):
     """Replay cache policies (learned-pin, per-layer LRU, OS global LRU, Belady, opt) over a trace.
@@ -126,6 +131,9 @@ def cache_cmd(
     if plot is not None:
         output(plot, "png", inputs=[trace], force=force, what="plot")
     t = nuthatch_lines_trace(trace) if nuthatch_lines else load_trace(trace)
+    if policies:
+        _compare_cmd(trace, t, bs, policies, lam, phase, as_json)
+        return
     sweep = cache_sweep(t, bs, in_sample=in_sample, pin_share=pin_share, train_share=train_share,
                         phase="all" if nuthatch_lines else phase, per_access=nuthatch_lines)
     if plot is not None:
@@ -133,3 +141,33 @@ def cache_cmd(
 
         plot_cache(sweep.to_dict(), plot, title=Path(trace).name)
     show(as_json, sweep.to_dict(), lambda: cache_table(sweep))
+
+
+def _compare_cmd(path: Path, trace, budgets, policies: str, lam, phase: str, as_json: bool) -> None:
+    """`mbolt cache --policies`: misses of each policy beside MIN's, per budget."""
+    from rich.table import Table
+
+    from mbolt.bench.replay import COMPARED, compare_policies
+    from mbolt.core.cache_policy import DEFAULT_LAM
+    from mbolt.core.trace import select_phase
+    from mbolt.trace.formats.bigmoeonedge import expert_bytes_of
+
+    names = [p for p in COMPARED if p != "opt"] if policies.strip() == "all" else \
+        [p.strip() for p in policies.split(",") if p.strip()]
+    lam = DEFAULT_LAM if lam is None else lam
+    tr = select_phase(trace, phase, str(path))
+    eb = expert_bytes_of(path)
+    rows = compare_policies(tr, budgets, names, lam=lam, expert_bytes=eb)
+    if as_json:
+        print_json({"trace": str(path), "phase": phase, "tokens": tr.n_tokens, "lam": lam, "rows": rows})
+        return
+    t = Table(title=f"{path.name}: {tr.n_tokens} {phase} tokens, per-layer caches from empty (crf lam {lam:g}); "
+                    "hit rate, misses, misses / MIN's", header_style="bold")
+    t.add_column("slots", justify="right")
+    for name in (*names, "opt"):
+        t.add_column("opt (MIN)" if name == "opt" else name, justify="right")
+    for r in rows:
+        cells = [f"{r[n]['hit_rate']:.3f} {r[n]['misses']:,}" + (f" {r[n]['vs_min']:.2f}x" if n != "opt" else "")
+                 for n in (*names, "opt")]
+        t.add_row(str(r["budget"]), *cells)
+    console.print(t)

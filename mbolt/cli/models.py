@@ -285,10 +285,13 @@ def trace_stats_cmd(
     phase: str = typer.Option("all", "--phase", help="The tokens counted: decode, prefill or all."),
     profile: Path = typer.Option(None, "--profile", help="A co-activation profile to put beside the trace, both "
                                  "in the profile's cut (pairs seen >= 5 times with lift >= 1.5, top 2000)."),
+    cache_slots: str = typer.Option("", "--cache-slots", help="Also replay a per-layer cache of these slot counts "
+                                    "(comma separated) over the --phase tokens: LRU's and MIN's hit rates."),
     as_json: bool = typer.Option(False, "--json", help="Print the statistics as JSON."),
 ):
-    """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap; the same
-    statistics in a co-activation profile's cut, beside a profile's own."""
+    """Tokens, sequences, per-layer heat entropy, pair lift percentiles and token-to-token overlap (and its ratio
+    to chance); the same statistics in a co-activation profile's cut, beside a profile's own; with
+    --cache-slots, LRU and MIN hit rates."""
     from mbolt.layout.stats import is_profile, profile_stats, trace_stats
     from mbolt.report.layout_tables import profile_stats_renderables, trace_stats_renderables
 
@@ -298,11 +301,40 @@ def trace_stats_cmd(
         s = profile_stats(trace)
         show(as_json, s, lambda: profile_stats_renderables(s))
         return
+    slots = _slot_list(cache_slots)
     s = trace_stats(trace, fmt, phase)
     if profile:
         s["compare"] = profile_stats(profile)
         s["compare"]["source"] = profile.name
-    show(as_json, s, lambda: trace_stats_renderables(s))
+    if slots:
+        s["cache"] = _cache_hits(trace, fmt, phase, slots)
+    show(as_json, s, lambda: trace_stats_renderables(s) + ([_cache_line(s["cache"])] if slots else []))
+
+
+def _slot_list(text: str) -> list[int]:
+    try:
+        slots = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise MboltError(f"--cache-slots: expected comma-separated integers, got {text!r}") from None
+    if any(b < 1 for b in slots):
+        raise MboltError(f"--cache-slots: expected integers >= 1, got {text!r}")
+    return slots
+
+
+def _cache_hits(path: Path, fmt: str, phase: str, slots: list[int]) -> list[dict]:
+    """Per slot count, the per-layer LRU's and MIN's hit rates from an empty cache."""
+    from mbolt.bench.replay import compare_policies
+    from mbolt.core.trace import select_phase
+    from mbolt.trace.formats import load_trace
+
+    tr = select_phase(load_trace(path, fmt), phase, str(path))
+    return [{"slots": r["budget"], "lru": r["lru"]["hit_rate"], "opt": r["opt"]["hit_rate"],
+             "lru_misses_vs_min": r["lru"]["vs_min"]} for r in compare_policies(tr, slots, ("lru",))]
+
+
+def _cache_line(rows: list[dict]) -> str:
+    return "per-layer cache from empty (hit rate LRU / MIN, LRU misses / MIN's): " + "; ".join(
+        f"{r['slots']} slots {r['lru']:.3f} / {r['opt']:.3f} ({r['lru_misses_vs_min']:.2f}x)" for r in rows)
 
 
 @user_errors

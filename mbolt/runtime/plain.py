@@ -17,10 +17,10 @@ import time
 import numpy as np
 
 from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.runtime.arm import PromptStats, check_llama_streamable
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
 from mbolt.runtime.pages import ExpertPages
 from mbolt.runtime.runner import Phase
-from mbolt.runtime.streamer import PromptStats, check_llama_streamable
 
 
 class PlainLlama:

@@ -47,7 +47,7 @@ class ReadCounters:
 
 
 class LayerReader:
-    """Reads experts of a layer (original ids) with long merged preadv; see the module docstring."""
+    """Reads experts of a layer (original ids) with long merged WILLNEED advice; see the module docstring."""
 
     def __init__(self, mm, fds: list[int], steps: list[int]):
         self.mm = mm
@@ -87,12 +87,6 @@ class LayerReader:
                     out.append((x, n))
                     x += n
         return out
-
-    def read(self, layer: int, experts) -> int:
-        """Read these experts now (returns when they are in the page cache), after whatever is
-        queued. Returns the bytes read."""
-        self.wait()
-        return self._read(layer, experts)
 
     def _read(self, layer: int, experts) -> int:
         jobs = self.jobs(layer, experts)

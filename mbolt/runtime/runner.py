@@ -1,4 +1,4 @@
-"""llama.cpp (through llama-cpp-python's low-level API) as a routing tracer and parity oracle.
+"""One llama.cpp model and context (through llama-cpp-python's low-level API), and the eval callback.
 
 Routing is read with the scheduler's eval callback (`cb_eval`): we answer ask=True only for
 tensors named `ffn_moe_topk-N`; when such a tensor is computed we read, for each token row j,

@@ -16,7 +16,8 @@ Reader options (an A/B "arm" is a file plus these):
   `resident_frac`  the same budget as a share of each layer's experts.
 - `asynchronous` for an engine that maps the file (llama.cpp): the merged reads are submitted
                  with posix_fadvise(WILLNEED) and not waited for; the engine's page faults wait
-                 for what is still in flight (io_time is then the submission time only).
+                 for what is still in flight (io_time is then the submission time only). The
+                 kernel queues them as deep as the device takes: `io_threads` does not apply.
 - `mode="os"`    map the file and let page faults read (layout-blind baseline); counters then
                  come from major faults and /proc/self/io.
 - `on_evict`     called with (layer, expert) when an expert leaves the slot cache (an engine that
@@ -78,7 +79,6 @@ class StoreCounters:
     bytes: int = 0
     useful_bytes: int = 0
     io_time: float = 0.0
-    compute_time: float = 0.0
     drop_time: float = 0.0  # time spent dropping read pages (posix_fadvise DONTNEED), outside io_time
     major_faults: int = 0
     device_bytes: int | None = None
@@ -128,6 +128,7 @@ class ExpertStore:
         self.lru_cached = np.zeros((n_rows, E), np.uint8)
         self.lru_stamp = np.zeros((n_rows, E), np.int64)
         self.lru_clock = np.zeros(1, np.int64)
+        self.read_mark = np.zeros((n_rows, E), np.uint8)  # read since `mark_reads` (what a server's page draws)
         self._lru: dict[int, ArrayLru] = {l: ArrayLru(0, self.lru_cached[l], self.lru_stamp[l], self.lru_clock)
                                           for l in self._ranges}
         self._kept: dict[int, dict] = {l: {} for l in self._ranges}
@@ -137,7 +138,8 @@ class ExpertStore:
         self.merge_gap = max(self.gap, self.pad_gap)
         self.counters = StoreCounters()
         self._arena: mmap.mmap | None = None
-        self._pool = ThreadPoolExecutor(self.io_threads) if self.io_threads > 1 else None
+        # asynchronous reads are advice the kernel queues itself: no threads of ours read them
+        self._pool = ThreadPoolExecutor(self.io_threads) if self.io_threads > 1 and not asynchronous else None
         self._dev0 = proc_read_bytes()
         flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
         # One descriptor per file: a split set's shards (ranges are virtual offsets, core.gguf_set).
@@ -197,6 +199,10 @@ class ExpertStore:
         self.cache_slots = slots
         for layer in self._lru:
             self._admit(layer, ())
+
+    def mark_reads(self) -> None:
+        """Start a new step's marks of what was read."""
+        self.read_mark[:] = 0
 
     def clear_cache(self) -> None:
         for layer in self._lru:
@@ -271,6 +277,8 @@ class ExpertStore:
             else:
                 missed.append(e)
         c.misses += len(missed)
+        if missed:
+            self.read_mark[layer, missed] = 1
         got = {}
         if missed:
             got = self._read_os(layer, missed, want) if self.mode == "os" else self._read(layer, missed, want)

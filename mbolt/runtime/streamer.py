@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import willneed_bytes
+from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
 from mbolt.runtime.budget import PREFETCH_SHARE, Budget, expert_bytes_all_layers
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
 from mbolt.runtime.pages import ExpertPages
@@ -52,43 +52,6 @@ from mbolt.runtime.store import ExpertStore
 
 PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinned, the rest LRU
 ENGINE_EXTRA = 16 << 20  # llama.cpp's own structures, threads and work buffers beyond the process before the load
-
-
-def check_llama_streamable(mm: MoeMap, path: str) -> None:
-    """llama.cpp loads stock and reorder files; a packed file is refused in one line."""
-    if mm.route_map.layout == "packed":
-        raise MboltError(f"{path}: packed layout: llama.cpp cannot load it (its experts are mbolt blobs); "
-                         "stream the reorder layout instead")
-    if not mm.moe_layers:
-        raise MboltError(f"{path}: no routed expert tensors: nothing to stream")
-
-
-def own_bytes() -> int:
-    """This process's own memory: anonymous (heap, KV cache, buffers, dense copies) and shared
-    anonymous resident pages, not the mapped file."""
-    n = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssShmem:")):
-                n += int(line.split()[1]) * 1024
-    return n
-
-
-@dataclass
-class PromptStats:
-    """What the prompt passes did (cumulative)."""
-
-    passes: int = 0
-    tokens: int = 0  # rows the first MoE layer routed in prompt passes
-    hits: int = 0
-    misses: int = 0
-    bytes: int = 0  # read by the pass reader (foreground and background)
-    reads: int = 0  # merged ranges
-    read_s: float = 0.0  # wall time with a read outstanding
-    prefetched_unused: int = 0  # experts read ahead for a layer that did not select them
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def _by_last_use(positions: np.ndarray) -> np.ndarray:
@@ -159,6 +122,7 @@ class StreamRuntime:
         self.reclaimed = 0  # cached experts found reclaimed by the kernel (read again)
         self.after_step_s = 0.0  # dropping a decode step's leftovers after it (not the step's time)
         self.fast_layers = 0  # decode layers the C filter answered (every expert cached)
+        self.step_clock = 0  # the LRU's clock when the last decode step began
         self.store = self.reader = self.filter = None
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
         self._computed = False  # no graph ran yet (the compute buffer's pages are not resident)
@@ -219,6 +183,8 @@ class StreamRuntime:
             if self.phase is Phase.PROMPT:
                 self.end_prompt()
             self.phase = phase
+            self.step_clock = int(self.store.lru_clock[0])  # experts stamped after it: used in this step
+            self.store.mark_reads()
             if self.budget and self.budget.keep():
                 self._resize_cache(self.budget.decode_slots)
         if self.filter is not None:

@@ -1,20 +1,24 @@
-"""`mbolt serve`: an OpenAI-compatible HTTP server over one `Scheduler` (a thin Starlette app).
+"""`mbolt serve`: OpenAI- and Anthropic-compatible HTTP APIs over one `Scheduler` (a thin Starlette app).
 
-Endpoints: POST /v1/chat/completions and /v1/completions (streamed with server-sent events, or
-not), GET /v1/models, /health, /metrics (Prometheus text), /stats (JSON for the page) and / (a chat
-page with the runtime's live numbers). Why not llama-cpp-python's own `llama_cpp.server`: it builds
-its `Llama` itself (the runtime has to go in while `Llama` is built), answers invalid JSON with a
-500 and a chat without messages with a 200, and has no /health or /metrics (docs/serve.md).
+Endpoints: POST /v1/chat/completions and /v1/completions (OpenAI; openai_api.py), POST /v1/messages
+and /v1/messages/count_tokens (Anthropic; anthropic_api.py), each streamed with server-sent
+events or not; GET /v1/models, /health, /metrics (Prometheus; metrics.py), /stats (JSON for the
+page) and / (a chat page with the runtime's live numbers). Why not llama-cpp-python's own
+`llama_cpp.server`: it builds its `Llama` itself (the runtime has to go in while `Llama` is
+built), answers invalid JSON with a 500 and a chat without messages with a 200, and has no /health
+or /metrics (docs/serve.md).
 
-Requests are validated here (one OpenAI-style error, 4xx, nothing run): invalid JSON, a body that
-is not an object, missing or malformed `messages`/`prompt`, fields of the wrong type or range,
-`max_tokens` beyond the context. The `model` field is accepted whatever it names, as llama-server
-does. With an API key every endpoint but / and /health needs `Authorization: Bearer KEY`.
+Requests are validated before anything runs (a 4xx in the API's own error shape): every field is
+honoured or refused, never dropped. Tools reach the model through its chat template and its
+tool-call text comes back as calls (tools.py); tool_choice required / a named tool and JSON output
+constrain the reply with a grammar. With an API key every endpoint but /, /favicon.ico and /health
+needs `Authorization: Bearer KEY` or `x-api-key: KEY`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
@@ -23,12 +27,17 @@ from importlib.resources import files
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mbolt.serve.scheduler import SAMPLING_DEFAULTS, Scheduler, Job, RequestError
+from mbolt.serve import anthropic_api as A
+from mbolt.serve import openai_api as O
+from mbolt.serve import tools as T
+from mbolt.serve.metrics import CONTENT_TYPE, Clock, Metrics
+from mbolt.serve.scheduler import Job, RequestError, Scheduler
 
 RETRY_AFTER_S = 5
+_ANTHROPIC = "/v1/messages"
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -37,101 +46,50 @@ def error(status: int, message: str, kind: str = "invalid_request_error", param:
                         headers=headers)
 
 
-# ---- validation ----
-
-_NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 10.0),
-            "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
-
-
-def _sampling(body: dict) -> dict:
-    """The sampling fields of a request, type-checked, over llama-server's defaults."""
-    out = dict(SAMPLING_DEFAULTS)
-    for k, (lo, hi) in _NUMBERS.items():
-        v = body.get(k)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
-            raise RequestError(f"{k} must be a number in [{lo}, {hi}]", k)
-        out[k] = float(v)
-    for k in ("top_k", "seed"):
-        v = body.get(k)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise RequestError(f"{k} must be a non-negative integer", k)
-        out[k] = int(v)
-    return out
+def anthropic_error(status: int, message: str, kind: str = "invalid_request_error",
+                    headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(A.error_body(message, kind), status, headers=headers)
 
 
-def _stop(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        return [v] if v else []
-    if isinstance(v, list) and len(v) <= 4 and all(isinstance(s, str) for s in v):
-        return [s for s in v if s]
-    raise RequestError("stop must be a string or a list of at most 4 strings", "stop")
+class _Busy(Exception):
+    pass
 
 
-def _max_tokens(body: dict) -> int | None:
-    v = body.get("max_completion_tokens", body.get("max_tokens"))
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise RequestError("max_tokens must be a positive integer", "max_tokens")
-    return v
+class _Reply:
+    """The text of a reply on its way out: the caller's stop sequences (matched here when the API
+    must say which one stopped it) and the tool calls in it."""
 
+    def __init__(self, tools: T.ToolStream | None, stops: list[str] | None = None):
+        self.tools, self.stops = tools, stops or []
+        self.held = ""
+        self.matched: str | None = None
 
-def _flags(body: dict) -> tuple[bool, bool]:
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise RequestError("stream must be a boolean", "stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
-    n = body.get("n", 1)
-    if n != 1:
-        raise RequestError("n must be 1 (one choice per request)", "n")
-    return stream, bool(opts.get("include_usage", True))
+    def feed(self, text: str) -> list[tuple[str, object]]:
+        if self.matched is not None:
+            return []
+        if self.stops:
+            self.held += text
+            hits = [(self.held.find(s), s) for s in self.stops if s in self.held]
+            if hits:
+                i, self.matched = min(hits)
+                text, self.held = self.held[:i], ""
+            else:
+                keep = max(T.held_prefix(self.held, s) for s in self.stops)
+                text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
+        return self.tools.feed(text) if self.tools else ([("text", text)] if text else [])
 
-
-def _messages(body: dict) -> list[dict]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise RequestError(f"messages[{i}] must be an object with a string role", "messages")
-        c = m.get("content")
-        if isinstance(c, list):  # content parts: the text ones
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in c):
-                raise RequestError(f"messages[{i}].content: only text parts are supported", "messages")
-            c = "".join(p["text"] for p in c)
-        if c is not None and not isinstance(c, str):
-            raise RequestError(f"messages[{i}].content must be a string", "messages")
-        out.append({**m, "content": c or ""})
-    return out
-
-
-def _prompt(body: dict) -> str | list[int]:
-    p = body.get("prompt")
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        p = p[0]
-    if isinstance(p, str) and p:
-        return p
-    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
-        return p
-    raise RequestError("prompt must be a non-empty string (or one string in a list, or a list of token ids)", "prompt")
-
-
-# ---- the app ----
+    def finish(self) -> list[tuple[str, object]]:
+        tail, self.held = self.held, ""
+        out = [] if self.matched is not None or not tail else self.tools.feed(tail) if self.tools else [("text", tail)]
+        return out + (self.tools.finish() if self.tools else [])
 
 
 def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str = "model") -> Starlette:
     page = files("mbolt.serve").joinpath("page.html").read_text(encoding="utf-8")
     created = int(time.time())
+    metrics = Metrics(engine.stats)
+    # the family's tool-call format, told by the chat template the scheduler renders
+    fmt = T.tool_format(getattr(getattr(engine, "_template", None), "template", None))
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
@@ -143,60 +101,195 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
             raise RequestError("the body must be a JSON object")
         return body
 
-    async def run(request: Request, kind: str):
-        try:
-            body = await body_of(request)
-            stream, include_usage = _flags(body)
-            sampling, stop, max_tokens = _sampling(body), _stop(body), _max_tokens(body)
-            if kind == "chat":
-                tokens, template_stop = engine.prepare_chat(_messages(body))
-                stop = stop + [s for s in template_stop if s not in stop]
-            else:
-                tokens = engine.prepare_text(_prompt(body))
-            n_new = engine.check_fits(tokens, max_tokens)
-        except RequestError as e:
-            return error(400, str(e), param=e.param, code=e.code)
+    def prepare(r: O.Request, keep_stops: bool = True) -> Job:
+        """The job of a validated chat request (not submitted): RequestError when it cannot run."""
+        tokens, template_stop = engine.prepare_chat(r.messages, tools=r.tools)
+        stop = (r.stop if keep_stops else []) + [s for s in template_stop if s not in r.stop]
+        n_new = engine.check_fits(tokens, r.max_tokens)
+        return Job(tokens, n_new, r.sampling, stop, None, grammar=O.grammar_of(r, fmt))
+
+    def submit(job: Job) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
-        job = Job(tokens, n_new, sampling, stop, lambda k, d: loop.call_soon_threadsafe(events.put_nowait, (k, d)))
+        job.on_event = lambda k, d: loop.call_soon_threadsafe(events.put_nowait, (k, d))
         if not engine.submit(job):
-            return error(503, f"the server is busy: {engine.max_queue} requests are waiting", "server_error",
-                         code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
-        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
-        shape = _Shape(kind, rid, int(time.time()), model_name)
-        if stream:
-            return StreamingResponse(_sse(request, engine, job, events, shape, include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, end = [], None
+            raise _Busy
+        return events
+
+    async def events_of(request: Request, job: Job, events: asyncio.Queue, poll: bool):
+        """The job's events up to its end (or error); the work stops when the reader goes away."""
+        clock, done = Clock(metrics), False
         try:
-            while end is None:
+            while True:
                 try:
                     k, d = await asyncio.wait_for(events.get(), 0.25)
                 except asyncio.TimeoutError:
-                    if await request.is_disconnected():
-                        engine.cancel(job)
-                        return Response(status_code=499)
+                    if poll and await request.is_disconnected():
+                        raise ConnectionAbortedError from None
                     continue
+                clock.saw(k, d)
+                yield k, d
+                if k != "text":
+                    done = True
+                    return
+        finally:
+            if not done:  # the client went away (or the response was cancelled): stop the work
+                engine.cancel(job)
+
+    def reply_of(r: O.Request, stops: list[str] | None = None) -> _Reply:
+        names = {t["function"]["name"] for t in r.tools or []}
+        return _Reply(T.ToolStream(fmt, names, r.parallel) if names else None, stops)
+
+    async def collect(request: Request, job: Job, events: asyncio.Queue, reply: _Reply):
+        """A whole reply: (text, calls, the end event); (None, None, None) when the client went
+        away, (None, the error, None) when the job failed."""
+        parts = []
+        try:
+            async for k, d in events_of(request, job, events, poll=True):
                 if k == "text":
-                    text.append(d)
-                elif k == "end":
-                    end = d
+                    parts += reply.feed(d)
+                    if reply.matched is not None:  # a stop sequence matched here: the rest is not wanted
+                        engine.cancel(job)
+                elif k == "error":
+                    return None, d, None
                 else:
-                    return error(500, d, "server_error")
-        except asyncio.CancelledError:
-            engine.cancel(job)
-            raise
-        out = shape.whole("".join(text), end)
-        if body.get("return_tokens") is True:  # llama-server's extension: the token ids, prompt and reply
+                    parts += reply.finish()
+                    return "".join(d for k, d in parts if k == "text"), [d for k, d in parts if k == "call"], d
+        except ConnectionAbortedError:
+            pass
+        return None, None, None
+
+    busy = f"the server is busy: {engine.max_queue} requests are waiting"
+
+    # ---- OpenAI ----
+
+    async def openai_run(request: Request, kind: str):
+        try:
+            body = await body_of(request)
+            if kind == "chat":
+                r = O.chat_request(body)
+                job = prepare(r)
+            else:
+                r = O.text_request(body)
+                tokens = engine.prepare_text(r.prompt)
+                job = Job(tokens, engine.check_fits(tokens, r.max_tokens), r.sampling, r.stop, None)
+            events = submit(job)
+        except RequestError as e:
+            return error(400, str(e), param=e.param, code=e.code)
+        except _Busy:
+            return error(503, busy, "server_error", code="queue_full", headers={"Retry-After": str(RETRY_AFTER_S)})
+        shape = O.Shape(kind, ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24], int(time.time()),
+                        model_name)
+        reply = reply_of(r)
+        if r.stream:
+            return StreamingResponse(openai_stream(request, job, events, shape, reply, r.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, calls, end = await collect(request, job, events, reply)
+        if end is None:
+            return Response(status_code=499) if calls is None else error(500, calls, "server_error")
+        out = shape.whole(text, end, calls)
+        if r.return_tokens:  # llama-server's extension: the token ids, prompt and reply
             out["choices"][0]["tokens"] = end["tokens"]
             out["prompt_tokens"] = end["prompt_tokens"]
         return JSONResponse(out)
 
+    async def openai_stream(request, job, events, shape: O.Shape, reply: _Reply, include_usage: bool):
+        n_calls = 0
+
+        def lines(parts) -> bytes:
+            nonlocal n_calls
+            out = b""
+            for k, d in parts:
+                if k == "text":
+                    out += O.sse(shape.chunk(d)) if d else b""
+                else:
+                    out += b"".join(O.sse(c) for c in shape.call_chunks(n_calls, d))
+                    n_calls += 1
+            return out
+
+        try:
+            if shape.kind == "chat":
+                yield O.sse(shape.chunk({"role": "assistant", "content": ""}))
+            async for k, d in events_of(request, job, events, poll=False):
+                if k == "text":
+                    if out := lines(reply.feed(d)):
+                        yield out
+                elif k == "end":
+                    yield lines(reply.finish())
+                    yield O.sse(shape.chunk(None, O.finish_reason(d, [None] * n_calls)))
+                    if include_usage:
+                        yield O.sse(shape.usage_chunk(d["usage"]))
+                else:
+                    yield O.sse({"error": {"message": d, "type": "server_error", "param": None, "code": None}})
+            yield b"data: [DONE]\n\n"
+        finally:  # closed while it waits to send (the client left): the work stops (a no-op once ended)
+            engine.cancel(job)
+
     async def chat(request: Request):
-        return await run(request, "chat")
+        return await openai_run(request, "chat")
 
     async def completions(request: Request):
-        return await run(request, "text")
+        return await openai_run(request, "text")
+
+    # ---- Anthropic ----
+
+    async def messages(request: Request):
+        try:
+            r = A.message_request(await body_of(request))
+            job = prepare(r, keep_stops=False)  # the stop sequences are matched here: the reply names the one
+            events = submit(job)
+        except RequestError as e:
+            return anthropic_error(400, str(e))
+        except _Busy:
+            return anthropic_error(529, busy, "overloaded_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+        mid = "msg_" + uuid.uuid4().hex[:24]
+        reply = reply_of(r, r.stop)
+        if r.stream:
+            return StreamingResponse(anthropic_stream(request, job, events, mid, reply),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, calls, end = await collect(request, job, events, reply)
+        if end is None:
+            return Response(status_code=499) if calls is None else anthropic_error(500, calls, "api_error")
+        return JSONResponse(A.whole(mid, model_name, text, calls, end, reply.matched))
+
+    async def anthropic_stream(request, job, events, mid: str, reply: _Reply):
+        ev, calls = A.Events(mid, model_name), []
+
+        def out(parts) -> bytes:
+            b = b""
+            for k, d in parts:
+                if k == "text":
+                    b += ev.text(d) if d else b""
+                else:
+                    calls.append(d)
+                    b += ev.call(d)
+            return b
+
+        try:
+            yield ev.start(len(job.tokens))
+            async for k, d in events_of(request, job, events, poll=False):
+                if k == "text":
+                    b = out(reply.feed(d))
+                    if reply.matched is not None:
+                        engine.cancel(job)
+                    if b:
+                        yield b
+                elif k == "end":
+                    yield out(reply.finish()) + ev.end(d, calls, reply.matched)
+                else:
+                    yield A.event("error", {"error": {"type": "api_error", "message": d}})
+        finally:
+            engine.cancel(job)
+
+    async def count_tokens(request: Request):
+        try:
+            r = A.message_request(await body_of(request), count_only=True)
+            tokens, _ = engine.prepare_chat(r.messages, tools=r.tools)
+        except RequestError as e:
+            return anthropic_error(400, str(e))
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    # ---- the rest ----
 
     async def models(request: Request):
         return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
@@ -208,8 +301,8 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
     async def stats(request: Request):
         return JSONResponse(engine.stats())
 
-    async def metrics(request: Request):
-        return PlainTextResponse(prometheus(engine.stats()), media_type="text/plain; version=0.0.4")
+    async def metrics_text(request: Request):
+        return Response(metrics.text(), media_type=CONTENT_TYPE)
 
     async def index(request: Request):
         return HTMLResponse(page)
@@ -217,123 +310,53 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
     async def favicon(request: Request):
         return Response(status_code=204)
 
+    def failure(status: int, message: str, request: Request, code: str):
+        if request.url.path.startswith(_ANTHROPIC):
+            return anthropic_error(status, message, "not_found_error" if status == 404 else
+                                   "api_error" if status >= 500 else "invalid_request_error")
+        return error(status, message, "server_error" if status >= 500 else "invalid_request_error", code=code)
+
     async def not_found(request: Request, exc):
-        return error(404, f"no such endpoint: {request.method} {request.url.path}", code="not_found")
+        return failure(404, f"no such endpoint: {request.method} {request.url.path}", request, "not_found")
 
     async def server_error(request: Request, exc):
-        return error(500, f"{type(exc).__name__}: {exc}", "server_error")
+        return failure(500, f"{type(exc).__name__}: {exc}", request, None)
 
     async def method_not_allowed(request: Request, exc):
-        return error(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        return failure(405, f"{request.method} is not allowed on {request.url.path}", request, "method_not_allowed")
 
     app = Starlette(routes=[
-        Route("/", index), Route("/favicon.ico", favicon), Route("/health", health), Route("/v1/models", models), Route("/models", models),
+        Route("/", index), Route("/favicon.ico", favicon), Route("/health", health), Route("/v1/models", models),
+        Route("/models", models),
         Route("/v1/chat/completions", chat, methods=["POST"]), Route("/chat/completions", chat, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]), Route("/completions", completions, methods=["POST"]),
-        Route("/metrics", metrics), Route("/stats", stats),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
+        Route("/metrics", metrics_text), Route("/stats", stats),
     ], middleware=[Middleware(_ApiKey, key=api_key)] if api_key else [],
         exception_handlers={404: not_found, 405: method_not_allowed, 500: server_error, Exception: server_error})
     return app
 
 
 class _ApiKey:
-    """Every endpoint but the page and /health needs `Authorization: Bearer KEY`."""
+    """Every endpoint but the page, its icon and /health needs the key: `Authorization: Bearer
+    KEY` (OpenAI's clients) or `x-api-key: KEY` (Anthropic's), compared in constant time."""
 
     OPEN = ("/", "/favicon.ico", "/health")
 
     def __init__(self, app, key: str):
-        self.app, self.want = app, f"Bearer {key}".encode("latin-1")
+        self.app, self.key = app, key.encode("utf-8")
+
+    def _ok(self, headers: dict) -> bool:
+        bearer = headers.get(b"authorization", b"")
+        given = bearer[7:] if bearer[:7].lower() == b"bearer " else headers.get(b"x-api-key", b"")
+        return hmac.compare_digest(given, self.key)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"] not in self.OPEN:
-            if dict(scope.get("headers") or []).get(b"authorization", b"") != self.want:
-                resp = error(401, "invalid or missing API key (Authorization: Bearer KEY)", "authentication_error",
-                             code="invalid_api_key")
-                await resp(scope, receive, send)
-                return
+        if scope["type"] == "http" and scope["path"] not in self.OPEN and not self._ok(dict(scope.get("headers") or [])):
+            msg = "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)"
+            resp = (anthropic_error(401, msg, "authentication_error") if scope["path"].startswith(_ANTHROPIC)
+                    else error(401, msg, "authentication_error", code="invalid_api_key"))
+            await resp(scope, receive, send)
+            return
         await self.app(scope, receive, send)
-
-
-class _Shape:
-    """OpenAI's response shapes for one request (chat.completion or text_completion)."""
-
-    def __init__(self, kind: str, rid: str, created: int, model: str):
-        self.kind, self.rid, self.created, self.model = kind, rid, created, model
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model}
-
-    def whole(self, text: str, end: dict) -> dict:
-        fin = "stop" if end["finish_reason"] == "cancelled" else end["finish_reason"]
-        if self.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": fin}
-            return {**self._head("chat.completion"), "choices": [choice], "usage": end["usage"]}
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": fin}
-        return {**self._head("text_completion"), "choices": [choice], "usage": end["usage"]}
-
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": text or ""} if first else ({"content": text} if text else {})
-            return {**self._head("chat.completion.chunk"),
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
-        return {**self._head("text_completion"),
-                "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}]}
-
-    def usage_chunk(self, usage: dict) -> dict:
-        return {**self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion"), "choices": [],
-                "usage": usage}
-
-
-async def _sse(request: Request, engine: Scheduler, job: Job, events: asyncio.Queue, shape: _Shape,
-               include_usage: bool):
-    def line(obj) -> bytes:
-        return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-    done = False
-    try:
-        if shape.kind == "chat":
-            yield line(shape.chunk("", first=True))
-        while True:
-            k, d = await events.get()
-            if k == "text":
-                yield line(shape.chunk(d))
-            elif k == "end":
-                fin = "stop" if d["finish_reason"] == "cancelled" else d["finish_reason"]
-                yield line(shape.chunk(None, fin))
-                if include_usage:
-                    yield line(shape.usage_chunk(d["usage"]))
-                break
-            else:
-                yield line({"error": {"message": d, "type": "server_error", "param": None, "code": None}})
-                break
-        yield b"data: [DONE]\n\n"
-        done = True
-    finally:
-        if not done:  # the client went away (the response was cancelled): stop the work
-            engine.cancel(job)
-
-
-def prometheus(s: dict) -> str:
-    """The engine's numbers in Prometheus' text format."""
-    rows = [
-        ("mbolt_budget_bytes", "gauge", "memory budget of the runtime", s.get("budget_bytes")),
-        ("mbolt_dense_resident_bytes", "gauge", "dense weights held resident", s.get("dense_resident_bytes")),
-        ("mbolt_expert_slots", "gauge", "expert cache slots per layer (decode)", s.get("expert_slots")),
-        ("mbolt_expert_cache_hits_total", "counter", "decode: selected experts found in the cache", s.get("cache_hits")),
-        ("mbolt_expert_cache_misses_total", "counter", "decode: selected experts read", s.get("cache_misses")),
-        ("mbolt_read_bytes_total", "counter", "bytes this process read from the device", s.get("device_read_bytes")),
-        ("mbolt_major_faults_total", "counter", "major page faults of this process", s.get("major_faults")),
-        ("mbolt_prompt_tokens_total", "counter", "prompt tokens evaluated", s.get("prompt_tokens")),
-        ("mbolt_prompt_seconds_total", "counter", "seconds spent evaluating prompts", s.get("prompt_s")),
-        ("mbolt_decode_tokens_total", "counter", "tokens decoded", s.get("decode_tokens")),
-        ("mbolt_decode_seconds_total", "counter", "seconds spent decoding", s.get("decode_s")),
-        ("mbolt_requests_total", "counter", "requests run", s.get("requests")),
-        ("mbolt_queue_length", "gauge", "requests waiting", s.get("queue_length")),
-    ]
-    out = []
-    for name, kind, help_, v in rows:
-        if v is None:
-            continue
-        out += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name} {float(v):.17g}"]
-    return "\n".join(out) + "\n"

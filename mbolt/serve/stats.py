@@ -39,9 +39,9 @@ def scheduler_stats(sched) -> dict:
                    expert_slots_prompt=rt.prefill_slots, cache_hits=sc.hits - ps.hits,
                    cache_misses=sc.misses - ps.misses,  # decode steps (the prompt passes' are apart)
                    decode_read_bytes=sc.bytes, prompt_read_bytes=ps.bytes, prompt_passes=ps.passes,
-                   reclaimed=rt.reclaimed,
+                   reclaimed=rt.reclaimed, slots_given_back=rt.budget.given_back if rt.budget else 0,
                    expert_union_per_step=(decode_experts / (c.decode_steps * n_moe) if c.decode_steps else None),
-                   n_experts=rt.mm.n_experts, n_used=rt.mm.n_used)
+                   n_experts=rt.mm.n_experts, n_used=rt.mm.n_used, cache_map=cache_map(rt))
     else:
         out.update(dense_resident_bytes=None, expert_slots=None, cache_hits=None, cache_misses=None)
     hm = (out.get("cache_hits") or 0) + (out.get("cache_misses") or 0)
@@ -53,13 +53,21 @@ def scheduler_stats(sched) -> dict:
     return out
 
 
-def cache_map(sched) -> dict | None:
-    """Per layer, which experts the cache holds (by position in the file, as the page draws them)."""
-    d = sched.driver
-    store = d.arm.store
-    if store is None:
-        return None
-    perm = d.arm.perm
-    layers = sorted(d.arm.moe_layers)
+def cache_map(rt) -> dict:
+    """Per MoE layer, in file order (position p holds original expert perm[p]: a reorder file's
+    neighbours are drawn side by side), three bitmaps as hex (bit p of the string's number, position
+    0 first): the experts the cache holds, those the last decode step used, those it read."""
+    import numpy as np
+
+    store, perm = rt.store, rt.perm
+    layers = sorted(rt.moe_layers)
+
+    def hexbits(row) -> str:
+        bits = np.asarray(row, np.uint8)
+        pad = (-bits.size) % 8
+        return np.packbits(np.concatenate([bits, np.zeros(pad, np.uint8)]), bitorder="little").tobytes().hex()
+
     return {"n_experts": int(perm.shape[1]), "layers": layers,
-            "cached": [store.lru_cached[layer][perm[layer]].astype(int).tolist() for layer in layers]}
+            "cached": [hexbits(store.lru_cached[layer][perm[layer]]) for layer in layers],
+            "used": [hexbits(store.lru_stamp[layer][perm[layer]] > rt.step_clock) for layer in layers],
+            "read": [hexbits(store.read_mark[layer][perm[layer]]) for layer in layers]}

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -65,22 +64,38 @@ class _Reference:
         self.m.close()
 
 
+class _Capture:
+    """Watches the driver's steps: every selection of every row (a prompt's passes included)."""
+
+    def __init__(self):
+        self.rows: dict[int, list[np.ndarray]] = {}
+
+    def begin(self, phase, n_rows: int) -> None:
+        pass
+
+    def on_topk(self, layer: int, rows: np.ndarray) -> None:
+        self.rows.setdefault(layer, []).append(rows)
+
+    def end(self) -> None:
+        pass
+
+
 class _Llama:
     weights = False
 
     def __init__(self, path, route, threads, n_ctx=None):
-        from mbolt.runtime.memory import resolve_ctx
-        from mbolt.runtime.runner import LlamaRunner
+        from mbolt.runtime.driver import open_driver
 
         self.mm = moe_map(path)
-        n_ctx, warning = resolve_ctx(n_ctx, self.mm)
-        if warning:
-            warnings.warn(warning, stacklevel=2)
         self.perm = self.mm.route_map.perm  # positions -> original ids
-        # mapped, no repacking: the weights stay file pages the kernel can reclaim, so tracing a
-        # model larger than RAM runs in bounded memory (a copying or repacking load put every
-        # expert in anonymous memory and was OOM-killed under a 2 GiB limit, issue 19)
-        self.r = LlamaRunner(path, n_ctx=n_ctx, n_threads=threads, f32_kv=False, load_mode="mmap")
+        # plain llama.cpp on the runtime's one driver, mapped, no repacking: the weights stay file
+        # pages the kernel can reclaim, so tracing a model larger than RAM runs in bounded memory (a
+        # copying or repacking load put every expert in anonymous memory and was OOM-killed under a
+        # 2 GiB limit, issue 19)
+        self.cap = _Capture()
+        self.d = open_driver(path, reads=False, evict=False, mm=self.mm, n_ctx=n_ctx, n_threads=threads,
+                             watchers=[self.cap])
+        self.r = self.d.runner
         self.eos = None
         try:
             self.eos = int(self.mm.header.get("tokenizer.ggml.eos_token_id"))
@@ -91,7 +106,7 @@ class _Llama:
         return self.r.tokenize(text, add_special=True)
 
     def start(self):
-        self.r.reset()
+        self.d.forget()
 
     def run(self, ids):
         room = self.r.n_ctx - self.r.n_past
@@ -99,16 +114,19 @@ class _Llama:
             ids = ids[:max(room, 0)]
             if not ids:
                 raise MboltError(f"llama.cpp context of {self.r.n_ctx} tokens is full")
-        logits = self.r.eval(ids)
+        self.cap.rows = {}
+        logits, _, _ = self.d.prompt(ids)
         n, L, k = len(ids), self.mm.n_layers, self.mm.n_used
         ex = np.full((n, L, k), -1, np.int16)
-        for li, rows in self.r.topk().items():
-            rows = self.perm[li][rows]  # position -> original id
+        for li, blocks in self.cap.rows.items():
+            if li >= L:
+                continue
+            rows = self.perm[li][np.concatenate(blocks)]  # position -> original id
             ex[n - rows.shape[0]:, li] = rows[-n:]
         return logits, ex, None
 
     def close(self):
-        self.r.close()
+        self.d.close()
 
 
 def part_path(out: str | os.PathLike) -> Path:

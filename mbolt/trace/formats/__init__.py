@@ -29,6 +29,9 @@ Formats (`fmt`; "auto" detects them from the first bytes):
     iliria's ``FAROUTE1`` binary route trace (`mbolt.trace.formats.iliria`).
 ``moe-csv``
     llama.cpp's ``examples/moe-trace`` CSV ``layer,expert`` (`mbolt.trace.formats.moe_csv`).
+``bigmoeonedge``
+    BigMoeOnEdge's ``route_trace v1`` CSV, with prefill/decode phases and routing weights
+    (`mbolt.trace.formats.bigmoeonedge`).
 ``coli-usage``
     colibri's ``.coli_usage`` heat histogram: counts per expert, no tokens. It is read by
     `load_usage` (heat order, pins); `load_trace` refuses it, naming what it can drive.
@@ -63,6 +66,7 @@ from mbolt.core.errors import MboltError
 from mbolt.core.mbtrace import MAGIC as MBTRACE_MAGIC
 from mbolt.core.mbtrace import read_trace
 from mbolt.core.trace import Trace
+from mbolt.trace.formats.bigmoeonedge import looks_like_bigmoeonedge, read_bigmoeonedge
 from mbolt.trace.formats.colibri import (Usage, looks_like_route_trace, looks_like_usage, read_route_trace,
                                          read_usage)
 from mbolt.trace.formats.common import check_override, read_bytes_of
@@ -71,9 +75,11 @@ from mbolt.trace.formats.moe_csv import looks_like_moe_csv, read_moe_csv
 from mbolt.trace.formats.mbolt_dump import MBOLT_MAGIC, import_mbolt
 from mbolt.trace.formats.nuthatch import NUTH_MAGIC, import_nuthatch_bin, import_nuthatch_text
 
-FORMATS = ("mbtrace", "mbolt", "nuthatch-text", "nuthatch-bin", "colibri-route", "faroute", "moe-csv", "coli-usage")
+FORMATS = ("mbtrace", "mbolt", "nuthatch-text", "nuthatch-bin", "colibri-route", "faroute", "moe-csv", "bigmoeonedge",
+           "coli-usage")
 HEAT_ONLY = ("coli-usage",)
-_READERS = {"colibri-route": read_route_trace, "faroute": read_faroute, "moe-csv": read_moe_csv}
+_READERS = {"colibri-route": read_route_trace, "faroute": read_faroute, "moe-csv": read_moe_csv,
+            "bigmoeonedge": read_bigmoeonedge}
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -96,8 +102,8 @@ def detect_format(path: str | os.PathLike) -> str:
         return "mbolt"
     text = head.decode("ascii", "replace")
     first = next((ln for ln in text.splitlines() if ln.strip()), "")
-    for fmt, looks in (("coli-usage", looks_like_usage), ("colibri-route", looks_like_route_trace),
-                       ("moe-csv", looks_like_moe_csv)):
+    for fmt, looks in (("bigmoeonedge", looks_like_bigmoeonedge), ("coli-usage", looks_like_usage),
+                       ("colibri-route", looks_like_route_trace), ("moe-csv", looks_like_moe_csv)):
         if looks(first):
             return fmt
     if first and all(tok.isdigit() for tok in first.split()) and len(first.split()) >= 2:
@@ -105,7 +111,7 @@ def detect_format(path: str | os.PathLike) -> str:
     if not head:
         raise MboltError(f"{path}: empty file")
     raise MboltError(f"{path}: unknown trace format (not .mbtrace, MBOLT_TRACE, NUTHTRC1, nuthatch text, colibri "
-                     f"ROUTE_TRACE or .coli_usage, FAROUTE1 or llama.cpp moe-trace CSV; first bytes {head[:8]!r})")
+                     f"ROUTE_TRACE or .coli_usage, FAROUTE1, llama.cpp moe-trace CSV or BigMoeOnEdge route_trace; first bytes {head[:8]!r})")
 
 
 def load_trace(path: str | os.PathLike, fmt: str = "auto", *, n_layers: int | None = None,

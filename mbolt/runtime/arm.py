@@ -1,0 +1,47 @@
+"""What every arm in the driver shares (the streaming runtime, runtime.streamer; plain
+llama.cpp, runtime.plain): the check that llama.cpp can stream a file, the prompt passes' counters,
+and this process's own memory."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from mbolt.core.errors import MboltError
+from mbolt.core.moe_map import MoeMap
+
+
+def check_llama_streamable(mm: MoeMap, path: str) -> None:
+    """llama.cpp loads stock and reorder files; a packed file is refused in one line."""
+    if mm.route_map.layout == "packed":
+        raise MboltError(f"{path}: packed layout: llama.cpp cannot load it (its experts are mbolt blobs); "
+                         "stream the reorder layout instead")
+    if not mm.moe_layers:
+        raise MboltError(f"{path}: no routed expert tensors: nothing to stream")
+
+
+def own_bytes() -> int:
+    """This process's own memory: anonymous (heap, KV cache, buffers, dense copies) and shared
+    anonymous resident pages, not the mapped file."""
+    n = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                n += int(line.split()[1]) * 1024
+    return n
+
+
+@dataclass
+class PromptStats:
+    """What the prompt passes did (cumulative)."""
+
+    passes: int = 0
+    tokens: int = 0  # rows the first MoE layer routed in prompt passes
+    hits: int = 0
+    misses: int = 0
+    bytes: int = 0  # read by the pass reader (foreground and background)
+    reads: int = 0  # merged ranges
+    read_s: float = 0.0  # wall time with a read outstanding
+    prefetched_unused: int = 0  # experts read ahead for a layer that did not select them
+
+    def to_dict(self) -> dict:
+        return asdict(self)
