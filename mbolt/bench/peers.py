@@ -349,7 +349,7 @@ def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, r
 
     if arm.warm and ram:
         raise MboltError(f"arm {arm.name}: a warm arm runs without a limit (the file in memory): give ram=0")
-    model = Path(model)
+    model, text = Path(model).resolve(), Path(text).resolve()  # ik runs in a directory of its own
     quiet = wait_quiet(model)
     at_eval: dict = {}
     if arm.warm:
@@ -363,16 +363,21 @@ def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, r
             at_eval["experts_resident_loaded"], at_eval["experts_resident_at_eval"] = drop_experts(mm)
 
     argv = perplexity_argv(build, arm, model, text, n_ctx, chunks, threads)
-    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
+    # ik's tools write llama.log into their working directory: keep it out of the caller's
+    logdir = tempfile.mkdtemp(prefix="mbolt-ik-")
+    popen = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", cwd=logdir)
     peak = kills = None
-    if ram:
-        with MemoryGroup(ram) as group:
-            proc = group.popen(argv, **popen)
+    try:
+        if ram:
+            with MemoryGroup(ram) as group:
+                proc = group.popen(argv, **popen)
+                out = _run_to_end(proc, at_mark, timeout)
+                peak, kills = group.peak(), group.oom_kills()
+        else:
+            proc = subprocess.Popen(argv, **popen)
             out = _run_to_end(proc, at_mark, timeout)
-            peak, kills = group.peak(), group.oom_kills()
-    else:
-        proc = subprocess.Popen(argv, **popen)
-        out = _run_to_end(proc, at_mark, timeout)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
     if proc.returncode != 0:
         if kills:
             raise MboltError(f"arm {arm.name}: the kernel OOM-killed llama-perplexity inside a {ram} B memory cgroup "
