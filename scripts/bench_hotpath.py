@@ -41,8 +41,16 @@ def toy(layers: int) -> Path:
 
 
 def open_arm(name: str, path: Path, n_ctx: int):
+    """One arm: a driver over a copy of the file of its own (the runtime's page control acts on
+    every mapping of its file in the process: arms sharing one file would advise each other's)."""
+    import shutil
+
     from mbolt.runtime.driver import open_driver
 
+    own = path.with_name(f"{path.stem}.{name}.gguf")
+    if not own.exists() or own.stat().st_size != path.stat().st_size:
+        shutil.copyfile(path, own)
+    path = own
     if name.startswith("plain"):
         return open_driver(path, reads=False, evict=False, n_ctx=n_ctx)
     d = open_driver(path, reads=True, budget=4 << 30, qd=4, asynchronous=True, n_ctx=n_ctx)
