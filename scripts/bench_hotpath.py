@@ -85,12 +85,18 @@ def measure(layers: int, rounds: int, text_ids: list[int], forced: int, n_new: i
             d.close()
     med = {a: float(np.median(v)) for a, v in per.items()}
     paired = [(m - p) / layers for m, p in zip(per["mbolt"], per["plain"])]
+
+    def same_round(a: str, b: str) -> float:  # the median over rounds of a / b in the same round
+        return float(np.median([x / y for x, y in zip(per[a], per[b])]))
+
     return {"layers": layers, "n_experts": 16, "k": 4, "rounds": rounds, "us_per_token": per,
             "median_us_per_token": med,
             "beyond_plain_us_per_layer": float(np.median(paired)),
             "beyond_plain_us_per_layer_rounds": paired,
             "speed_vs_plain": med["plain"] / med["mbolt"],
             "aa_plain": med["plain-aa"] / med["plain"], "aa_mbolt": med["mbolt-aa"] / med["mbolt"],
+            "aa_plain_same_round": same_round("plain-aa", "plain"), "aa_mbolt_same_round": same_round("mbolt-aa", "mbolt"),
+            "speed_vs_plain_same_round": 1.0 / same_round("mbolt", "plain"),
             "layers_answered_in_c": fast}
 
 
@@ -118,15 +124,20 @@ def main() -> int:
     except MboltError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # the A/A rule: run 1 took the ratio of the medians; its addendum (run 2) the median of the
+    # same-round ratios, as every other benchmark here pairs its rounds
+    aa_keys = ("aa_plain_same_round", "aa_mbolt_same_round") if p.get("aa_rule") == "same-round" else \
+        ("aa_plain", "aa_mbolt")
     goals = {}
     for res in results:
+        res["aa_judged"] = {"rule": p.get("aa_rule", "of-medians"), "plain": res[aa_keys[0]], "mbolt": res[aa_keys[1]]}
         lim, aa = pr.goal("beyond_plain_us_per_layer_max"), pr.goal("aa_max")
         goals[f"toy{res['layers']}_beyond_plain"] = {"goal": f"<= {lim} us per MoE layer per token",
                                                       "measured": res["beyond_plain_us_per_layer"],
                                                       "met": res["beyond_plain_us_per_layer"] <= lim}
         goals[f"toy{res['layers']}_aa"] = {"goal": f"A/A within {aa:.0%}",
-                                           "measured": [res["aa_plain"], res["aa_mbolt"]],
-                                           "met": abs(res["aa_plain"] - 1) <= aa and abs(res["aa_mbolt"] - 1) <= aa}
+                                           "measured": [res["aa_judged"]["plain"], res["aa_judged"]["mbolt"]],
+                                           "met": all(abs(res["aa_judged"][e] - 1) <= aa for e in ("plain", "mbolt"))}
     out = keep_earlier(pr, a.out, {**finish_record(rec), "results": results, "goals": goals,
                                    "workload": f"teacher-forced: {p['forced']}-token prompt, then {p['new_tokens']} "
                                                "fed tokens; warm (every page resident, budget 4 GiB > the model)"})
@@ -134,7 +145,7 @@ def main() -> int:
     for res in results:
         print(f"toy{res['layers']}: plain {res['median_us_per_token']['plain']:.0f} us/token, mbolt "
               f"{res['median_us_per_token']['mbolt']:.0f}: {res['beyond_plain_us_per_layer']:.1f} us per layer beyond "
-              f"plain; A/A {res['aa_plain']:.3f} {res['aa_mbolt']:.3f}; answered in C {res['layers_answered_in_c']}")
+              f"plain; A/A ({res['aa_judged']['rule']}) {res['aa_judged']['plain']:.3f} {res['aa_judged']['mbolt']:.3f}; answered in C {res['layers_answered_in_c']}")
     for k, g in goals.items():
         print(f"  {k}: {g['goal']}: {g['measured']} -> {'met' if g['met'] else 'MISSED'}")
     return 0
