@@ -25,7 +25,7 @@ Workloads:
            and, without a limit and with the file in memory, warm-512 and warm-2048 (the compute alone).
   decode   a 64-token prompt, then 256 fed tokens (steady decoding), --ctx-size 4096. With the peer built
            (`prepare` builds ik_llama.cpp from ../shared/peers/, cached in $MBOLT_BENCH/peers), its arms run
-           after the mbolt arms at each readahead and the same budget (bench.peers): ik mapped (+ A/A) and
+           after the mbolt arms at plain tuned's readahead and the same budget (bench.peers): ik mapped (+ A/A) and
            --prefetch-experts at 1-4 workers, fed the same text by llama-perplexity (2 chunks of 128 tokens,
            one token per decode), and ik warm beside llama.cpp warm (kernels apart from I/O).
 
@@ -423,7 +423,9 @@ def decode(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: int
             log(f"  readahead {held} KiB ({'as shipped' if ra == 128 else 'plain tuned'}): drive "
                 f"{drive['bytes_per_s'] / 1e6:.0f} MB/s")
             d = run_ab_config(name, decode_arms(name, full=True), w, rounds, ram, seed, aa=True)
-            peer = peer_arms(name, w, rounds, ram, seed) if peer_warm else None
+            # the peers at plain tuned's readahead, where the headline is measured (at 128 KiB too
+            # when that is plain's best): half the run's time otherwise
+            peer = peer_arms(name, w, rounds, ram, seed) if peer_warm and ra == tuned else None
         configs[ra] = {"readahead_kb": held, "drive": drive, "ab": d, "peers": peer}
     full, best = configs[128]["ab"], configs[tuned]["ab"]
     compute_s = 1.0 / row(warm, "warm")["decode_tokens_per_s"]
@@ -449,6 +451,16 @@ def decode(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: int
     if slots:
         out["bound"] = bound_of(name, w, slots, compute_s, bw)
         out["share_of_bound"] = row(full, "mbolt-stock")["decode_tokens_per_s"] / out["bound"]["tokens_per_s"]
+    # issue 35's yardstick: the runtime's own device bytes per token at the drive's sequential
+    # bandwidth measured in this run, then the warm compute, one after the other
+    out["reads_then_compute"] = {}
+    for ra, c in configs.items():
+        m = row(c["ab"], "mbolt-stock")
+        if m.get("device_bytes_per_token"):
+            rtc = 1.0 / (m["device_bytes_per_token"] / bw + compute_s)
+            out["reads_then_compute"][ra] = {"device_bytes_per_token": m["device_bytes_per_token"],
+                                             "bandwidth_bytes_per_s": bw, "compute_s_per_token": compute_s,
+                                             "tokens_per_s": rtc, "share": m["decode_tokens_per_s"] / rtc}
     aa = [v for c in out["aa"].values() for v in c.values() if v is not None]
     goal, aa_within, share = pr.goal(f"{name}_over_plain_tuned_min"), pr.goal("aa_within"), \
         pr.goal("share_of_bound_at_128k_min")
@@ -461,10 +473,15 @@ def decode(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: int
          "met": out.get("share_of_bound") is not None and out["share_of_bound"] >= share},
         {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]},
     ]
+    if "reads_then_compute_share_min" in pr.goals and out["reads_then_compute"]:
+        rtc_goal, rtc = pr.goal("reads_then_compute_share_min"), out["reads_then_compute"].get(tuned)
+        out["goals"].append({"goal": f"mbolt-stock >= {rtc_goal:.0%} of reads then compute (plain tuned's readahead)",
+                             "value": rtc and rtc["share"], "met": bool(rtc) and rtc["share"] >= rtc_goal})
     if peer_warm:
         out["peer_warm"] = peer_warm
         out["peers"] = {ra: peers.peers_beside(row(c["ab"], "mbolt-stock")["decode_tokens_per_s"],
-                                               out["warm_tokens_per_s"], c["peers"], peer_warm) for ra, c in configs.items()}
+                                               out["warm_tokens_per_s"], c["peers"], peer_warm)
+                        for ra, c in configs.items() if c["peers"]}
         vs, peer_goal = out["peers"][tuned]["mbolt_over_best_peer"], pr.goal(f"{name}_over_best_peer_min")
         out["goals"].append({"goal": f"mbolt-stock >= {peer_goal}x the best peer arm (plain tuned)",
                              "value": vs, "met": vs is not None and vs >= peer_goal})
