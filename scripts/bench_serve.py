@@ -73,21 +73,25 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def session_text_ids(model: Path) -> list[int]:
+def session_text_ids(model: Path, pages: int = 1) -> list[int]:
+    """The held-out text: enough for the session and the load run, or for `pages` clients' windows."""
     from mbolt.bench.ab import load_prompt_ids
 
+    more = max(LOAD_PROMPT * LOAD_CLIENTS, 500 * (pages - 1))
     return load_prompt_ids(str(model), None, 1, engine="llama.cpp", forced=FIRST, n_new=APPEND * TURNS,
-                           followup=LOAD_PROMPT * LOAD_CLIENTS)[0]
+                           followup=more)[0]
 
 
 class Served:
     """A server process (in a group, or not) and its client."""
 
-    def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8, ubatch: int = 0):
+    def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8, ubatch: int = 0,
+                 parallel: int = 1):
         self.model = model
         self.port = _port()
         argv = [sys.executable, "-m", "mbolt", "serve", str(model), "--port", str(self.port), "-c", "4096",
-                "--queue", str(queue)] + (["--plain"] if plain else []) + (["-ub", str(ubatch)] if ubatch else [])
+                "--queue", str(queue), "-np", str(parallel)] + (["--plain"] if plain else []) \
+            + (["-ub", str(ubatch)] if ubatch else [])
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.proc = group.popen(argv, **kw) if group is not None else subprocess.Popen(argv, **kw)
         self.err: list[str] = []
@@ -114,7 +118,7 @@ class Served:
 
         return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats").read())
 
-    def turn(self, prompt: list[int], n: int, seed: int) -> dict:
+    def turn(self, prompt: list[int], n: int, seed: int, on_first: threading.Event | None = None) -> dict:
         """One streamed completion, timed by the client: TTFT is the request to the first streamed
         event that carries a token (a choice; its text may be empty while a UTF-8 character is
         still incomplete), decode tok/s the tokens after the first over the wall time after it.
@@ -127,13 +131,17 @@ class Served:
                                                  extra_body={"top_k": 0, "min_p": 0.0}):
             if ch.choices and first is None:
                 first = time.perf_counter() - t0
+                if on_first is not None:
+                    on_first.set()
             if ch.choices and ch.choices[0].text:
                 text.append(ch.choices[0].text)
             if ch.usage:
                 usage = ch.usage
-        wall = time.perf_counter() - t0
+        t_end = time.perf_counter()
+        wall = t_end - t0
         n_out = usage.completion_tokens if usage else None
-        return {"prompt_tokens": len(prompt), "ttft_s": first, "ttft_source": "client: first streamed token event",
+        return {"t_start": t0, "t_first": t0 + first if first is not None else None, "t_end": t_end,
+                "prompt_tokens": len(prompt), "ttft_s": first, "ttft_source": "client: first streamed token event",
                 "wall_s": wall, "completion_tokens": n_out, "max_tokens": n,
                 "tokens_exact": n_out == n, "overrun": (n_out - n) if n_out is not None and n_out > n else 0,
                 "decode_tokens_per_s": (n_out - 1) / (wall - first) if n_out and n_out > 1 and first is not None
@@ -151,21 +159,23 @@ class Served:
         return "".join(self.err)
 
 
-def session(srv: Served, ids: list[int]) -> list[dict]:
-    """4 turns: the conversation grows by the reply (its text, tokenized as a client's history
-    would be) and 100 more tokens of the text."""
+def session(srv: Served, ids: list[int], turns: int = TURNS, reply: int = REPLY, seed: int = SEED,
+            tag: str = "", first_done: threading.Event | None = None) -> list[dict]:
+    """`turns` turns: the conversation grows by the reply (its text, tokenized as a client's history
+    would be) and 100 more tokens of the text. `first_done` is set once the first reply is
+    decoding (its first token arrived)."""
     from mbolt.runtime.runner import LlamaRunner
 
-    turns, ctx, pos = [], list(ids[:FIRST]), FIRST
+    out, ctx, pos = [], list(ids[:FIRST]), FIRST
     with LlamaRunner(srv.model, vocab_only=True) as v:
-        for t in range(TURNS):
-            r = srv.turn(ctx, REPLY, SEED + t)
-            log(f"    turn {t + 1}: prompt {len(ctx)} tokens, ttft {r['ttft_s'] or 0:.2f} s, "
+        for t in range(turns):
+            r = srv.turn(ctx, reply, seed + t, on_first=first_done if t == 0 else None)
+            log(f"    {tag}turn {t + 1}: prompt {len(ctx)} tokens, ttft {r['ttft_s'] or 0:.2f} s, "
                 f"{r['decode_tokens_per_s'] or 0:.2f} tok/s")
-            turns.append({k: v_ for k, v_ in r.items() if k != "text"})
+            out.append({k: v_ for k, v_ in r.items() if k != "text"})
             ctx = ctx + v.tokenize(r["text"]) + list(ids[pos:pos + APPEND])
             pos += APPEND
-    return turns
+    return out
 
 
 def load_run(srv: Served, ids: list[int]) -> dict:
@@ -281,7 +291,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prereg", type=Path, default=ROOT / "prereg" / "serve.toml")
     ap.add_argument("--dry-run", action="store_true", help="check the pre-registration and print the plan")
+    ap.add_argument("--workload", choices=("session", "concurrency"), default="session",
+                    help="session: the 4-turn session against plain and warm; concurrency: 1..N clients at once "
+                         "(scripts/serve_concurrency.py; default --prereg prereg/serve_concurrency.toml)")
+    ap.add_argument("--clients", default="1,2,4,8", help="concurrency: the client counts")
+    ap.add_argument("--turns", type=int, default=TURNS, help="concurrency: turns per conversation")
+    ap.add_argument("--reply", type=int, default=REPLY, help="concurrency: tokens per reply")
     a = ap.parse_args()
+    if a.workload == "concurrency":
+        return concurrency(a)
     dst = ROOT / "results" / f"serve_{a.model}.json"
     try:
         pr, lock = open_bench_prereg(a.prereg, ROOT, count_run=not a.dry_run)
@@ -348,6 +366,49 @@ def main() -> None:
         log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
     for x in out["reply_lengths"]["not_exact"]:
         log(f"  reply not {REPLY} tokens: {x}")
+
+
+def concurrency(a) -> None:
+    import serve_concurrency as sc
+
+    clients = sorted({int(x) for x in a.clients.split(",")})
+    prereg = ROOT / "prereg" / "serve_concurrency.toml" if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg
+    dst = ROOT / "results" / f"serve_concurrency_{a.model}.json"
+    try:
+        pr, lock = open_bench_prereg(prereg, ROOT, count_run=not a.dry_run)
+        pr.require_goals(sc.GOAL_KEYS)
+        check_rerun(pr, dst)
+    except MboltError as e:
+        raise SystemExit(f"error: {e}") from None
+    plan = sc.plan_runs(clients)
+    if a.dry_run:
+        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {len(plan)} runs: "
+              + ", ".join(f"{arm} x{c}" for arm, c in plan) + f" ({a.turns} turns, {a.reply} tokens per reply)")
+        return
+    model = paths(a.model)["stock"]
+    if not model.exists():
+        raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {a.model}` first")
+    rec = run_record(pr, lock, ROOT, model)
+    size = model.stat().st_size
+    ram = int(0.4 * size)
+    ids = session_text_ids(model, pages=max(clients))
+    runs = []
+    with readahead(model, 128) as ra:
+        for arm, c in plan:
+            log(f"{arm}: {c} client(s)")
+            runs.append(sc.run_clients(sys.modules[__name__], model, arm, c, max(clients), ram, ids, a.turns, a.reply))
+    out = {"benchmark": "mbolt serve: concurrent conversations under a real memory limit (issue 34)",
+           "script": "scripts/bench_serve.py --workload concurrency", "model": a.model, "file_bytes": size,
+           "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra, "clients": clients,
+           "conversation": {"first_prompt": FIRST, "append_per_turn": APPEND, "reply": a.reply, "turns": a.turns,
+                            "client_window_tokens": sc.WINDOW,
+                            "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per client and turn"},
+           **sc.summarize(runs, clients, pr, ram), "runs": runs}
+    out.update(finish_record(rec))
+    write_text_atomic(dst, json.dumps(keep_earlier(pr, dst, out), indent=1, default=float) + "\n")
+    log("wrote", dst)
+    for goal in out["goals"]:
+        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
 
 
 if __name__ == "__main__":
