@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -285,6 +284,26 @@ def reply_lengths(rounds: list[dict]) -> dict:
     return {"max_tokens": REPLY, "all_exact": not off, "not_exact": off}
 
 
+def gate(prereg: Path, goal_keys, dst: Path, dry_run: bool):
+    """The pre-registration checked (bench.prereg) before anything runs: one error line otherwise."""
+    try:
+        pr, lock = open_bench_prereg(prereg, ROOT, count_run=not dry_run)
+        pr.require_goals(goal_keys)
+        check_rerun(pr, dst)
+    except MboltError as e:
+        raise SystemExit(f"error: {e}") from None
+    return pr, lock
+
+
+def bench_model(name: str) -> tuple[Path, int, int]:
+    """The benchmark model made by bench_memlimit.py prepare, its size and the 40% budget."""
+    model = paths(name)["stock"]
+    if not model.exists():
+        raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {name}` first")
+    size = model.stat().st_size
+    return model, size, int(0.4 * size)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="q864")
@@ -301,22 +320,13 @@ def main() -> None:
     if a.workload == "concurrency":
         return concurrency(a)
     dst = ROOT / "results" / f"serve_{a.model}.json"
-    try:
-        pr, lock = open_bench_prereg(a.prereg, ROOT, count_run=not a.dry_run)
-        pr.require_goals(GOAL_KEYS)
-        check_rerun(pr, dst)
-    except MboltError as e:
-        raise SystemExit(f"error: {e}") from None
+    pr, lock = gate(a.prereg, GOAL_KEYS, dst, a.dry_run)
     if a.dry_run:
         print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {a.rounds} round(s) of "
               f"{', '.join(ARMS)} ({TURNS} turns, {REPLY} tokens per reply, TTFT timed by the client)")
         return
-    model = paths(a.model)["stock"]
-    if not model.exists():
-        raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {a.model}` first")
+    model, size, ram = bench_model(a.model)
     rec = run_record(pr, lock, ROOT, model)
-    size = model.stat().st_size
-    ram = int(0.4 * size)
     ids = session_text_ids(model)
     rounds = []
     with readahead(model, 128) as ra:
@@ -374,23 +384,14 @@ def concurrency(a) -> None:
     clients = sorted({int(x) for x in a.clients.split(",")})
     prereg = ROOT / "prereg" / "serve_concurrency.toml" if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg
     dst = ROOT / "results" / f"serve_concurrency_{a.model}.json"
-    try:
-        pr, lock = open_bench_prereg(prereg, ROOT, count_run=not a.dry_run)
-        pr.require_goals(sc.GOAL_KEYS)
-        check_rerun(pr, dst)
-    except MboltError as e:
-        raise SystemExit(f"error: {e}") from None
+    pr, lock = gate(prereg, sc.GOAL_KEYS, dst, a.dry_run)
     plan = sc.plan_runs(clients)
     if a.dry_run:
         print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {len(plan)} runs: "
               + ", ".join(f"{arm} x{c}" for arm, c in plan) + f" ({a.turns} turns, {a.reply} tokens per reply)")
         return
-    model = paths(a.model)["stock"]
-    if not model.exists():
-        raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {a.model}` first")
+    model, size, ram = bench_model(a.model)
     rec = run_record(pr, lock, ROOT, model)
-    size = model.stat().st_size
-    ram = int(0.4 * size)
     ids = session_text_ids(model, pages=max(clients))
     runs = []
     with readahead(model, 128) as ra:

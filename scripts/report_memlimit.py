@@ -29,6 +29,8 @@ def load(prefix: str) -> list[dict]:
         if ".run" in p.name:  # an earlier run kept beside its successor: listed under it (earlier())
             continue
         d = json.loads(p.read_text())
+        if prefix == "serve" and p.name.startswith("serve_concurrency_"):  # its own table (concurrency())
+            continue
         if prefix != "memlimit" or "headline" in d:  # the steady-decode format (issue 28)
             out.append(d)
     return out
@@ -152,6 +154,11 @@ def decode() -> str:
         notes.append(f"- {d['model']}: plain's readahead sweep ({d['sweep']['tokens']} tokens, {d['sweep']['rounds']} "
                      f"rounds): {sweep} tok/s; the reorder file over stock at 128 KiB: plain {fmt(ro['plain'])}x, "
                      f"mbolt {fmt(ro['mbolt'])}x; warm {fmt(d['warm_tokens_per_s'])} tok/s; goals: {met(d['goals'])}.")
+        for ra, pe in (d.get("peers") or {}).items():
+            notes.append(f"- {d['model']}: the peer at {ra} KiB: best arm {pe['best_peer_arm']} "
+                         f"{fmt(pe['best_peer_tokens_per_s'])} tok/s, mbolt-stock over it "
+                         f"**{fmt(pe['mbolt_over_best_peer'])}x**; warm ik_llama.cpp {fmt(pe['ik_warm_tokens_per_s'])}, "
+                         f"llama.cpp {fmt(pe['llama_cpp_warm_tokens_per_s'])} tok/s (fed: {pe['fed']}).")
         notes += earlier(d) + [run_line(d)]
     return "\n".join(out + [""] + [n for n in notes if n])
 
@@ -200,11 +207,30 @@ def serve() -> str:
     return "\n".join(out)
 
 
+def concurrency() -> str:
+    out = []
+    for d in load("serve_concurrency"):
+        cs = [str(c) for c in d["clients"]]
+        t = d["decode_tokens_per_s_total"]
+        out += [f"{model_name(d)}, budget {100 * d['budget_frac']:.0f}% ({d['budget_bytes'] / 2**30:.2f} GiB), "
+                f"readahead {d['readahead_kb']} KiB; {d['conversation']['turns']} turns of "
+                f"{d['conversation']['reply']} tokens per client:", "",
+                "| clients | mbolt (tok/s, all clients) | plain | mbolt -np 1 | mbolt over plain | mbolt over -np 1 | "
+                "mbolt over one client |", "|---|---|---|---|---|---|---|"]
+        for c in cs:
+            out.append(f"| {c} | **{fmt(t['mbolt'][c])}** | {fmt(t['plain'][c])} | {fmt(t['mbolt-np1'].get(c))} | "
+                       f"**{fmt(d['mbolt_over_plain'][c], unit='x')}** | {fmt(d['mbolt_over_np1'].get(c), unit='x')} | "
+                       f"{fmt(d['scaling_over_one_client'][c], unit='x')} |")
+        out += ["", f"A newcomer's time to first token: {fmt(d['newcomer_ttft_s'])} s beside "
+                f"{max(d['clients']) - 1} decoding clients, {fmt(d['alone_ttft_s'])} s alone. Goals: {met(d['goals'])}."]
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=["session", "decode", "drives", "serve", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["session", "decode", "drives", "serve", "concurrency", "all"])
     a = ap.parse_args()
-    parts = {"session": session, "decode": decode, "drives": drives, "serve": serve}
+    parts = {"session": session, "decode": decode, "drives": drives, "serve": serve, "concurrency": concurrency}
     for name, fn in parts.items():
         if a.what in (name, "all"):
             sys.stdout.write(f"\n### {name}\n\n{fn()}\n")
