@@ -72,13 +72,14 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def session_text_ids(model: Path, pages: int = 1) -> list[int]:
-    """The held-out text: enough for the session and the load run, or for `pages` clients' windows."""
+def session_text_ids(model: Path, tokens: int = 0) -> list[int]:
+    """The held-out text: enough for the session and the load run, and at least `tokens` tokens
+    (the concurrency workload's client windows)."""
     from mbolt.bench.ab import load_prompt_ids
 
-    more = max(LOAD_PROMPT * LOAD_CLIENTS, 500 * (pages - 1))
+    session = FIRST + APPEND * TURNS
     return load_prompt_ids(str(model), None, 1, engine="llama.cpp", forced=FIRST, n_new=APPEND * TURNS,
-                           followup=more)[0]
+                           followup=max(LOAD_PROMPT * LOAD_CLIENTS, tokens - session))[0]
 
 
 class Served:
@@ -198,15 +199,22 @@ def load_run(srv: Served, ids: list[int]) -> dict:
             with lock:
                 codes.append(code)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(LOAD_CLIENTS)]
+    seconds = in_parallel(client, LOAD_CLIENTS)
+    return {"clients": LOAD_CLIENTS, "requests_each": LOAD_REQUESTS, "queue_bound": LOAD_QUEUE,
+            "answered": codes.count(200), "refused_503": codes.count(503),
+            "other": [c for c in codes if c not in (200, 503)], "client_errors": errors, "seconds": seconds}
+
+
+def in_parallel(client, n: int) -> float:
+    """client(0..n-1), each on a thread of its own, all started at once; the wall seconds until the
+    last ends."""
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
     t0 = time.time()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return {"clients": LOAD_CLIENTS, "requests_each": LOAD_REQUESTS, "queue_bound": LOAD_QUEUE,
-            "answered": codes.count(200), "refused_503": codes.count(503),
-            "other": [c for c in codes if c not in (200, 503)], "client_errors": errors, "seconds": time.time() - t0}
+    return time.time() - t0
 
 
 def run_arm(model: Path, mode: str, ram: int, ids: list[int], with_load: bool = False) -> dict:
@@ -392,7 +400,9 @@ def concurrency(a) -> None:
         return
     model, size, ram = bench_model(a.model)
     rec = run_record(pr, lock, ROOT, model)
-    ids = session_text_ids(model, pages=max(clients))
+    need = FIRST + APPEND * a.turns
+    ids = session_text_ids(model, tokens=sc.WINDOW * (max(clients) - 1) + need)
+    sc.client_ids(ids, max(clients), need)  # every client's text is there before the first run, not after
     runs = []
     with readahead(model, 128) as ra:
         for arm, c in plan:

@@ -23,7 +23,6 @@ every request answered (200) or refused (503), nothing else.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 
@@ -68,8 +67,9 @@ def run_clients(bs, model, arm: str, clients: int, parallel: int, ram: int, ids:
 
     bs.evict(model)
     texts = client_ids(ids, clients, bs.FIRST + bs.APPEND * turns)
+    slots = 1 if arm == "mbolt-np1" else parallel
     with bs.MemoryGroup(ram) as g:
-        srv = bs.Served(model, arm == "plain", g, queue=8, parallel=1 if arm == "mbolt-np1" else parallel)
+        srv = bs.Served(model, arm == "plain", g, queue=8, parallel=slots)
         g.reset_peak()
         started = [threading.Event() for _ in range(clients)]
         results: list[dict] = [{} for _ in range(clients)]
@@ -92,13 +92,7 @@ def run_clients(bs, model, arm: str, clients: int, parallel: int, ram: int, ids:
                 started[i].set()
                 results[i] = rec
 
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        t0 = time.time()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = time.time() - t0
+        seconds = bs.in_parallel(client, clients)
         try:
             stats = srv.metrics()
         finally:
@@ -107,7 +101,7 @@ def run_clients(bs, model, arm: str, clients: int, parallel: int, ram: int, ids:
     turns_all = [t for r in results for t in r["turns"]]
     codes = [c for r in results for c in r["codes"]]
     new = results[-1]["turns"][0]["ttft_s"] if clients > 1 and results[-1]["turns"] else None
-    out = {"arm": arm, "clients": clients, "parallel": 1 if arm == "mbolt-np1" else parallel, "seconds": seconds,
+    out = {"arm": arm, "clients": clients, "parallel": slots, "seconds": seconds,
            "decode_tokens_per_s_total": decode_throughput(turns_all),
            "first_ttft_s": results[0]["turns"][0]["ttft_s"] if clients == 1 and results[0]["turns"] else None,
            "newcomer_ttft_s": new, "requests": turns * clients, "answered": codes.count(200),
