@@ -104,3 +104,45 @@ def test_a_batched_step_reads_the_union_once(toy):
         per_layer_step = (d.store.counters.experts - c0) / (5 * len(d.moe_layers))
     assert outs == alone  # F32 weights and KV cache: batching changes no greedy token here
     assert d.mm.n_used <= per_layer_step <= 4 * d.mm.n_used  # a union: at most every row's k, at least one row's
+
+
+def _run_small_cache(path, text_ids, slots: int, **kw):
+    """Two teacher-forced runs through a cache of `slots` experts per layer (under a budget, so
+    victims leave memory at once), every cached expert's pages taken from the page cache between
+    them (as the kernel's reclaim would); what each run counted, the LRU, and which experts'
+    pages are resident at the end."""
+    from mbolt.runtime.driver import open_driver
+
+    with open_driver(path, reads=True, qd=2, asynchronous=True, n_ctx=256, budget=2 << 30, **kw) as d:
+        d.make_cold()
+        b = d.arm.budget
+        b.decode_slots = b.prefill_slots = slots
+        d.arm._resize_cache(slots)
+        first = d.generate([text_ids], 24, forced=16)
+        for layer in d.moe_layers:
+            d.pages.drop(d.pages.expert_spans_of(layer, d.store.cached(layer)))
+        second = d.generate([text_ids[8:]], 24, forced=16)
+        lru = {layer: d.store.cached(layer) for layer in sorted(d.moe_layers)}
+        resident = {layer: [e for e in range(d.mm.n_experts) if d.pages.expert_resident(layer, e)]
+                    for layer in sorted(d.moe_layers)}
+        return [first, second], lru, resident, d.arm.native_layers, d.arm.reclaimed
+
+
+@needs_llama
+def test_layers_with_misses_are_answered_in_c_with_pythons_results(toy):
+    """Under a budget the C filter also reads a decode layer's misses, evicts and drops (runtime.
+    native's with_misses): the same tokens, hits, misses, merged reads, bytes, reclaimed experts
+    and LRU as Python's path, and the same pages left resident: those of the cached experts only."""
+    ids = list(range(30, 130))
+    c_runs, c_lru, c_res, c_layers, c_reclaimed = _run_small_cache(toy, ids, 6)
+    py_runs, py_lru, py_res, py_layers, py_reclaimed = _run_small_cache(toy, ids, 6, native_misses=False)
+    assert c_layers > 0 and py_layers == 0
+    assert c_runs[0].misses > 24 * 4  # the cache of 6 of 16 missed in most steps
+    for c, p in zip(c_runs, py_runs):
+        assert c.generated == p.generated
+        assert (c.hits, c.misses, c.reads, c.bytes, c.useful_bytes) == (p.hits, p.misses, p.reads, p.bytes,
+                                                                          p.useful_bytes)
+    assert c_reclaimed == py_reclaimed > 0  # the dropped cached experts were found and read again
+    assert c_lru == py_lru
+    assert all(len(v) == 6 for v in c_lru.values())
+    assert c_res == py_res == {layer: sorted(v) for layer, v in c_lru.items()}  # victims left memory

@@ -77,15 +77,27 @@ class ArrayLru:
     stamps among the unpinned. The runtime's C filter (runtime.native) answers a decode step's
     layer whose experts are all cached by stamping them itself, without Python: its hits then
     reorder this cache as `admit` would have (tests/test_cache.py holds the two classes to the same
-    hits and victims)."""
+    hits and victims). The count of cached keys lives in `count` (an int64 array of one element)
+    because the C filter also admits misses and evicts under this rule (runtime.native)."""
 
-    __slots__ = ("slots", "cached", "stamp", "clock", "pinned", "_n")
+    __slots__ = ("slots", "cached", "stamp", "clock", "pinned", "count")
 
-    def __init__(self, slots: int, cached, stamp, clock, pinned=()):
+    def __init__(self, slots: int, cached, stamp, clock, pinned=(), count=None):
+        import numpy as np
+
         self.slots = max(int(slots), 0)
         self.cached, self.stamp, self.clock = cached, stamp, clock
         self.pinned = set(pinned)
-        self._n = int(cached.sum())
+        self.count = np.zeros(1, np.int64) if count is None else count
+        self.count[0] = int(cached.sum())
+
+    @property
+    def _n(self) -> int:
+        return int(self.count[0])
+
+    @_n.setter
+    def _n(self, n: int) -> None:
+        self.count[0] = n
 
     def __contains__(self, key) -> bool:
         return bool(self.cached[key])

@@ -15,6 +15,16 @@ cache's arrays (core.lru.ArrayLru: in the cache, by original id through the rout
 when every expert is cached, stamps their last use as the LRU's admit would and returns: Python
 sees only selections with a miss. Its counts (`take_counts`) are added to the store's after each step.
 
+Under a budget (asynchronous reads, no pins) the filter answers a decode layer with misses too
+(`with_misses`): the same LRU rule on the same arrays, the misses' slices merged per tensor and
+submitted with WILLNEED, the victims unmapped and dropped. In Python that layer cost about 200 us
+on q72 (the LRU's admit, the merge in numpy, a mincore per cached expert, one drop per victim
+through ctypes): about 20 ms of a 35 ms token, on the path between the selection and the
+matmuls. In C it costs the syscalls alone. Python keeps the path when a step selects more
+experts than the cache holds, and `StreamRuntime(native_misses=False)` keeps it always (the A/B).
+
+The C source is `native.c` beside this file.
+
 It is compiled once with the system C compiler into ``$XDG_CACHE_HOME/mbolt`` (the file name
 carries a hash of the source; the tensor-name offset is passed at run time). Without a compiler `topk_filter`
 returns None and the runner keeps the Python callback (slower, same routing).
@@ -24,103 +34,21 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
+PAGE = mmap.PAGESIZE
+
 TOPK_PREFIX = b"ffn_moe_topk-"  # the graph nodes whose computed values are the selected experts
 
-SOURCE = r"""
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-typedef bool (*eval_cb)(void * t, bool ask, void * user);
-
-/* what the filter needs of a ggml_tensor (offsets from the binding's layout, checked there) and
-   the expert cache's state, shared with Python (numpy arrays) */
-struct mbolt_filter {
-    eval_cb python;
-    long name_offset, type_offset, ne_offset, nb_offset, data_offset;
-    int32_t fast;            /* 1: a computed selection whose experts are all cached is answered here */
-    int32_t n_layers, n_experts;
-    const int32_t * perm;    /* [n_layers * n_experts]: position in the file -> original expert id */
-    uint8_t * cached;        /* [n_layers * n_experts] by original id: in the slot cache */
-    int64_t * stamp;         /* [n_layers * n_experts] by original id: last use (core.lru.ArrayLru) */
-    int64_t * clock;         /* the stamps' counter */
-    uint8_t * seen;          /* [n_layers]: the layers whose selection was computed this step */
-    int64_t fast_layers;     /* selections answered here (cumulative) */
-    int64_t fast_experts;    /* distinct experts those selections used (cumulative) */
-};
-
-/* every id of the computed selection (rows of k int32, strided) is a cached expert: make them the
-   most recently used in row order, then rank order (what core.lru's admit does), and go on
-   without Python */
-static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
-    if (!f->fast || layer < 0 || layer >= f->n_layers || *(const int *) (t + f->type_offset) != 26 /* I32 */) {
-        return false;
-    }
-    const int64_t * ne = (const int64_t *) (t + f->ne_offset);
-    const size_t * nb = (const size_t *) (t + f->nb_offset);
-    const char * data = *(char * const *) (t + f->data_offset);
-    const int64_t k = ne[0], n = ne[1];
-    const int32_t * perm = f->perm + (int64_t) layer * f->n_experts;
-    const uint8_t * cached = f->cached + (int64_t) layer * f->n_experts;
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t * row = (const int32_t *) (data + j * nb[1]);
-        for (int64_t i = 0; i < k; i++) {
-            if (row[i] < 0 || row[i] >= f->n_experts || !cached[perm[row[i]]]) {
-                return false;
-            }
-        }
-    }
-    int64_t * stamp = f->stamp + (int64_t) layer * f->n_experts;
-    const int64_t start = *f->clock;
-    int64_t distinct = 0;  /* a batched step's rows share experts: the union is what the store counts */
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t * row = (const int32_t *) (data + j * nb[1]);
-        for (int64_t i = 0; i < k; i++) {
-            int64_t * s = stamp + perm[row[i]];
-            distinct += *s <= start;
-            *s = ++*f->clock;
-        }
-    }
-    f->fast_layers += 1;
-    f->fast_experts += distinct;
-    return true;
-}
-
-/* ggml_backend_sched_eval_callback: the scheduler asks about every node (ask), then hands over
-   the ones we asked for once computed; only computed ffn_moe_topk-N nodes with an uncached expert
-   reach Python */
-bool mbolt_topk_filter(void * t, bool ask, void * user) {
-    struct mbolt_filter * f = (struct mbolt_filter *) user;
-    const char * name = (const char *) t + f->name_offset;
-    if (strncmp(name, "PREFIX", PREFIX_LEN) != 0) {
-        return !ask;
-    }
-    if (ask) {
-        return true;
-    }
-    const int layer = atoi(name + PREFIX_LEN);
-    if (f->seen != NULL && layer >= 0 && layer < f->n_layers) {
-        f->seen[layer] = 1;
-    }
-    if (all_cached(f, (const char *) t, layer)) {
-        return true;
-    }
-    return f->python(t, ask, NULL);
-}
-
-/* ggml_abort_callback: llama.cpp's CPU backend asks it between graph nodes; a set flag stops the
-   graph (a server's client went away in the middle of a prompt) */
-bool mbolt_abort_flag(void * data) {
-    return *(volatile int *) data != 0;
-}
-""".replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode())
+SOURCE = ((Path(__file__).with_name("native.c")).read_text()
+          .replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode()))
 
 
 class _Filter(ctypes.Structure):
@@ -129,7 +57,20 @@ class _Filter(ctypes.Structure):
                 ("fast", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("n_experts", ctypes.c_int32),
                 ("perm", ctypes.c_void_p), ("cached", ctypes.c_void_p), ("stamp", ctypes.c_void_p),
                 ("clock", ctypes.c_void_p), ("seen", ctypes.c_void_p), ("fast_layers", ctypes.c_int64),
-                ("fast_experts", ctypes.c_int64)]
+                ("fast_experts", ctypes.c_int64), ("misses", ctypes.c_void_p)]
+
+
+MISS_COUNTS = ("layers", "experts", "hits", "misses", "reads", "bytes", "useful", "io_ns", "reclaimed", "victims",
+               "errors")
+
+
+class _Misses(ctypes.Structure):
+    _fields_ = ([("slots", ctypes.c_int32), ("n_roles", ctypes.c_int32)]
+                + [(k, ctypes.c_void_p) for k in ("r_file", "r_off", "r_len", "fds", "map_lo", "map_off", "map_len",
+                                                  "ra_step")]
+                + [("merge_gap", ctypes.c_int64)]
+                + [(k, ctypes.c_void_p) for k in ("count", "read_mark", "sel", "in_sel", "runs", "vec")]
+                + [("vec_pages", ctypes.c_int64)] + [(k, ctypes.c_int64) for k in MISS_COUNTS])
 
 
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: no compiler
@@ -177,13 +118,12 @@ class TopkFilter:
         self.cb = ctypes.cast(lib.mbolt_topk_filter, type(python_cb))
         self.user_data = ctypes.cast(ctypes.pointer(self.user), ctypes.c_void_p)
         self._arrays: tuple = ()
+        self.misses: _Misses | None = None
 
     def share_cache(self, perm, cached, stamp, clock) -> None:
         """The expert cache's arrays (numpy, C-contiguous: perm int32 [L, E] positions -> original
         ids, cached uint8 and stamp int64 [L, E] by original id, clock int64 [1]), read and
         stamped by the C filter in fast steps (`fast`)."""
-        import numpy as np
-
         perm = np.ascontiguousarray(perm, np.int32)
         for a, dt in ((cached, np.uint8), (stamp, np.int64), (clock, np.int64)):
             if a.dtype != dt or not a.flags.c_contiguous:
@@ -193,6 +133,57 @@ class TopkFilter:
         self.seen = np.zeros(perm.shape[0], np.uint8)
         u.perm, u.cached, u.stamp, u.clock, u.seen = (a.ctypes.data for a in (perm, cached, stamp, clock, self.seen))
         self._arrays = (perm, cached, stamp, clock, self.seen)  # alive as long as C may read them
+
+    def share_reads(self, *, ranges: np.ndarray, fds: list[int], maps: list[tuple[int, int, int]],
+                    ra_steps: list[int], merge_gap: int, count: np.ndarray, read_mark: np.ndarray) -> None:
+        """Let the filter answer decode layers with misses too (`with_misses` in the C source):
+        `ranges` int64 [L, E, roles, 3] (file, offset in it, length; length 0: no such role),
+        per file its descriptor, llama.cpp's one mapping of it (address, file offset, length) and
+        the most one WILLNEED reads; the LRU's per-layer counts and the read marks (numpy, shared)."""
+        L, E, R, _ = ranges.shape
+        n_files = len(fds)
+        r_file = np.ascontiguousarray(ranges[..., 0], np.int32)
+        r_off = np.ascontiguousarray(ranges[..., 1], np.int64)
+        r_len = np.ascontiguousarray(ranges[..., 2], np.int64)
+        if (r_file < 0).any() or (r_file >= n_files).any():
+            raise ValueError("a slice names a file the model does not have")
+        longest = int(r_len.max()) if r_len.size else 0
+        arrays = dict(r_file=r_file, r_off=r_off, r_len=r_len, fds=np.asarray(fds, np.int32),
+                      map_lo=np.asarray([m[0] for m in maps], np.int64), map_off=np.asarray([m[1] for m in maps], np.int64),
+                      map_len=np.asarray([m[2] for m in maps], np.int64), ra_step=np.asarray(ra_steps, np.int64),
+                      count=count, read_mark=read_mark, sel=np.zeros(2 * E, np.int32), in_sel=np.zeros(E, np.uint8),
+                      runs=np.zeros(4 * E * max(R, 1), np.int64), vec=np.zeros(longest // PAGE + 2, np.uint8))
+        for name in ("count", "read_mark"):
+            a = arrays[name]
+            if not a.flags.c_contiguous or a.shape[:1] != (L,):
+                raise ValueError(f"{name} must be a C-contiguous array of the model's layers")
+        m = self.misses = _Misses(slots=0, n_roles=R, merge_gap=int(merge_gap), vec_pages=longest // PAGE + 2,
+                                  **{k: a.ctypes.data for k, a in arrays.items()})
+        self._miss_arrays = arrays  # alive as long as C may read them
+        self.user.misses = ctypes.addressof(m)
+
+    @property
+    def answers_misses(self) -> bool:
+        return bool(self.user.misses)
+
+    @property
+    def slots(self) -> int:
+        return int(self.misses.slots) if self.answers_misses else 0
+
+    @slots.setter
+    def slots(self, n: int) -> None:
+        if self.answers_misses:
+            self.misses.slots = int(n)
+
+    def take_miss_counts(self) -> dict[str, int]:
+        """What the decode layers with misses answered here did since the last call."""
+        if not self.answers_misses:
+            return {}
+        m = self.misses
+        out = {k: int(getattr(m, k)) for k in MISS_COUNTS}
+        for k in MISS_COUNTS:
+            setattr(m, k, 0)
+        return out
 
     @property
     def fast(self) -> bool:
@@ -205,8 +196,6 @@ class TopkFilter:
     def take_counts(self) -> tuple[set[int], int, int]:
         """(layers whose selection was computed, selections answered in C, experts they used)
         since the last call."""
-        import numpy as np
-
         u = self.user
         layers = set(np.flatnonzero(self.seen).tolist())
         self.seen[:] = 0

@@ -128,8 +128,10 @@ class ExpertStore:
         self.lru_cached = np.zeros((n_rows, E), np.uint8)
         self.lru_stamp = np.zeros((n_rows, E), np.int64)
         self.lru_clock = np.zeros(1, np.int64)
+        self.lru_count = np.zeros(n_rows, np.int64)  # cached experts per layer
         self.read_mark = np.zeros((n_rows, E), np.uint8)  # read since `mark_reads` (what a server's page draws)
-        self._lru: dict[int, ArrayLru] = {l: ArrayLru(0, self.lru_cached[l], self.lru_stamp[l], self.lru_clock)
+        self._lru: dict[int, ArrayLru] = {l: ArrayLru(0, self.lru_cached[l], self.lru_stamp[l], self.lru_clock,
+                                                        count=self.lru_count[l:l + 1])
                                           for l in self._ranges}
         self._kept: dict[int, dict] = {l: {} for l in self._ranges}
         self.cache_slots = max(0, min(int(cache_slots), E))
@@ -152,7 +154,7 @@ class ExpertStore:
                 except OSError as e:
                     raise MboltError(f"{p}: cannot open{' with O_DIRECT' if direct else ''}: {e.strerror}") from None
             self.file_sizes = [os.fstat(fd).st_size for fd in self.fds]
-            self._willneed = [willneed_bytes(p) for p in self.mm.paths] if asynchronous else []
+            self.willneed_steps = [willneed_bytes(p) for p in self.mm.paths] if asynchronous else []
             if mode == "os":
                 self._maps = [mmap.mmap(fd, 0, access=mmap.ACCESS_READ) for fd in self.fds]
             elif not direct:
@@ -327,6 +329,20 @@ class ExpertStore:
         c.experts += experts
         c.hits += experts
 
+    def count_native(self, done: dict[str, int]) -> None:
+        """Count what the runtime's C filter read itself (runtime.native's miss counts): decode
+        layers with misses, under the same rule as `read`."""
+        c = self.counters
+        c.calls += done["layers"]
+        c.experts += done["experts"]
+        c.hits += done["hits"]
+        c.misses += done["misses"]
+        c.reads += done["reads"]
+        c.ops += done["reads"]
+        c.bytes += done["bytes"]
+        c.useful_bytes += done["useful"]
+        c.io_time += done["io_ns"] * 1e-9
+
     def reserve(self, experts_per_call: int) -> int:
         """Allocate the read arena for the largest call of `experts_per_call` misses and touch
         every page now, so that no timed read pays first-touch page faults (or grows the arena)
@@ -388,7 +404,7 @@ class ExpertStore:
             # queue depth stalled the whole layer: 8.3 vs 10.1 tok/s, issue 19)
             for off, n, _ in jobs:
                 f, o = split_vaddr(off)
-                willneed(self.fds[f], o, n, self._willneed[f])
+                willneed(self.fds[f], o, n, self.willneed_steps[f])
         elif self._pool is None or len(jobs) == 1:
             for j in jobs:
                 self._pread(view, *j)

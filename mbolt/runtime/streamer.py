@@ -40,6 +40,7 @@ import warnings
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.gguf_set import FILE_SHIFT
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
@@ -77,6 +78,8 @@ class StreamRuntime:
     record: keep each decode step's selections (`step_routing`; the C fast path is then off).
     evict: False keeps whatever the kernel keeps (a warm control: nothing dropped after a step).
     n_seq: the sequences the driver decodes together (their KV caches and steps are budgeted).
+    native_misses: under a budget, decode layers with misses are answered in C too (the same rule;
+      False keeps them in Python: the A/B of the two paths).
     """
 
     uses_callback = True
@@ -84,7 +87,7 @@ class StreamRuntime:
     def __init__(self, path, *, gap: int = 0, qd: int = 1, cache_slots: int = 0, n_ctx: int | None = None,
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
-                 flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1):
+                 flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -107,6 +110,7 @@ class StreamRuntime:
             raise MboltError(f"--cache-slots {cache_slots} is below the {self.mm.n_used} experts a token uses: "
                              "give 0 (no cache) or at least that many")
         self.cache_slots = int(cache_slots)
+        self.native_misses = native_misses
         self.locked_bytes = self.copied_bytes = 0
         self.pins, self.pinned_per_layer = pins, 0
         self.perm = self.mm.route_map.perm  # position in the file -> original expert id
@@ -122,6 +126,7 @@ class StreamRuntime:
         self.reclaimed = 0  # cached experts found reclaimed by the kernel (read again)
         self.after_step_s = 0.0  # dropping a decode step's leftovers after it (not the step's time)
         self.fast_layers = 0  # decode layers the C filter answered (every expert cached)
+        self.native_layers = 0  # decode layers with misses the C filter answered (reads and drops)
         self.step_clock = 0  # the LRU's clock when the last decode step began
         self.store = self.reader = self.filter = None
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
@@ -189,6 +194,7 @@ class StreamRuntime:
                 self._resize_cache(self.budget.decode_slots)
         if self.filter is not None:
             self.filter.fast = phase is Phase.DECODE and not self.record
+            self.filter.slots = self.store.cache_slots
 
     def on_topk(self, layer: int, rows: np.ndarray) -> None:
         """llama.cpp computed layer `layer`'s selection (`rows` [n_tokens, k] positions); its
@@ -221,6 +227,14 @@ class StreamRuntime:
             seen, layers, experts = self.filter.take_counts()
             self.store.count_cached(layers, experts)
             self.fast_layers += layers
+            done = self.filter.take_miss_counts()
+            if done:
+                if done["errors"]:
+                    raise MboltError(f"{self.path}: {done['errors']} madvise/posix_fadvise/mincore call(s) failed in "
+                                     "a decode step's reads")
+                self.store.count_native(done)
+                self.reclaimed += done["reclaimed"]
+                self.native_layers += done["layers"]
         if self.phase is Phase.DECODE:
             missing = self.moe_layers - seen
             if missing:
@@ -358,6 +372,28 @@ class StreamRuntime:
         if f is not None:
             f.share_cache(self.perm, self.store.lru_cached, self.store.lru_stamp, self.store.lru_clock)
             self.filter = f
+            self._share_reads()
+
+    def _share_reads(self) -> None:
+        """Under a budget with asynchronous reads, the C filter answers decode layers with misses
+        too (runtime.native: the same LRU, merge and drops as `on_topk`'s path, without Python):
+        it needs each file mapped once by llama.cpp, and no pins (their rule stays in Python)."""
+        st, pages = self.store, self.pages
+        maps = [fp.maps for fp in pages.files]
+        if (not self.native_misses or not self.budget or not st.asynchronous or self.pins
+                or any(len(m) != 1 for m in maps) or st.lru_cached.shape != self.perm.shape):
+            return
+        L, E = self.perm.shape
+        roles = max((len(l.weights) for l in self.mm.moe_layers), default=0)
+        ranges = np.zeros((L, E, roles, 3), np.int64)
+        for l in self.mm.moe_layers:
+            R = pages._layer_ranges(l.index)  # [E, roles, 2] virtual offsets
+            ranges[l.index, :, : R.shape[1], 0] = R[..., 0] >> FILE_SHIFT
+            ranges[l.index, :, : R.shape[1], 1] = R[..., 0] & ((1 << FILE_SHIFT) - 1)
+            ranges[l.index, :, : R.shape[1], 2] = R[..., 1]
+        self.filter.share_reads(ranges=ranges, fds=st.fds, maps=[(lo, off, hi - lo) for (lo, hi, off), in maps],
+                                ra_steps=st.willneed_steps, merge_gap=st.merge_gap, count=st.lru_count,
+                                read_mark=st.read_mark)
 
     def make_cold(self) -> None:
         """Before a run: no expert page resident (the slot cache starts empty too); the dense

@@ -1,0 +1,333 @@
+/* mbolt's eval-callback filter and decode-layer reads in C (runtime.native builds and loads it).
+   PREFIX and PREFIX_LEN are replaced with the selection nodes' name prefix before compiling. */
+#define _GNU_SOURCE
+#include <fcntl.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+
+typedef bool (*eval_cb)(void * t, bool ask, void * user);
+
+/* what the filter needs of a ggml_tensor (offsets from the binding's layout, checked there) and
+   the expert cache's state, shared with Python (numpy arrays) */
+struct mbolt_filter {
+    eval_cb python;
+    long name_offset, type_offset, ne_offset, nb_offset, data_offset;
+    int32_t fast;            /* 1: a computed selection whose experts are all cached is answered here */
+    int32_t n_layers, n_experts;
+    const int32_t * perm;    /* [n_layers * n_experts]: position in the file -> original expert id */
+    uint8_t * cached;        /* [n_layers * n_experts] by original id: in the slot cache */
+    int64_t * stamp;         /* [n_layers * n_experts] by original id: last use (core.lru.ArrayLru) */
+    int64_t * clock;         /* the stamps' counter */
+    uint8_t * seen;          /* [n_layers]: the layers whose selection was computed this step */
+    int64_t fast_layers;     /* selections answered here (cumulative) */
+    int64_t fast_experts;    /* distinct experts those selections used (cumulative) */
+    struct mbolt_misses * misses;  /* NULL: a selection with a miss goes to Python */
+};
+
+/* a decode layer with misses, under a budget (runtime.streamer with asynchronous reads): the
+   slices of every expert, the files' descriptors and llama.cpp's mapping of each, scratch space
+   (Python's numpy arrays), and what was done (cumulative, taken after each step) */
+struct mbolt_misses {
+    int32_t slots;           /* the slot cache's size in this phase */
+    int32_t n_roles;
+    const int32_t * r_file;  /* [n_layers * n_experts * n_roles]: the slice's file */
+    const int64_t * r_off;   /* the same: its offset in that file */
+    const int64_t * r_len;   /* the same: its length (0: the layer has no such role) */
+    const int32_t * fds;     /* per file */
+    const int64_t * map_lo, * map_off, * map_len;  /* per file: llama.cpp's mapping */
+    const int64_t * ra_step; /* per file: the most one WILLNEED reads (core.pagecache.willneed_bytes) */
+    int64_t merge_gap;
+    int64_t * count;         /* [n_layers]: cached experts (core.lru.ArrayLru's count) */
+    uint8_t * read_mark;     /* [n_layers * n_experts]: read since the step's mark */
+    int32_t * sel;           /* scratch [2 * n_experts]: the distinct selected experts, then the victims */
+    uint8_t * in_sel;        /* scratch [n_experts] */
+    int64_t * runs;          /* scratch [n_experts * n_roles * 4]: (file, start, end, role) */
+    uint8_t * vec;           /* scratch: mincore's answer for the longest slice */
+    int64_t vec_pages;
+    int64_t layers, experts, hits, misses, reads, bytes, useful, io_ns, reclaimed, victims, errors;
+};
+
+#define PAGE 4096
+
+/* every id of the computed selection (rows of k int32, strided) is a cached expert: make them the
+   most recently used in row order, then rank order (what core.lru's admit does), and go on
+   without Python */
+static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
+    if (!f->fast || layer < 0 || layer >= f->n_layers || *(const int *) (t + f->type_offset) != 26 /* I32 */) {
+        return false;
+    }
+    const int64_t * ne = (const int64_t *) (t + f->ne_offset);
+    const size_t * nb = (const size_t *) (t + f->nb_offset);
+    const char * data = *(char * const *) (t + f->data_offset);
+    const int64_t k = ne[0], n = ne[1];
+    const int32_t * perm = f->perm + (int64_t) layer * f->n_experts;
+    const uint8_t * cached = f->cached + (int64_t) layer * f->n_experts;
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t * row = (const int32_t *) (data + j * nb[1]);
+        for (int64_t i = 0; i < k; i++) {
+            if (row[i] < 0 || row[i] >= f->n_experts || !cached[perm[row[i]]]) {
+                return false;
+            }
+        }
+    }
+    int64_t * stamp = f->stamp + (int64_t) layer * f->n_experts;
+    const int64_t start = *f->clock;
+    int64_t distinct = 0;  /* a batched step's rows share experts: the union is what the store counts */
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t * row = (const int32_t *) (data + j * nb[1]);
+        for (int64_t i = 0; i < k; i++) {
+            int64_t * s = stamp + perm[row[i]];
+            distinct += *s <= start;
+            *s = ++*f->clock;
+        }
+    }
+    f->fast_layers += 1;
+    f->fast_experts += distinct;
+    return true;
+}
+
+static int cmp_run(const void * a, const void * b) {
+    const int64_t * x = a, * y = b;
+    for (int i = 0; i < 2; i++) {
+        if (x[i] != y[i]) {
+            return x[i] < y[i] ? -1 : 1;
+        }
+    }
+    return 0;
+}
+
+/* the slices of these experts as runs (file, start, end, role), sorted by file and start */
+static int64_t slices(struct mbolt_filter * f, int layer, const int32_t * es, int64_t n) {
+    struct mbolt_misses * m = f->misses;
+    int64_t nr = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t base = ((int64_t) layer * f->n_experts + es[i]) * m->n_roles;
+        for (int r = 0; r < m->n_roles; r++) {
+            if (m->r_len[base + r] > 0) {
+                int64_t * run = m->runs + 4 * nr++;
+                run[0] = m->r_file[base + r];
+                run[1] = m->r_off[base + r];
+                run[2] = run[1] + m->r_len[base + r];
+                run[3] = r;
+            }
+        }
+    }
+    qsort(m->runs, nr, 4 * sizeof(int64_t), cmp_run);
+    return nr;
+}
+
+/* unmap these experts' whole pages from llama.cpp's mapping and drop them from the page cache:
+   slices that touch are joined first, then shrunk to the pages inside (runtime.pages.expert_spans_of) */
+static void drop(struct mbolt_filter * f, int layer, const int32_t * es, int64_t n) {
+    struct mbolt_misses * m = f->misses;
+    const int64_t nr = slices(f, layer, es, n);
+    for (int64_t i = 0; i < nr;) {
+        const int64_t file = m->runs[4 * i];
+        int64_t a = m->runs[4 * i + 1], b = m->runs[4 * i + 2];
+        for (i++; i < nr && m->runs[4 * i] == file && m->runs[4 * i + 1] <= b; i++) {
+            if (m->runs[4 * i + 2] > b) {
+                b = m->runs[4 * i + 2];
+            }
+        }
+        a = (a + PAGE - 1) / PAGE * PAGE;
+        b = b / PAGE * PAGE;
+        if (b <= a) {
+            continue;
+        }
+        const int64_t lo = a > m->map_off[file] ? a : m->map_off[file];
+        const int64_t hi = b < m->map_off[file] + m->map_len[file] ? b : m->map_off[file] + m->map_len[file];
+        if (hi > lo && madvise((void *) (m->map_lo[file] + lo - m->map_off[file]), hi - lo, MADV_DONTNEED) != 0) {
+            m->errors++;
+        }
+        if (posix_fadvise(m->fds[file], a, b - a, POSIX_FADV_DONTNEED) != 0) {
+            m->errors++;
+        }
+    }
+}
+
+/* every whole page inside the expert's slices is in the page cache (mincore through the mapping) */
+static bool resident(struct mbolt_filter * f, int layer, int32_t e) {
+    struct mbolt_misses * m = f->misses;
+    const int64_t base = ((int64_t) layer * f->n_experts + e) * m->n_roles;
+    for (int r = 0; r < m->n_roles; r++) {
+        const int64_t file = m->r_file[base + r];
+        int64_t a = m->r_off[base + r], b = a + m->r_len[base + r];
+        a = (a + PAGE - 1) / PAGE * PAGE;
+        b = b / PAGE * PAGE;
+        if (b <= a || a < m->map_off[file] || b > m->map_off[file] + m->map_len[file] || (b - a) / PAGE > m->vec_pages) {
+            continue;
+        }
+        if (mincore((void *) (m->map_lo[file] + a - m->map_off[file]), b - a, m->vec) != 0) {
+            m->errors++;
+            return false;
+        }
+        for (int64_t p = 0; p < (b - a) / PAGE; p++) {
+            if (!(m->vec[p] & 1)) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+/* a decode step's layer with a miss, under the slot cache's rule (core.lru.ArrayLru, the same
+   arrays): cached experts the kernel reclaimed in part are read again (what is left of them
+   dropped); the misses' slices merged per tensor (core.ranges.merge_ranges: a hole of at most
+   merge_gap joins) and submitted with WILLNEED in file order (llama.cpp's faults wait for pages in
+   flight); every selected expert stamped in row order; the least recently used beyond the slots
+   leave the cache, mapping and page cache at once. Python (runtime.streamer) does the same when
+   this is off, and whenever a step selects more experts than the cache holds. */
+static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
+    struct mbolt_misses * m = f->misses;
+    if (m == NULL || !f->fast || layer < 0 || layer >= f->n_layers || *(const int *) (t + f->type_offset) != 26) {
+        return false;
+    }
+    const int64_t * ne = (const int64_t *) (t + f->ne_offset);
+    const size_t * nb = (const size_t *) (t + f->nb_offset);
+    const char * data = *(char * const *) (t + f->data_offset);
+    const int64_t k = ne[0], n = ne[1], E = f->n_experts;
+    const int32_t * perm = f->perm + (int64_t) layer * E;
+    uint8_t * cached = f->cached + (int64_t) layer * E;
+    int64_t * stamp = f->stamp + (int64_t) layer * E;
+    int64_t nsel = 0;
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t * row = (const int32_t *) (data + j * nb[1]);
+        for (int64_t i = 0; i < k; i++) {
+            if (row[i] < 0 || row[i] >= E) {
+                goto python;
+            }
+            const int32_t e = perm[row[i]];
+            if (!m->in_sel[e]) {
+                m->in_sel[e] = 1;
+                m->sel[nsel++] = e;
+            }
+        }
+    }
+    if (nsel > m->slots) {
+        goto python;  /* the union outgrows the cache: Python keeps what the read still needs */
+    }
+    /* reclaimed in part: out of the cache, what is left dropped, read again below */
+    for (int64_t i = 0; i < nsel; i++) {
+        const int32_t e = m->sel[i];
+        if (cached[e] && !resident(f, layer, e)) {
+            drop(f, layer, &e, 1);
+            cached[e] = 0;
+            m->count[layer]--;
+            m->reclaimed++;
+        }
+    }
+    /* the misses, moved to the front of sel (in first-seen order) */
+    int64_t nmiss = 0;
+    for (int64_t i = 0; i < nsel; i++) {
+        const int32_t e = m->sel[i];
+        if (!cached[e]) {
+            m->sel[i] = m->sel[nmiss];
+            m->sel[nmiss++] = e;
+            m->read_mark[(int64_t) layer * E + e] = 1;
+        }
+    }
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    const int64_t nr = slices(f, layer, m->sel, nmiss);
+    for (int64_t i = 0; i < nr;) {
+        const int64_t file = m->runs[4 * i], role = m->runs[4 * i + 3];
+        const int64_t a = m->runs[4 * i + 1];
+        int64_t b = m->runs[4 * i + 2];
+        m->useful += b - a;
+        for (i++; i < nr && m->runs[4 * i] == file && m->runs[4 * i + 3] == role
+                  && m->runs[4 * i + 1] <= b + m->merge_gap; i++) {
+            m->useful += m->runs[4 * i + 2] - m->runs[4 * i + 1];
+            if (m->runs[4 * i + 2] > b) {
+                b = m->runs[4 * i + 2];
+            }
+        }
+        for (int64_t x = a; x < b; x += m->ra_step[file]) {
+            const int64_t len = b - x < m->ra_step[file] ? b - x : m->ra_step[file];
+            if (posix_fadvise(m->fds[file], x, len, POSIX_FADV_WILLNEED) != 0) {
+                m->errors++;
+            }
+        }
+        m->reads++;
+        m->bytes += b - a;
+    }
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    m->io_ns += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
+    /* the LRU: every use stamped in row order (as all_cached does), the misses in the cache */
+    const int64_t start = *f->clock;
+    for (int64_t j = 0; j < n; j++) {
+        const int32_t * row = (const int32_t *) (data + j * nb[1]);
+        for (int64_t i = 0; i < k; i++) {
+            stamp[perm[row[i]]] = ++*f->clock;
+        }
+    }
+    for (int64_t i = 0; i < nmiss; i++) {
+        cached[m->sel[i]] = 1;
+    }
+    m->count[layer] += nmiss;
+    /* the least recently used beyond the slots leave (never one of this step's: their stamps are newer) */
+    int64_t nvict = 0;
+    int32_t * victims = m->sel + nsel;  /* sel has room for every expert */
+    while (m->count[layer] > m->slots) {
+        int32_t v = -1;
+        for (int32_t e = 0; e < E; e++) {
+            if (cached[e] && stamp[e] <= start && (v < 0 || stamp[e] < stamp[v])) {
+                v = e;
+            }
+        }
+        if (v < 0) {
+            break;
+        }
+        cached[v] = 0;
+        m->count[layer]--;
+        victims[nvict++] = v;
+    }
+    if (nvict) {
+        drop(f, layer, victims, nvict);
+    }
+    for (int64_t i = 0; i < nsel; i++) {
+        m->in_sel[m->sel[i]] = 0;
+    }
+    m->layers += 1;
+    m->experts += nsel;
+    m->hits += nsel - nmiss;
+    m->misses += nmiss;
+    m->victims += nvict;
+    return true;
+python:
+    for (int64_t i = 0; i < nsel; i++) {
+        m->in_sel[m->sel[i]] = 0;
+    }
+    return false;
+}
+
+/* ggml_backend_sched_eval_callback: the scheduler asks about every node (ask), then hands over
+   the ones we asked for once computed; only computed ffn_moe_topk-N nodes with an uncached expert
+   reach Python */
+bool mbolt_topk_filter(void * t, bool ask, void * user) {
+    struct mbolt_filter * f = (struct mbolt_filter *) user;
+    const char * name = (const char *) t + f->name_offset;
+    if (strncmp(name, "PREFIX", PREFIX_LEN) != 0) {
+        return !ask;
+    }
+    if (ask) {
+        return true;
+    }
+    const int layer = atoi(name + PREFIX_LEN);
+    if (f->seen != NULL && layer >= 0 && layer < f->n_layers) {
+        f->seen[layer] = 1;
+    }
+    if (all_cached(f, (const char *) t, layer) || with_misses(f, (const char *) t, layer)) {
+        return true;
+    }
+    return f->python(t, ask, NULL);
+}
+
+/* ggml_abort_callback: llama.cpp's CPU backend asks it between graph nodes; a set flag stops the
+   graph (a server's client went away in the middle of a prompt) */
+bool mbolt_abort_flag(void * data) {
+    return *(volatile int *) data != 0;
+}
