@@ -53,40 +53,67 @@ struct mbolt_misses {
 
 #define PAGE 4096
 
-/* every id of the computed selection (rows of k int32, strided) is a cached expert: make them the
-   most recently used in row order, then rank order (what core.lru's admit does), and go on
-   without Python */
-static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
+/* a computed ffn_moe_topk-N node: n rows of k int32 positions, rows strided by `stride` bytes (a
+   view of an argsort over every expert) */
+struct selection {
+    int64_t k, n;
+    size_t stride;
+    const char * data;
+};
+
+static bool read_selection(const struct mbolt_filter * f, const char * t, int layer, struct selection * s) {
     if (!f->fast || layer < 0 || layer >= f->n_layers || *(const int *) (t + f->type_offset) != 26 /* I32 */) {
         return false;
     }
     const int64_t * ne = (const int64_t *) (t + f->ne_offset);
-    const size_t * nb = (const size_t *) (t + f->nb_offset);
-    const char * data = *(char * const *) (t + f->data_offset);
-    const int64_t k = ne[0], n = ne[1];
+    s->k = ne[0];
+    s->n = ne[1];
+    s->stride = ((const size_t *) (t + f->nb_offset))[1];
+    s->data = *(char * const *) (t + f->data_offset);
+    return true;
+}
+
+static const int32_t * row_of(const struct selection * s, int64_t j) {
+    return (const int32_t *) (s->data + j * s->stride);
+}
+
+/* every use stamped in row order, then rank order (what core.lru's admit does: the last use the
+   most recent); returns the distinct experts (a batched step's rows share experts: the union is
+   what the store counts) */
+static int64_t stamp_rows(struct mbolt_filter * f, int layer, const struct selection * s) {
+    const int32_t * perm = f->perm + (int64_t) layer * f->n_experts;
+    int64_t * stamp = f->stamp + (int64_t) layer * f->n_experts;
+    const int64_t start = *f->clock;
+    int64_t distinct = 0;
+    for (int64_t j = 0; j < s->n; j++) {
+        const int32_t * row = row_of(s, j);
+        for (int64_t i = 0; i < s->k; i++) {
+            int64_t * st = stamp + perm[row[i]];
+            distinct += *st <= start;
+            *st = ++*f->clock;
+        }
+    }
+    return distinct;
+}
+
+/* every id of the computed selection is a cached expert: stamp them and go on without Python */
+static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
+    struct selection s;
+    if (!read_selection(f, t, layer, &s)) {
+        return false;
+    }
     const int32_t * perm = f->perm + (int64_t) layer * f->n_experts;
     const uint8_t * cached = f->cached + (int64_t) layer * f->n_experts;
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t * row = (const int32_t *) (data + j * nb[1]);
-        for (int64_t i = 0; i < k; i++) {
+    for (int64_t j = 0; j < s.n; j++) {
+        const int32_t * row = row_of(&s, j);
+        for (int64_t i = 0; i < s.k; i++) {
             if (row[i] < 0 || row[i] >= f->n_experts || !cached[perm[row[i]]]) {
                 return false;
             }
         }
     }
-    int64_t * stamp = f->stamp + (int64_t) layer * f->n_experts;
-    const int64_t start = *f->clock;
-    int64_t distinct = 0;  /* a batched step's rows share experts: the union is what the store counts */
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t * row = (const int32_t *) (data + j * nb[1]);
-        for (int64_t i = 0; i < k; i++) {
-            int64_t * s = stamp + perm[row[i]];
-            distinct += *s <= start;
-            *s = ++*f->clock;
-        }
-    }
     f->fast_layers += 1;
-    f->fast_experts += distinct;
+    f->fast_experts += stamp_rows(f, layer, &s);
     return true;
 }
 
@@ -183,20 +210,18 @@ static bool resident(struct mbolt_filter * f, int layer, int32_t e) {
    this is off, and whenever a step selects more experts than the cache holds. */
 static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
     struct mbolt_misses * m = f->misses;
-    if (m == NULL || !f->fast || layer < 0 || layer >= f->n_layers || *(const int *) (t + f->type_offset) != 26) {
+    struct selection s;
+    if (m == NULL || !read_selection(f, t, layer, &s)) {
         return false;
     }
-    const int64_t * ne = (const int64_t *) (t + f->ne_offset);
-    const size_t * nb = (const size_t *) (t + f->nb_offset);
-    const char * data = *(char * const *) (t + f->data_offset);
-    const int64_t k = ne[0], n = ne[1], E = f->n_experts;
+    const int64_t E = f->n_experts;
     const int32_t * perm = f->perm + (int64_t) layer * E;
     uint8_t * cached = f->cached + (int64_t) layer * E;
-    int64_t * stamp = f->stamp + (int64_t) layer * E;
+    const int64_t * stamp = f->stamp + (int64_t) layer * E;
     int64_t nsel = 0;
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t * row = (const int32_t *) (data + j * nb[1]);
-        for (int64_t i = 0; i < k; i++) {
+    for (int64_t j = 0; j < s.n; j++) {
+        const int32_t * row = row_of(&s, j);
+        for (int64_t i = 0; i < s.k; i++) {
             if (row[i] < 0 || row[i] >= E) {
                 goto python;
             }
@@ -256,14 +281,9 @@ static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     m->io_ns += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
-    /* the LRU: every use stamped in row order (as all_cached does), the misses in the cache */
+    /* the LRU: every use stamped (as all_cached does), the misses in the cache */
     const int64_t start = *f->clock;
-    for (int64_t j = 0; j < n; j++) {
-        const int32_t * row = (const int32_t *) (data + j * nb[1]);
-        for (int64_t i = 0; i < k; i++) {
-            stamp[perm[row[i]]] = ++*f->clock;
-        }
-    }
+    stamp_rows(f, layer, &s);
     for (int64_t i = 0; i < nmiss; i++) {
         cached[m->sel[i]] = 1;
     }

@@ -273,7 +273,8 @@ class ExpertPages:
         for fp in self.files:
             fp.advise_experts(advice)
 
-    def _layer_ranges(self, layer: int) -> np.ndarray:
+    def layer_ranges(self, layer: int) -> np.ndarray:
+        """core.routemap.expert_ranges of one layer (int64 [E, roles, 2]: virtual start, length), computed once."""
         R = self._ranges.get(layer)
         if R is None:
             R = self._ranges[layer] = expert_ranges(self.mm, layer)
@@ -281,7 +282,7 @@ class ExpertPages:
 
     def expert_resident(self, layer: int, expert: int) -> bool:
         """Every page of one expert's slices (original id) is in the page cache."""
-        R = self._layer_ranges(layer)[int(expert)]
+        R = self.layer_ranges(layer)[int(expert)]
         for f, spans in self._by_file((int(s), int(s + n)) for s, n in R).items():
             if not self.files[f].all_resident(spans):
                 return False
@@ -291,7 +292,7 @@ class ExpertPages:
         """Whole pages inside the slices of these experts (original ids) of one layer; slices that
         touch are joined first (a page two of them share goes too; no dense byte lies between
         touching slices)."""
-        R = self._layer_ranges(layer)[np.asarray(list(experts), np.int64)].reshape(-1, 2)
+        R = self.layer_ranges(layer)[np.asarray(list(experts), np.int64)].reshape(-1, 2)
         return inward(joined(zip(R[:, 0].tolist(), (R[:, 0] + R[:, 1]).tolist()), gap=0))
 
     def _share(self, what: str, spans) -> float:

@@ -387,7 +387,7 @@ class StreamRuntime:
         roles = max((len(l.weights) for l in self.mm.moe_layers), default=0)
         ranges = np.zeros((L, E, roles, 3), np.int64)
         for l in self.mm.moe_layers:
-            R = pages._layer_ranges(l.index)  # [E, roles, 2] virtual offsets
+            R = pages.layer_ranges(l.index)  # [E, roles, 2] virtual offsets
             ranges[l.index, :, : R.shape[1], 0] = R[..., 0] >> FILE_SHIFT
             ranges[l.index, :, : R.shape[1], 1] = R[..., 0] & ((1 << FILE_SHIFT) - 1)
             ranges[l.index, :, : R.shape[1], 2] = R[..., 1]
