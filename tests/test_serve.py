@@ -393,3 +393,50 @@ def test_four_clients_at_once_get_what_each_gets_alone(model, tmp_path):
     assert "mbolt_slots 4.0" in text and 'mbolt_slot_tokens_per_second{slot="3"}' in text
     union = float(next(line.split()[1] for line in text.splitlines() if line.startswith("mbolt_expert_union_per_step ")))
     assert union > 4  # k=4 per step alone: the batched steps read a union of several rows' experts
+
+
+def test_a_newcomers_prompt_passes_carry_the_replies_under_way(model, tmp_path):
+    """Continuous batching across a prompt: while a newcomer's prompt runs in passes (-ub 8: a
+    long prompt is many), the reply under way gets a decode row in each pass (llama-server's mixed
+    batch) instead of waiting for the whole prompt. Both get what each gets alone (the same
+    kernels per row: no tolerance), and the server counts the mixed passes."""
+    srv = Server(model, tmp_path, "--parallel", "2", "--queue", "2", "-ub", "8")
+    long_prompt = "Tell me about the sea and the ships on it. " * 14
+    try:
+        c = srv.client()
+
+        def reply_text(prompt):  # streamed: the first chunk says the prompt is done
+            return "".join(ch.choices[0].text for ch in c.completions.create(
+                model="m", prompt=prompt, max_tokens=120, temperature=0, stream=True))
+
+        def newcomer():
+            r = c.completions.create(model="m", prompt=long_prompt, max_tokens=8, temperature=0,
+                                     extra_body={"return_tokens": True})
+            return json.loads(r.model_dump_json())
+
+        first_alone, newcomer_alone = reply_text(PROMPTS[1]), newcomer()
+        passes0 = srv.stats()["mixed_passes"]
+        assert passes0 == 0  # one at a time: no pass had a reply beside it
+        got: dict[str, object] = {}
+        decoding = threading.Event()
+
+        def first():
+            parts = []
+            for ch in c.completions.create(model="m", prompt=PROMPTS[1], max_tokens=120, temperature=0, stream=True):
+                parts.append(ch.choices[0].text)
+                decoding.set()
+            got["first"] = "".join(parts)
+
+        t = threading.Thread(target=first)
+        t.start()
+        assert decoding.wait(timeout=120)
+        got["newcomer"] = newcomer()
+        t.join(timeout=300)
+        s = srv.stats()
+    finally:
+        err = srv.stop()
+    assert "Traceback" not in err, err
+    assert len(newcomer_alone["prompt_tokens"]) > 8 * 6  # several passes of 8
+    assert got["first"] == first_alone and len(first_alone) > 0
+    assert got["newcomer"]["choices"][0]["tokens"] == newcomer_alone["choices"][0]["tokens"]
+    assert s["mixed_passes"] - passes0 >= 2  # the reply under way rode in the newcomer's passes

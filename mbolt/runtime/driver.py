@@ -8,6 +8,8 @@ benchmarks run, so that what is measured is what is served.
   done, the cache grown back): its time is the time to first token.
 - `step(feeds)`: one decode step, one token of each live sequence in one llama_decode (a batch of
   conversations shares each layer's reads: the runtime reads the union of their experts once).
+- `prompt_pass(seq, tokens, feeds)`: one pass of a newcomer's prompt with a decode row of every
+  reply under way in the same llama_decode (the server's continuous batching).
 - `generate(...)`: the measured loop (greedy or teacher-forced, with a follow-up turn), returning
   a `StreamRun` of timings and counters.
 
@@ -139,12 +141,16 @@ class Driver:
         del held[n:]
         return [int(t) for t in tokens[n:]]
 
-    def prompt_pass(self, seq: int, tokens: list[int]) -> np.ndarray:
-        """Evaluate the next tokens of a prompt (at most n_ubatch: one pass) on a sequence; logits
-        of the last. The prompt ends with `end_prompt` (a decode step ends it too)."""
-        logits = self.runner.eval(tokens, seq=seq, phase=Phase.PROMPT)
+    def prompt_pass(self, seq: int, tokens: list[int], feeds: list[tuple[int, int]] = ()) -> None:
+        """Evaluate the next tokens of a prompt (at most n_ubatch: one pass) on a sequence, with
+        one decode row of each (sequence, token) in `feeds` in the same llama_decode (the replies
+        under way go on during a newcomer's prompt). Samplers read the prompt's output at row
+        len(tokens) - 1 and feed j's at len(tokens) + j. The prompt ends with `end_prompt` (a
+        decode step ends it too)."""
+        self.runner.mixed_pass(seq, [int(t) for t in tokens], list(feeds))
         self.tokens[seq].extend(int(t) for t in tokens)
-        return logits
+        for s, t in feeds:
+            self.tokens[s].append(int(t))
 
     def end_prompt(self) -> None:
         self.arm.end_prompt()

@@ -232,22 +232,25 @@ class LlamaRunner:
         if self.tap is not None:
             self.tap.routing = {}
         outs = []
-        b = self.batch
         for s in range(0, len(tokens), self.n_batch):
             chunk = tokens[s: s + self.n_batch]
             last_chunk = s + self.n_batch >= len(tokens)
-            for i, tok in enumerate(chunk):
-                b.token[i] = tok
-                b.pos[i] = self.pos[seq] + i
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = seq
-                b.logits[i] = bool(all_logits or (last_chunk and i == len(chunk) - 1))
+            wants = [all_logits or (last_chunk and i == len(chunk) - 1) for i in range(len(chunk))]
+            self._fill([(seq, t, w) for t, w in zip(chunk, wants)])
             self._decode(phase, len(chunk))
-            for i in range(len(chunk)):
-                if b.logits[i]:
-                    outs.append(self._logits(i))
+            outs += [self._logits(i) for i, w in enumerate(wants) if w]
             self.pos[seq] += len(chunk)
         return np.stack(outs) if all_logits else outs[-1]
+
+    def _fill(self, rows) -> None:
+        """Rows (sequence, token, logits wanted) into the batch, each at its sequence's next
+        position (a sequence's rows in order)."""
+        b, nxt = self.batch, {}
+        for i, (seq, tok, want) in enumerate(rows):
+            p = nxt.get(seq, self.pos[seq])
+            nxt[seq] = p + 1
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tok), p, 1, bool(want)
+            b.seq_id[i][0] = seq
 
     def decode_step(self, feeds: list[tuple[int, int]], want_logits: bool = True) -> list[np.ndarray]:
         """One decode step of several sequences in one llama_decode: `feeds` (sequence, token),
@@ -259,17 +262,39 @@ class LlamaRunner:
             if self.pos[s] + 1 > self.n_ctx:
                 raise ContextFull(f"sequence {s} holds {self.pos[s]} tokens: the llama.cpp context of {self.n_ctx} "
                                   "tokens is full")
-        b = self.batch
-        for i, (s, tok) in enumerate(feeds):
-            b.token[i] = int(tok)
-            b.pos[i] = self.pos[s]
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = s
-            b.logits[i] = True
+        self._fill([(s, tok, True) for s, tok in feeds])
         self._decode(Phase.DECODE, len(feeds))
         for s, _ in feeds:
             self.pos[s] += 1
         return [self._logits(i) for i in range(len(feeds))] if want_logits else []
+
+    def mixed_pass(self, seq: int, chunk: list[int], feeds: list[tuple[int, int]]) -> None:
+        """A prompt pass with decode rows in it (llama-server's mixed batch): the next `chunk`
+        tokens of sequence `seq`'s prompt (an output at its last row, row len(chunk) - 1), then one
+        token of each replying sequence in `feeds` (outputs at rows len(chunk) + j), in one
+        llama_decode. The runtime sees a prompt pass: the union of every row's experts
+        read with the pass's long reads, so a reply waits for no more than this pass. On an error
+        (an abort) no sequence advances and whatever the graph wrote of these rows is removed."""
+        rows = [(seq, t, i == len(chunk) - 1) for i, t in enumerate(chunk)]
+        rows += [(s, t, True) for s, t in feeds]
+        if not chunk or len(rows) > self.n_batch or seq in {s for s, _ in feeds}:
+            raise MboltError(f"a mixed pass takes 1..{self.n_batch - len(feeds)} prompt tokens of a sequence that is "
+                             "not decoding beside it")
+        for s in [seq, *(s for s, _ in feeds)]:
+            if self.pos[s] + (len(chunk) if s == seq else 1) > self.n_ctx:
+                raise ContextFull(f"sequence {s} holds {self.pos[s]} tokens: the llama.cpp context of {self.n_ctx} "
+                                  "tokens is full")
+        self._fill(rows)
+        try:
+            self._decode(Phase.PROMPT, len(rows))
+        except BaseException:
+            mem = self.L.llama_get_memory(self.ctx)
+            for s in [seq, *(s for s, _ in feeds)]:
+                self.L.llama_memory_seq_rm(mem, s, self.pos[s], -1)
+            raise
+        self.pos[seq] += len(chunk)
+        for s, _ in feeds:
+            self.pos[s] += 1
 
     @property
     def native_filter(self) -> bool:

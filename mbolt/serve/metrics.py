@@ -32,6 +32,8 @@ _ROWS = [  # name, kind, help, stats key
     ("mbolt_slots", "gauge", "slots (-np/--parallel): conversations decoded together", "parallel"),
     ("mbolt_slots_busy", "gauge", "slots holding a request", "slots_busy"),
     ("mbolt_tokens_per_second", "gauge", "tokens decoded per second over the last 10 s, all slots", "tokens_per_s_recent"),
+    ("mbolt_mixed_passes_total", "counter", "prompt passes that carried replies' decode rows (continuous batching)",
+     "mixed_passes"),
     ("mbolt_rows_per_step", "gauge", "mean sequences per decode step (the batch)", "rows_per_step"),
     ("mbolt_expert_union_per_step", "gauge", "mean distinct experts per MoE layer and decode step (the batch's "
      "union: k alone, less than rows x k when the batch shares)", "expert_union_per_step"),

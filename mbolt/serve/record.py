@@ -3,8 +3,9 @@
 The recorder watches the driver's steps (runtime.driver: `begin`, every selection through
 `on_topk`, `end`): the eval callback's rows are positions in the file, mapped to original experts
 through the route map. A step is one graph: a prompt pass of one slot (one row per token; the last
-MoE layer routes only the tokens whose logits are wanted) or a decode step (one row per replying
-slot; the scheduler names the slots of the rows, `rows`). A token's sequence in the trace is its
+MoE layer routes only the tokens whose logits are wanted), with a decode row of every replying
+slot after its tokens when replies are under way, or a decode step (one row per replying slot);
+the scheduler names the requests of the rows and how many of the last are decode rows (`rows`). A token's sequence in the trace is its
 slot's request. Tokens are kept in memory up to `max_tokens` (the rest is not recorded),
 and after every request the whole trace is written atomically (temporary file, fsync, rename), so
 the file is complete and readable at any moment while the server runs.
@@ -34,12 +35,14 @@ class RoutingRecorder:
         self._next_pos: dict[int, int] = {}
         self._step: dict[int, np.ndarray] = {}
         self._rows: list[int] = []
+        self._decode_rows = 0  # the last rows of a prompt pass that are decode rows
         self._decode = False
         self._lock = threading.Lock()
 
-    def rows(self, requests: list[int]) -> None:
-        """The requests the rows of the next step belong to (the scheduler, before each step)."""
-        self._rows = list(requests)
+    def rows(self, requests: list[int], decode_rows: int = 0) -> None:
+        """The requests the rows of the next step belong to, and how many of the last rows of a
+        prompt pass are replies' decode rows (the scheduler, before each step)."""
+        self._rows, self._decode_rows = list(requests), int(decode_rows)
 
     def begin(self, phase, n_rows: int) -> None:
         from mbolt.runtime.runner import Phase
@@ -68,7 +71,9 @@ class RoutingRecorder:
             self._next_pos[q] = pos[i] + 1
         with self._lock:
             self._experts.append(ex[:n_keep])
-            self._phase.append(np.full(n_keep, DECODE if self._decode else PREFILL, np.uint8))
+            phase = np.full(n, DECODE if self._decode else PREFILL, np.uint8)
+            phase[n - min(self._decode_rows, n):] = DECODE
+            self._phase.append(phase[:n_keep])
             self._seq.append(np.asarray(reqs[:n_keep], np.int32))
             self._pos.append(pos[:n_keep])
             self.n_tokens += n_keep

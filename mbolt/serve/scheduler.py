@@ -8,11 +8,13 @@ context; `submit` queues it (bounded: beyond the bound it is refused, the server
 One worker thread runs the model through the runtime's one driver (runtime.driver), the same
 path `generate` and the benchmarks run. The driver holds `parallel` sequences (llama-server's
 slots, `-np`); a job takes the free slot whose tokens share the longest prefix with its prompt (a
-follow-up turn reuses its KV cache). Each turn of the loop evaluates one prompt pass (at most
-n_ubatch tokens) of one newcomer, then one decode step of every slot that is replying: one token
-each, in one llama_decode, so the runtime reads the union of their experts once per layer. A
-newcomer's prompt never stalls the running replies for longer than one pass, and a reply that ends
-or a client that leaves frees its slot at the next step. Each job's events (text pieces, then the
+follow-up turn reuses its KV cache). Each turn of the loop is one llama_decode: a decode step of
+every slot that is replying (one token each, so the runtime reads the union of their experts once
+per layer), or, while a newcomer's prompt is under way, one pass of it (up to n_ubatch tokens, less
+one row per reply) with a decode row of every reply in the same batch (llama-server's mixed
+batches): the replies go on during a newcomer's prompt, each waiting for no more than one pass, and
+the pass's reads serve their rows too. A reply that ends or a client that leaves frees its slot at
+the next step. Each job's events (text pieces, then the
 end with its usage) go to a callback; `cancel` stops a job at its next step, or inside its prompt
 pass through llama.cpp's abort callback.
 
@@ -80,10 +82,11 @@ class Counters:
     requests: int = 0
     prompt_tokens: int = 0  # evaluated (a reused prefix is not)
     prompt_s: float = 0.0
-    decode_tokens: int = 0
-    decode_s: float = 0.0
-    decode_steps: int = 0
-    step_rows: int = 0  # sequences decoded, summed over steps
+    decode_tokens: int = 0  # replies' tokens, of decode steps and mixed passes
+    decode_s: float = 0.0  # the llama_decodes they waited for (a mixed pass counts in prompt_s too)
+    decode_steps: int = 0  # decode steps alone (a reply's token inside a prompt pass is a mixed pass's)
+    step_rows: int = 0  # sequences decoded, summed over decode steps
+    mixed_passes: int = 0  # prompt passes with replies' decode rows in them
     last_decode_tokens_per_s: float = 0.0  # of the reply under way, else of the last one
 
 
@@ -245,47 +248,60 @@ class Scheduler:
             s.request = self.recorder.begin_request()
 
     def _turn(self) -> None:
-        """One prompt pass of one newcomer, then one decode step of every replying slot."""
+        """One pass of the oldest newcomer's prompt with a decode row of every reply in it, or one
+        decode step of every reply."""
         for s in self.slots:
             if s.job is not None and s.job.cancelled.is_set():
                 self._finish(s, "cancelled")
         prompting = [s for s in self.slots if s.job is not None and s.todo]
-        if prompting:
-            self._prompt_pass(min(prompting, key=lambda s: s.job.submitted))
         replying = [s for s in self.slots if s.job is not None and not s.todo and s.last is not None]
+        if prompting:
+            s = min(prompting, key=lambda s: s.job.submitted)
+            if self.driver.runner.n_batch > len(replying):
+                self._prompt_pass(s, replying)
+                return
+            self._prompt_pass(s, [])  # a micro-batch of fewer rows than the replies: the pass, then the step
         if replying:
             self._decode(replying)
 
-    def _prompt_pass(self, s: Slot) -> None:
+    def _prompt_pass(self, s: Slot, replying: list[Slot]) -> None:
         d, job = self.driver, s.job
-        chunk, s.todo = s.todo[: d.runner.n_batch], s.todo[d.runner.n_batch:]
+        n = d.runner.n_batch - len(replying)
+        chunk, s.todo = s.todo[:n], s.todo[n:]
         with self._cv:
             self._in_pass = job
         t0 = time.perf_counter()
         if self.recorder is not None:
-            self.recorder.rows([s.request])
+            self.recorder.rows([s.request] * len(chunk) + [r.request for r in replying], len(replying))
         try:
-            d.prompt_pass(s.seq, chunk)
+            d.prompt_pass(s.seq, chunk, [(r.seq, r.last) for r in replying])
             if not s.todo:
                 d.end_prompt()
         except MboltError:
             if not job.cancelled.is_set():
                 raise
-            d.forget(s.seq)  # aborted inside the pass: what it holds is not a prefix any more
+            # aborted inside the pass: what the newcomer holds is not a prefix any more; the
+            # replies did not advance (their rows were taken back) and go on at the next turn
+            d.forget(s.seq)
             self._finish(s, "cancelled")
             return
         finally:
             with self._cv:
                 self._in_pass = None
                 self.loaded.abort.clear()
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt = now - t0
         s.prompt_s += dt
         c = self.counters
         c.prompt_tokens += len(chunk)
         c.prompt_s += dt
+        if replying:
+            c.mixed_passes += 1
+            self._replies(replying, [r.sampler.sample(d.runner.ctx, len(chunk) + j) for j, r in enumerate(replying)],
+                          dt, now)
         if not s.todo:
-            s.t_first = time.perf_counter()
-            self._emit(s, s.sampler.sample(d.runner.ctx, -1))
+            s.t_first = now
+            self._emit(s, s.sampler.sample(d.runner.ctx, len(chunk) - 1))
 
     def _decode(self, replying: list[Slot]) -> None:
         d = self.driver
@@ -296,10 +312,15 @@ class Scheduler:
         tokens = [s.sampler.sample(d.runner.ctx, i) for i, s in enumerate(replying)]
         now = time.perf_counter()
         c = self.counters
-        c.decode_s += now - t0
-        c.decode_tokens += len(replying)
         c.decode_steps += 1
         c.step_rows += len(replying)
+        self._replies(replying, tokens, now - t0, now)
+
+    def _replies(self, replying: list[Slot], tokens: list[int], dt: float, now: float) -> None:
+        """The replies' tokens of a decode step or a mixed pass (`dt` the llama_decode they waited for)."""
+        c = self.counters
+        c.decode_s += dt
+        c.decode_tokens += len(replying)
         for s, tok in zip(replying, tokens):
             s.recent.append(now)
             self._recent.append(now)

@@ -26,6 +26,7 @@ def scheduler_stats(sched) -> dict:
            "slots_busy": sum(s["busy"] for s in slots), "queue_length": sched.queue_length,
            "requests": c.requests, "prompt_tokens": c.prompt_tokens, "prompt_s": c.prompt_s,
            "decode_tokens": c.decode_tokens, "decode_s": c.decode_s, "decode_steps": c.decode_steps,
+           "mixed_passes": c.mixed_passes,
            "last_decode_tokens_per_s": c.last_decode_tokens_per_s, "tokens_per_s_recent": len(window) / 10.0,
            "rows_per_step": c.step_rows / c.decode_steps if c.decode_steps else None,
            "device_read_bytes": proc_read_bytes(),
