@@ -2,10 +2,12 @@
 RLIMIT_MEMLOCK of 8 MiB, its own cache directory for the C filter.
 
 The suite runs as root in CI, and the interpreter lives where uid nobody cannot reach it
-(/root/.pyenv), so `runuser -u nobody python ...` cannot start there. The test forks instead: the
-child gives up root for uid nobody (setgroups, setgid, setuid: no capability left), lowers
-RLIMIT_MEMLOCK to 8 MiB as a login would, compiles the C filter afresh into a cache directory of
-its own, and decodes a model that uid nobody can read, whose dense weights (a real 152k-token
+(/root/.pyenv), so `runuser -u nobody python ...` cannot start there. The test spawns a fresh
+interpreter instead, which decodes once as root (every module and library it needs is loaded
+then) and then gives up root for uid nobody
+(setgroups, setgid, setuid: no capability left), lowers RLIMIT_MEMLOCK to 8 MiB as a login would,
+compiles the C filter afresh into a cache directory of its own, and decodes a model that uid
+nobody can read, whose dense weights (a real 152k-token
 vocabulary) are larger than 8 MiB. Checked from outside the child: it ran as nobody, it could not
 lock its dense weights and held them as anonymous copies instead, its filter answered cached
 layers, and it decoded the tokens root decodes."""
@@ -44,33 +46,41 @@ def _decode(model: Path) -> dict:
                 "native": d.runner.native_filter, "fast_layers": d.fast_layers}
 
 
-def _as_nobody(model: Path, cache: Path) -> dict:
-    """`_decode` in a forked child that is uid nobody; its result (or its error) back through a pipe."""
-    nobody = pwd.getpwnam("nobody")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        try:
-            os.close(r)
-            resource.setrlimit(resource.RLIMIT_MEMLOCK, (MEMLOCK, MEMLOCK))
-            os.setgroups([])
-            os.setgid(nobody.pw_gid)
-            os.setuid(nobody.pw_uid)  # every capability goes with uid 0
-            ctypes.CDLL(None, use_errno=True).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self readable, as after exec
-            os.environ.update(HOME=str(cache), XDG_CACHE_HOME=str(cache))
-            from mbolt.runtime import native
+def _nobody(model: str, cache: str, out) -> None:
+    """In a fresh interpreter (spawned: no thread pool of the parent's llama.cpp inherited): one
+    decode as root first, so that every module and library it loads is loaded (nobody cannot read
+    the interpreter's site-packages under /root, which an installed package's user could), then
+    give up root for uid nobody, lower RLIMIT_MEMLOCK as a login would, and `_decode` afresh."""
+    try:
+        from mbolt.runtime import native
 
-            native._LIB = False  # compiled afresh, by nobody, into nobody's cache
-            out = _decode(model)
-        except BaseException as e:  # the parent reports it
-            out = {"error": f"{type(e).__name__}: {e}"}
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    return json.loads(data)
+        _decode(Path(model))
+        nobody = pwd.getpwnam("nobody")
+        resource.setrlimit(resource.RLIMIT_MEMLOCK, (MEMLOCK, MEMLOCK))
+        os.setgroups([])
+        os.setgid(nobody.pw_gid)
+        os.setuid(nobody.pw_uid)  # every capability goes with uid 0
+        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self readable, as after an exec
+        os.environ.update(HOME=cache, XDG_CACHE_HOME=cache)
+        native._LIB = False  # compiled afresh, by nobody, into nobody's cache
+        out.put(_decode(Path(model)))
+    except BaseException as e:  # the parent reports it
+        out.put({"error": f"{type(e).__name__}: {e}"})
+
+
+def _as_nobody(model: Path, cache: Path) -> dict:
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_nobody, args=(str(model), str(cache), q))
+    p.start()
+    try:
+        return q.get(timeout=300)
+    finally:
+        p.join(timeout=60)
+        if p.is_alive():
+            p.kill()
 
 
 def test_the_runtime_as_uid_nobody_decodes_what_root_decodes():

@@ -81,24 +81,27 @@ class TopkTap:
         if ask:
             return m is not None
         if m is not None and t.type == GGML_TYPE_I32:
-            check_tensor_layout(t_ptr, t)
-            k, n = int(t.ne[0]), int(t.ne[1])
-            stride = int(t.nb[1]) // 4
-            rows = np.empty((n, k), dtype=np.int32)
-            if n:
-                # rows are strided (a view of an argsort over every expert): one copy of the block
-                flat = np.ctypeslib.as_array((ctypes.c_int32 * ((n - 1) * stride + k)).from_address(int(t.data)))
-                rows[:] = np.lib.stride_tricks.as_strided(flat, (n, k), (stride * 4, 4))
-            layer = int(m.group(1))
-            if self.capture:
-                self.routing.setdefault(layer, []).append(rows)
-            if self.on_topk is not None:
-                try:
-                    self.on_topk(layer, rows)
-                except BaseException as e:  # raised again by raise_error(); an exception cannot cross C
-                    self.error = e
-                    return False
+            try:
+                self._computed(t_ptr, t, int(m.group(1)))
+            except BaseException as e:  # raised again by raise_error(); an exception cannot cross C
+                self.error = e
+                return False
         return True
+
+
+    def _computed(self, t_ptr: int, t, layer: int) -> None:
+        check_tensor_layout(t_ptr, t)
+        k, n = int(t.ne[0]), int(t.ne[1])
+        stride = int(t.nb[1]) // 4
+        rows = np.empty((n, k), dtype=np.int32)
+        if n:
+            # rows are strided (a view of an argsort over every expert): one copy of the block
+            flat = np.ctypeslib.as_array((ctypes.c_int32 * ((n - 1) * stride + k)).from_address(int(t.data)))
+            rows[:] = np.lib.stride_tricks.as_strided(flat, (n, k), (stride * 4, 4))
+        if self.capture:
+            self.routing.setdefault(layer, []).append(rows)
+        if self.on_topk is not None:
+            self.on_topk(layer, rows)
 
 
 class LlamaRunner:
