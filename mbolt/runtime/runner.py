@@ -88,7 +88,6 @@ class TopkTap:
                 return False
         return True
 
-
     def _computed(self, t_ptr: int, t, layer: int) -> None:
         check_tensor_layout(t_ptr, t)
         k, n = int(t.ne[0]), int(t.ne[1])
@@ -255,16 +254,20 @@ class LlamaRunner:
             b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = int(tok), p, 1, bool(want)
             b.seq_id[i][0] = seq
 
+    def _check_room(self, needs: list[tuple[int, int]]) -> None:
+        """Each (sequence, new tokens) fits the sequence's context."""
+        for s, n in needs:
+            if self.pos[s] + n > self.n_ctx:
+                raise ContextFull(f"sequence {s} holds {self.pos[s]} tokens: the llama.cpp context of {self.n_ctx} "
+                                  "tokens is full")
+
     def decode_step(self, feeds: list[tuple[int, int]], want_logits: bool = True) -> list[np.ndarray]:
         """One decode step of several sequences in one llama_decode: `feeds` (sequence, token),
         one token each; the logits of each, in order (output i of the step is row i: a sampler
         can read it from the context instead, `want_logits=False`)."""
         if len(feeds) > self.n_seq or len({s for s, _ in feeds}) != len(feeds):
             raise MboltError(f"a decode step takes one token of each of at most {self.n_seq} sequences")
-        for s, _ in feeds:
-            if self.pos[s] + 1 > self.n_ctx:
-                raise ContextFull(f"sequence {s} holds {self.pos[s]} tokens: the llama.cpp context of {self.n_ctx} "
-                                  "tokens is full")
+        self._check_room([(s, 1) for s, _ in feeds])
         self._fill([(s, tok, True) for s, tok in feeds])
         self._decode(Phase.DECODE, len(feeds))
         for s, _ in feeds:
@@ -283,10 +286,7 @@ class LlamaRunner:
         if not chunk or len(rows) > self.n_batch or seq in {s for s, _ in feeds}:
             raise MboltError(f"a mixed pass takes 1..{self.n_batch - len(feeds)} prompt tokens of a sequence that is "
                              "not decoding beside it")
-        for s in [seq, *(s for s, _ in feeds)]:
-            if self.pos[s] + (len(chunk) if s == seq else 1) > self.n_ctx:
-                raise ContextFull(f"sequence {s} holds {self.pos[s]} tokens: the llama.cpp context of {self.n_ctx} "
-                                  "tokens is full")
+        self._check_room([(seq, len(chunk)), *((s, 1) for s, _ in feeds)])
         self._fill(rows)
         try:
             self._decode(Phase.PROMPT, len(rows))

@@ -5,8 +5,8 @@ The recorder watches the driver's steps (runtime.driver: `begin`, every selectio
 through the route map. A step is one graph: a prompt pass of one slot (one row per token; the last
 MoE layer routes only the tokens whose logits are wanted), with a decode row of every replying
 slot after its tokens when replies are under way, or a decode step (one row per replying slot);
-the scheduler names the requests of the rows and how many of the last are decode rows (`rows`). A token's sequence in the trace is its
-slot's request. Tokens are kept in memory up to `max_tokens` (the rest is not recorded),
+the scheduler names the requests of the rows and how many of the last are decode rows (`rows`).
+A token's sequence in the trace is its slot's request. Tokens are kept in memory up to `max_tokens` (the rest is not recorded),
 and after every request the whole trace is written atomically (temporary file, fsync, rename), so
 the file is complete and readable at any moment while the server runs.
 """
