@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.bench.ab import load_prompt_ids, run_ab  # noqa: E402
+from mbolt.bench.ab_llama import ORDINARY_UID  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.predict import law_holds, law_predicts_no_change, layout_read_ratios, throttled_layout_law  # noqa: E402
@@ -177,7 +178,23 @@ def prepare(name: str) -> None:
     save_plan(p["plan"], plan)
     log(name, "reorder")
     reorder_file(p["stock"], p["reorder"], plan=p["plan"], layout="reorder", force=True)
+    give_to_ordinary_user(p)
     log(name, "ready:", p["stock"].stat().st_size, "bytes")
+
+
+def give_to_ordinary_user(p: dict) -> None:
+    """The models belong to uid nobody, as a user's downloaded model is theirs: the ordinary-user
+    arm can then see the page cache's residency of its file (ab_llama.check_ordinary_user); root's
+    arms read them as before."""
+    import pwd
+
+    try:
+        user = pwd.getpwnam(ORDINARY_UID)
+    except KeyError:
+        return
+    for k in ("stock", "reorder"):
+        if os.geteuid() == 0 and p[k].exists():
+            os.chown(p[k], user.pw_uid, user.pw_gid)
 
 
 # ---- one configuration ----
@@ -292,7 +309,7 @@ def session(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: in
                    **{f"{a}@{ra}": row(c["limited"], a)["ttft_s"] for ra, c in configs.items() for a in plains}},
         "ttft_over_warm": m["ttft_s"] / wm["ttft_s"],
         "ttft_over_warm_definition": "ratio of medians: the warm arms run apart (no limit), not in the same rounds",
-        "decode_tokens_per_s": {ra: {r["arm"]: r["decode_tokens_per_s"] for r in c["limited"]["summary"]}
+        "decode_tokens_per_s": {ra: {r["arm"]: r.get("decode_tokens_per_s") for r in c["limited"]["summary"]}
                                 for ra, c in configs.items()},
         "followup_ttft_s": {"mbolt": m["followup_ttft_s"], "warm_512": wm["followup_ttft_s"],
                             **{a: row(shipped, a)["followup_ttft_s"] for a in plains}},

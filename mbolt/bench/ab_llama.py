@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import asdict
@@ -75,25 +77,72 @@ def _slots(arm: Arm) -> int:
 
 
 # an ordinary user is an ordinary user: a non-root uid (no capability at all, so mlock obeys
-# RLIMIT_MEMLOCK), at the 8 MiB default a distribution gives it; the model must be readable by it
+# RLIMIT_MEMLOCK), at the 8 MiB default a distribution gives it; the model must be readable by it.
+# The worker starts as root and gives root up itself once its libraries are loaded
+# (`become_ordinary_user`): `runuser -u nobody python` cannot start an interpreter installed where
+# nobody may not look (/root/.pyenv, mode 700), which is where this machine and CI keep it.
 ORDINARY_UID = "nobody"
-ORDINARY_USER = ["runuser", "-u", ORDINARY_UID, "--", "prlimit", "--memlock=8388608"]
+ORDINARY_MEMLOCK = 8 << 20
 
 
 def check_ordinary_user(paths: list[str]) -> None:
-    """Before a user arm runs: uid nobody can start this interpreter, import the worker and read
-    each model file. One line saying what it cannot (a path under /root, a file mode)."""
-    code = ("import sys, mbolt.bench.ab_llama\n"
-            "for p in sys.argv[1:]:\n    open(p, 'rb').read(1)\n")
-    try:
-        r = subprocess.run(["runuser", "-u", ORDINARY_UID, "--", sys.executable, "-c", code, *paths],
-                           capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise MboltError(f"user arm: cannot run as uid {ORDINARY_UID} ({e}): runuser needs root") from None
-    if r.returncode != 0:
-        last = (r.stderr.strip().splitlines() or ["no message"])[-1]
-        raise MboltError(f"user arm: uid {ORDINARY_UID} cannot run the worker ({sys.executable}) or read "
-                         f"{', '.join(paths)}: {last}")
+    """Before a user arm runs: uid nobody can read each model file and see its page-cache
+    residency, which the kernel shows only to the file's owner or to whom may write it (mincore
+    reports every page resident to anyone else, cachestat refuses: the arm's cold proof and the
+    runtime's check for reclaimed experts would both be blind). A user's own downloaded model is
+    theirs. One line saying which file fails and why."""
+    for p in paths:
+        for test, why in ((["head", "-c", "1", p], "cannot read"),
+                          (["sh", "-c", 'test -O "$1" || test -w "$1"', "sh", p],
+                           "neither owns nor may write (the kernel hides its page-cache residency from it: "
+                           "mincore says every page is resident), so the arm's cold start cannot be proven; "
+                           f"give it the file: chown {ORDINARY_UID}")):
+            try:
+                r = subprocess.run(["runuser", "-u", ORDINARY_UID, "--", *test], capture_output=True, timeout=60)
+            except (OSError, subprocess.SubprocessError) as e:
+                raise MboltError(f"user arm: cannot run as uid {ORDINARY_UID} ({e}): runuser needs root") from None
+            if r.returncode != 0:
+                last = (r.stderr.decode(errors="replace").strip().splitlines() or [""])[-1]
+                raise MboltError(f"user arm: uid {ORDINARY_UID} {why} {p}" + (f": {last}" if last else ""))
+
+
+def become_ordinary_user() -> str:
+    """In the worker, before the model is opened: every module the round needs loaded as root (uid
+    nobody cannot read site-packages under /root), then RLIMIT_MEMLOCK lowered to 8 MiB as a
+    login would, root given up for uid nobody (setgroups, setgid, setuid: no capability is left,
+    so mlock obeys the limit), /proc/self readable again (as after an exec), and a home of its own
+    in which the C filter is compiled afresh. Returns that home."""
+    import ctypes
+    import pwd
+    import resource
+    import tempfile
+
+    import importlib
+    import pkgutil
+
+    import llama_cpp  # noqa: F401  (loaded as root, with its shared libraries)
+    import numpy.ctypeslib  # noqa: F401
+    import mbolt.core
+    import mbolt.runtime
+    from mbolt.runtime import binding, native
+
+    for pkg in (mbolt.core, mbolt.runtime):  # the modules a round imports on its way, all of them now
+        for m in pkgutil.iter_modules(pkg.__path__, pkg.__name__ + "."):
+            importlib.import_module(m.name)
+    binding.ggml_library()
+
+    user = pwd.getpwnam(ORDINARY_UID)
+    resource.setrlimit(resource.RLIMIT_MEMLOCK, (ORDINARY_MEMLOCK, ORDINARY_MEMLOCK))
+    os.setgroups([])
+    os.setgid(user.pw_gid)
+    os.setuid(user.pw_uid)
+    ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+    home = tempfile.mkdtemp(prefix="mbolt-user-")
+    os.environ.update(HOME=home, XDG_CACHE_HOME=home)
+    native._LIB = False  # built by nobody, into nobody's cache
+    return home
+
+
 WORKER_TIMEOUT_S = 3600  # one arm-round in a group; past it the process is killed (never a hang)
 
 
@@ -113,8 +162,6 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     evict_model(mm, job.threshold)  # uncharged and cold: the group fills its own page cache
     payload = json.dumps({"arm": asdict(arm), "job": {**asdict(job), "trace": None}})
     argv = [sys.executable, "-m", "mbolt.bench.ab_llama"]
-    if arm.user:
-        argv = ORDINARY_USER + argv
     with MemoryGroup(job.ram) as group, _io_group(arm, job) as io:
         if arm.user:
             _let_reset_peak(group)
@@ -176,11 +223,15 @@ def worker_main() -> int:
     spec = json.loads(sys.stdin.read())
     arm = Arm(**spec["arm"])
     job = ArmJob(**spec["job"])
+    home = become_ordinary_user() if arm.user else None
     try:
         res = llama_round(arm, moe_map(arm.path), job)
     except MboltError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if home is not None:
+            shutil.rmtree(home, ignore_errors=True)
     print(json.dumps(asdict(res)))
     return 0
 
@@ -213,6 +264,9 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                             f"{stream.pinned_per_layer} pinned), "
                             f"{stream.locked_bytes} B of dense weights locked, {stream.copied_bytes} B copied"
                             if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
+            if arm.user:
+                note += (f"; as uid {os.geteuid()} ({ORDINARY_UID}), RLIMIT_MEMLOCK {ORDINARY_MEMLOCK} B, "
+                         f"C filter {'built by it' if stream.runner.native_filter else 'absent (Python callback)'}")
         peak_load = reset_own_peak() if job.ram else None  # the load touched the whole group: what follows counts
         io, marks = None, []
         if job.drive:

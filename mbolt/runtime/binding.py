@@ -72,22 +72,33 @@ def set_fields(struct, **values) -> None:
         setattr(struct, k, v)
 
 
-_GGML = None
+_GGML = None  # libggml-base, opened by ggml_library
+_LAYOUT_CHECKED = False
+
+
+def ggml_library() -> ctypes.CDLL:
+    """libggml-base beside the package with the accessors the layout check calls, opened once
+    (a process that gives up root opens it first: the path may be one it cannot read after)."""
+    global _GGML
+    if _GGML is None:
+        import llama_cpp
+
+        g = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
+        for name, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
+                          ("ggml_nelements", ctypes.c_int64)):
+            getattr(g, name).restype = res
+            getattr(g, name).argtypes = [ctypes.c_void_p]
+        _GGML = g
+    return _GGML
 
 
 def check_tensor_layout(t_ptr: int, t: GgmlTensor) -> None:
     """Self-test of the ggml_tensor prefix against libggml's own accessors, once per process: a
     binding whose struct differs would have us read expert ids from the wrong bytes."""
-    global _GGML
-    if _GGML is not None:
+    global _LAYOUT_CHECKED
+    if _LAYOUT_CHECKED:
         return
-    import llama_cpp
-
-    g = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
-    for name, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
-                      ("ggml_nelements", ctypes.c_int64)):
-        getattr(g, name).restype = res
-        getattr(g, name).argtypes = [ctypes.c_void_p]
+    g = ggml_library()
     ne = 1
     for x in t.ne:
         ne *= int(x)
@@ -95,7 +106,7 @@ def check_tensor_layout(t_ptr: int, t: GgmlTensor) -> None:
             or g.ggml_nelements(t_ptr) != ne):
         raise MboltError("llama.cpp's ggml_tensor layout differs from the one mbolt reads (name, data or shape "
                          f"disagree with libggml's accessors): llama-cpp-python {BINDING_VERSION} is required")
-    _GGML = g
+    _LAYOUT_CHECKED = True
 
 
 _LOG_LOCK = threading.Lock()
