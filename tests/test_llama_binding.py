@@ -50,16 +50,16 @@ def _tensor_in_memory(name: bytes):
 def test_tensor_prefix_agrees_with_libggml(monkeypatch):
     from mbolt.runtime import binding
 
-    monkeypatch.setattr(binding, "_GGML", None)
+    monkeypatch.setattr(binding, "_LAYOUT_CHECKED", False)
     buf, t = _tensor_in_memory(b"ffn_moe_topk-3")
     binding.check_tensor_layout(ctypes.addressof(buf), t)  # the accessors read what we read
-    assert binding._GGML is not None
+    assert binding._LAYOUT_CHECKED and binding._GGML is not None
 
 
 def test_tensor_prefix_that_disagrees_is_an_error(monkeypatch):
     from mbolt.runtime import binding
 
-    monkeypatch.setattr(binding, "_GGML", None)
+    monkeypatch.setattr(binding, "_LAYOUT_CHECKED", False)
     buf, t = _tensor_in_memory(b"ffn_moe_topk-3")
     seen = binding.GgmlTensor.from_buffer_copy(buf)
     seen.ne[1] = 5  # what a binding with another layout would believe

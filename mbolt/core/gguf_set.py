@@ -70,8 +70,10 @@ def vaddr(file: int, offset: int) -> int:
     return (int(file) << FILE_SHIFT) | int(offset)
 
 
-def split_vaddr(v: int) -> tuple[int, int]:
-    v = int(v)
+def split_vaddr(v):
+    """(file, offset) of a virtual offset; of an integer array of them, two arrays (elementwise)."""
+    if getattr(v, "ndim", 0) == 0:
+        v = int(v)
     return v >> FILE_SHIFT, v & _MASK
 
 

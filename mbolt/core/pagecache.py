@@ -67,6 +67,14 @@ def resident_pages(path: str | os.PathLike) -> np.ndarray:
         os.close(fd)
 
 
+def residency_visible(path: str | os.PathLike) -> bool:
+    """Whether this process may see the file's page-cache residency: the kernel answers mincore
+    (and cachestat) for a file only to its owner, to whom may write it, or to root; anyone else
+    gets every page reported resident (mm/mincore.c, can_do_mincore)."""
+    st = os.stat(path)
+    return os.geteuid() in (0, st.st_uid) or os.access(path, os.W_OK)
+
+
 def resident_share(path: str | os.PathLike, spans=None) -> float:
     """Share of the file's pages resident in the page cache (0..1); with `spans` [(start, end)],
     the share of the pages covering those byte spans only (e.g. the expert tensors)."""

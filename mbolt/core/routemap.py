@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.gguf_set import FILE_SHIFT, open_model_header, vaddr
+from mbolt.core.gguf_set import open_model_header, split_vaddr, vaddr
 from mbolt.core.header import GGUFHeader
 from mbolt.core.moe_map import MoeLayer, MoeMap
 
@@ -235,7 +235,7 @@ def expert_map_dict(moemap: MoeMap) -> dict:
     layers = []
     for layer in moemap.moe_layers:
         R = expert_ranges(moemap, layer)
-        files, offs = R[..., 0] >> FILE_SHIFT, R[..., 0] & ((1 << FILE_SHIFT) - 1)
+        files, offs = split_vaddr(R[..., 0])
         layers.append({
             "layer": layer.index,
             "projections": [w.role for w in layer.weights],

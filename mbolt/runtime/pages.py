@@ -11,10 +11,10 @@ import os
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr, vaddr
+from mbolt.core.gguf_set import split_vaddr, vaddr
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.pagecache import (MADV_DONTNEED, MADV_RANDOM, PAGE, expert_spans, file_mappings, inward, joined,
-                                  libc, resident_share)
+                                  libc, resident_share, residency_visible)
 from mbolt.core.routemap import expert_ranges
 
 RESET_CHUNK = 8 << 20  # bytes per read when the dense tensors are brought back
@@ -47,6 +47,7 @@ class FilePages:
         # every page holding a dense byte (a gap under a page between two tensors holds no whole page)
         self.dense_pages = [(a // PAGE * PAGE, -(-b // PAGE) * PAGE) for a, b in joined(self.dense_tensors)]
         self.fd = os.open(self.path, os.O_RDONLY)
+        self.residency_visible = residency_visible(self.path)
         self._probe: tuple[int, int] | None = None  # (address, size) of the mincore mapping
         self._vec = (ctypes.c_ubyte * 0)()
         self.maps: list[tuple[int, int, int]] = []
@@ -185,7 +186,10 @@ class FilePages:
 
     def all_resident(self, spans) -> bool:
         """Whether every page of `spans` is in the page cache (mincore on a mapping of the file that
-        is never touched, kept open for these checks: a few microseconds per span)."""
+        is never touched, kept open for these checks: a few microseconds per span). On a file whose
+        residency the kernel hides from this process, True without asking (it would say so)."""
+        if not self.residency_visible:
+            return True
         if self._probe is None:
             size = os.fstat(self.fd).st_size
             addr = self.lib.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, self.fd, 0)
@@ -231,6 +235,7 @@ class ExpertPages:
             self.close()
             raise
         self._ranges: dict[int, np.ndarray] = {}  # layer -> expert_ranges (the one computation per layer)
+        self.residency_visible = all(fp.residency_visible for fp in self.files)
         self.spans = self._virtual("spans")
         self.dense_tensors = self._virtual("dense_tensors")
         self.dense_spans = self._virtual("dense_spans")
@@ -241,8 +246,8 @@ class ExpertPages:
     def _by_file(self, spans) -> dict[int, list[tuple[int, int]]]:
         out: dict[int, list[tuple[int, int]]] = {}
         for a, b in spans:
-            f, x = split_vaddr(int(a))
-            out.setdefault(f, []).append((x, int(b) - (f << FILE_SHIFT)))
+            (f, x), (_, y) = split_vaddr(a), split_vaddr(b)
+            out.setdefault(f, []).append((x, y))
         return out
 
     def attach(self) -> None:

@@ -49,7 +49,7 @@ from mbolt.core.lru import ArrayLru
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import drop_cached, drop_mapped, willneed, willneed_bytes
 from mbolt.core.ranges import merge_ranges
-from mbolt.core.gguf_set import FILE_SHIFT, split_vaddr
+from mbolt.core.gguf_set import split_vaddr
 from mbolt.core.routemap import expert_ranges
 
 ALIGN = 4096
@@ -439,10 +439,10 @@ class ExpertStore:
 
     def _drop(self, a: np.ndarray, b: np.ndarray) -> None:
         """Drop the page-cache span of what was just read, per file."""
-        files = a >> FILE_SHIFT
+        (files, oa), (_, ob) = split_vaddr(a), split_vaddr(b)
         for f in np.unique(files):
             sel = files == f
-            drop_cached(self.fds[int(f)], int(a[sel].min()) - (int(f) << FILE_SHIFT), int(b[sel].max()) - (int(f) << FILE_SHIFT))
+            drop_cached(self.fds[int(f)], int(oa[sel].min()), int(ob[sel].max()))
 
     def _pread(self, view, off, n, where):
         f, off = split_vaddr(off)
@@ -487,12 +487,11 @@ class ExpertStore:
         c.bytes += int(sizes.sum())
         if self.drop_pages:
             t1 = time.perf_counter()
-            files = starts >> FILE_SHIFT
+            files, offs = split_vaddr(starts)
             for f in np.unique(files):
                 sel = files == f
-                base = int(f) << FILE_SHIFT
-                drop_mapped(self._maps[int(f)], self.fds[int(f)], int(starts[sel].min()) - base,
-                            int((starts + sizes)[sel].max()) - base, self.file_sizes[int(f)])
+                drop_mapped(self._maps[int(f)], self.fds[int(f)], int(offs[sel].min()),
+                            int((offs + sizes)[sel].max()), self.file_sizes[int(f)])
             c.drop_time += time.perf_counter() - t1
         return got
 

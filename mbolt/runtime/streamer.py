@@ -40,7 +40,7 @@ import warnings
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.gguf_set import FILE_SHIFT
+from mbolt.core.gguf_set import split_vaddr
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
@@ -137,6 +137,10 @@ class StreamRuntime:
         self._next_moe = dict(zip(moe, moe[1:]))
         self._last_moe = moe[-1]
         self.pages = ExpertPages(self.path, self.mm)
+        if not self.pages.residency_visible:
+            warnings.warn(f"{self.path}: not this user's file and not writable by it: the kernel hides its page-cache "
+                          "residency, so an expert the kernel reclaims from the cache comes back through 4 KiB faults "
+                          "instead of one read (own the file to avoid it)", stacklevel=2)
         try:
             if budget:
                 self.budget = Budget.planned(budget, self.mm, self.model_path, n_ctx=self.n_ctx,
@@ -388,8 +392,7 @@ class StreamRuntime:
         ranges = np.zeros((L, E, roles, 3), np.int64)
         for l in self.mm.moe_layers:
             R = pages.layer_ranges(l.index)  # [E, roles, 2] virtual offsets
-            ranges[l.index, :, : R.shape[1], 0] = R[..., 0] >> FILE_SHIFT
-            ranges[l.index, :, : R.shape[1], 1] = R[..., 0] & ((1 << FILE_SHIFT) - 1)
+            ranges[l.index, :, : R.shape[1], 0], ranges[l.index, :, : R.shape[1], 1] = split_vaddr(R[..., 0])
             ranges[l.index, :, : R.shape[1], 2] = R[..., 1]
         self.filter.share_reads(ranges=ranges, fds=st.fds, maps=[(lo, off, hi - lo) for (lo, hi, off), in maps],
                                 ra_steps=st.willneed_steps, merge_gap=st.merge_gap, count=st.lru_count,
