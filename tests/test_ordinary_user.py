@@ -14,11 +14,8 @@ layers, and it decoded the tokens root decodes."""
 
 from __future__ import annotations
 
-import ctypes
-import json
 import os
 import pwd
-import resource
 import shutil
 import tempfile
 import warnings
@@ -57,17 +54,10 @@ def _nobody(model: str, cache: str, out) -> None:
     the interpreter's site-packages under /root, which an installed package's user could), then
     give up root for uid nobody, lower RLIMIT_MEMLOCK as a login would, and `_decode` afresh."""
     try:
-        from mbolt.runtime import native
+        from mbolt.bench.ab_llama import become_ordinary_user
 
         _decode(Path(model))
-        nobody = pwd.getpwnam("nobody")
-        resource.setrlimit(resource.RLIMIT_MEMLOCK, (MEMLOCK, MEMLOCK))
-        os.setgroups([])
-        os.setgid(nobody.pw_gid)
-        os.setuid(nobody.pw_uid)  # every capability goes with uid 0
-        ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: /proc/self readable, as after an exec
-        os.environ.update(HOME=cache, XDG_CACHE_HOME=cache)
-        native._LIB = False  # compiled afresh, by nobody, into nobody's cache
+        become_ordinary_user(cache)  # what the benchmarks' user arm does: setuid nobody, 8 MiB, own cache
         out.put(_decode(Path(model)))
     except BaseException as e:  # the parent reports it
         out.put({"error": f"{type(e).__name__}: {e}"})

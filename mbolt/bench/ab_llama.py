@@ -106,19 +106,18 @@ def check_ordinary_user(paths: list[str]) -> None:
                 raise MboltError(f"user arm: uid {ORDINARY_UID} {why} {p}" + (f": {last}" if last else ""))
 
 
-def become_ordinary_user() -> str:
+def become_ordinary_user(home: str | None = None) -> str:
     """In the worker, before the model is opened: every module the round needs loaded as root (uid
     nobody cannot read site-packages under /root), then RLIMIT_MEMLOCK lowered to 8 MiB as a
     login would, root given up for uid nobody (setgroups, setgid, setuid: no capability is left,
     so mlock obeys the limit), /proc/self readable again (as after an exec), and a home of its own
-    in which the C filter is compiled afresh. Returns that home."""
+    (`home`, else a new temporary directory) in which the C filter is compiled afresh. Returns it."""
     import ctypes
+    import importlib
+    import pkgutil
     import pwd
     import resource
     import tempfile
-
-    import importlib
-    import pkgutil
 
     import llama_cpp  # noqa: F401  (loaded as root, with its shared libraries)
     import numpy.ctypeslib  # noqa: F401
@@ -137,7 +136,7 @@ def become_ordinary_user() -> str:
     os.setgid(user.pw_gid)
     os.setuid(user.pw_uid)
     ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
-    home = tempfile.mkdtemp(prefix="mbolt-user-")
+    home = home or tempfile.mkdtemp(prefix="mbolt-user-")
     os.environ.update(HOME=home, XDG_CACHE_HOME=home)
     native._LIB = False  # built by nobody, into nobody's cache
     return home
