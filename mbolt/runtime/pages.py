@@ -235,7 +235,7 @@ class ExpertPages:
             self.close()
             raise
         self._ranges: dict[int, np.ndarray] = {}  # layer -> expert_ranges (the one computation per layer)
-        self.residency_visible = all(fp.residency_visible for fp in self.files)
+        self.residency_hidden = [fp.path for fp in self.files if not fp.residency_visible]  # files mincore lies about
         self.spans = self._virtual("spans")
         self.dense_tensors = self._virtual("dense_tensors")
         self.dense_spans = self._virtual("dense_spans")

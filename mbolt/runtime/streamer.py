@@ -137,8 +137,8 @@ class StreamRuntime:
         self._next_moe = dict(zip(moe, moe[1:]))
         self._last_moe = moe[-1]
         self.pages = ExpertPages(self.path, self.mm)
-        if not self.pages.residency_visible:
-            warnings.warn(f"{self.path}: not this user's file and not writable by it: the kernel hides its page-cache "
+        for hidden in self.pages.residency_hidden:  # a split set's shard at fault, by its own name
+            warnings.warn(f"{hidden}: not this user's file and not writable by it: the kernel hides its page-cache "
                           "residency, so an expert the kernel reclaims from the cache comes back through 4 KiB faults "
                           "instead of one read (own the file to avoid it)", stacklevel=2)
         try:
