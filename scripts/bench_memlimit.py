@@ -19,7 +19,7 @@ Workloads:
              plain-2048    the same at n_ubatch 2048 (fewer passes over the experts, a larger buffer)
              mbolt         the runtime as shipped (stock file, budget from the cgroup): the headline arm
              mbolt (A/A)   the same again
-             mbolt-user    the same as an ordinary user: uid nobody (runuser), RLIMIT_MEMLOCK 8 MiB
+             mbolt-user    the same as an ordinary user: uid nobody (the worker gives root up), RLIMIT_MEMLOCK 8 MiB
              mbolt-2048    the runtime asked for 2048-token passes (what a larger micro-batch buys)
              + plain-512 (A/A)
            and, without a limit and with the file in memory, warm-512 and warm-2048 (the compute alone).
@@ -195,7 +195,8 @@ def give_to_ordinary_user(p: dict) -> None:
     except KeyError:
         return
     for k in ("stock", "reorder"):
-        os.chown(p[k], user.pw_uid, user.pw_gid)
+        if p[k].exists():  # a model without a layout has no reorder file
+            os.chown(p[k], user.pw_uid, user.pw_gid)
 
 
 # ---- one configuration ----

@@ -1,10 +1,11 @@
 """Markdown tables from the results of scripts/bench_memlimit.py and scripts/bench_serve.py:
 README's figures and docs/results.md's tables are this script's output, pasted.
 
-    python scripts/report_memlimit.py [session|decode|drives|serve|all]
+    python scripts/report_memlimit.py [session|decode|drives|serve|concurrency|deep|all]
 
 results/session_<model>.json (issue 26), results/memlimit_<model>.json (issue 28, steady decode),
-results/drives_<model>.json (drive profiles), results/serve_<model>.json (issue 27).
+results/drives_<model>.json (drive profiles), results/serve_<model>.json (issue 27),
+results/deep_<model>.json (scripts/bench_deep.py: the full-depth model, issue 35).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
-SLICE = {"q864": "864 KiB, Q4_0", "q72": "72 KiB, Q4_0", "q4km": "Q4_K_M-like"}
+SLICE = {"q864": "864 KiB, Q4_0", "q72": "72 KiB, Q4_0", "q4km": "Q4_K_M-like", "q48": "48 layers, Q4_K_M-like"}
 
 
 def fmt(x, spec=".2f", unit=""):
@@ -226,11 +227,35 @@ def concurrency() -> str:
     return "\n".join(out)
 
 
+def deep() -> str:
+    out = ["| model | warm: plain / mbolt (tok/s) | mbolt over plain warm | beyond plain per MoE layer | "
+           "limited: plain / mbolt (tok/s) | mbolt over plain | reads then compute (share) | bound (share) | "
+           "A/A plain-warm, mbolt-warm, plain, mbolt |", "|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for d in load("deep"):
+        w, lim = d["decode_tokens_per_s"]["warm"], d["decode_tokens_per_s"]["limited"]
+        rtc, b, aa = d.get("reads_then_compute") or {}, d.get("bound") or {}, d["aa"]
+        out.append(f"| {model_name(d)} | {fmt(w['plain-warm'])} / {fmt(w['mbolt-warm'])} | "
+                   f"**{paired(d['warm_over_plain_warm'])}** | {fmt(d['warm_beyond_plain_us_per_moe_layer'], '.0f')} us | "
+                   f"{fmt(lim['plain-stock'])} / **{fmt(lim['mbolt-stock'])}** | **{paired(d['over_plain'])}** | "
+                   f"{fmt(rtc.get('tokens_per_s'))} tok/s ({fmt(rtc.get('share'))}) | "
+                   f"{fmt(b.get('tokens_per_s'))} tok/s, {b.get('limit', 'n/a')} ({fmt(d.get('share_of_bound'))}) | "
+                   + ", ".join(fmt(aa[k], ".3f") for k in ("plain-warm", "mbolt-warm", "plain-stock", "mbolt-stock"))
+                   + " |")
+        notes += [f"- {d['model']}: budget {d['budget_bytes'] / 2**30:.2f} GiB ({100 * d['budget_frac']:.0f}%), warm "
+                  f"inside {d['warm_limit_bytes'] / 2**30:.1f} GiB, readahead {d['readahead_kb']} KiB; "
+                  f"{d['workload']['prompt']}-token prompt, {d['workload']['new']} fed tokens, {d['rounds']} rounds; "
+                  f"not run: {'; '.join(d['not_run'])}.", f"- {d['model']} goals: {met(d['goals'])}."]
+        notes += earlier(d) + [run_line(d)]
+    return "\n".join(out + [""] + [n for n in notes if n])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", nargs="?", default="all", choices=["session", "decode", "drives", "serve", "concurrency", "all"])
+    ap.add_argument("what", nargs="?", default="all", choices=["session", "decode", "drives", "serve", "concurrency", "deep", "all"])
     a = ap.parse_args()
-    parts = {"session": session, "decode": decode, "drives": drives, "serve": serve, "concurrency": concurrency}
+    parts = {"session": session, "decode": decode, "drives": drives, "serve": serve, "concurrency": concurrency,
+             "deep": deep}
     for name, fn in parts.items():
         if a.what in (name, "all"):
             sys.stdout.write(f"\n### {name}\n\n{fn()}\n")

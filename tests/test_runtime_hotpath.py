@@ -146,3 +146,25 @@ def test_layers_with_misses_are_answered_in_c_with_pythons_results(toy):
     assert c_lru == py_lru
     assert all(len(v) == 6 for v in c_lru.values())
     assert c_res == py_res == {layer: sorted(v) for layer, v in c_lru.items()}  # victims left memory
+
+
+@needs_llama
+def test_neither_path_asks_mincore_where_the_kernel_hides_residency(toy, monkeypatch):
+    """On a file the kernel hides page-cache residency of (not the user's, not writable: mincore
+    says every page is resident), neither the C filter nor Python asks it: a cached expert whose
+    pages were taken is then not found reclaimed (root here sees the truth, so a path that still
+    asked would find them, as the test above does), and both paths give the same tokens and counts."""
+    import mbolt.runtime.pages as pages
+
+    monkeypatch.setattr(pages, "residency_visible", lambda path: False)
+    ids = list(range(30, 130))
+    with pytest.warns(UserWarning, match="hides its page-cache residency"):
+        c_runs, c_lru, _, c_layers, c_reclaimed = _run_small_cache(toy, ids, 6)
+    with pytest.warns(UserWarning, match="hides its page-cache residency"):
+        py_runs, py_lru, _, py_layers, py_reclaimed = _run_small_cache(toy, ids, 6, native_misses=False)
+    assert c_layers > 0 and py_layers == 0
+    assert c_reclaimed == py_reclaimed == 0
+    for c, p in zip(c_runs, py_runs):
+        assert c.generated == p.generated
+        assert (c.hits, c.misses, c.reads, c.bytes) == (p.hits, p.misses, p.reads, p.bytes)
+    assert c_lru == py_lru

@@ -250,6 +250,9 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
         before = stream.pages.resident()
         if arm.warm:
             note = "warm arm: every page resident by design (not a cold measurement)"
+            if stream.budget:  # the cache sized from the budget, nothing dropped: the hot path under a budget
+                stream.fit_budget()
+                note += f"; {stream.cache_slots} expert slots/layer from a {job.ram} B budget"
             after, proven, rejected = before, False, False
         else:
             stream.make_cold()

@@ -40,6 +40,7 @@ struct mbolt_misses {
     const int32_t * fds;     /* per file */
     const int64_t * map_lo, * map_off, * map_len;  /* per file: llama.cpp's mapping */
     const int64_t * ra_step; /* per file: the most one WILLNEED reads (core.pagecache.willneed_bytes) */
+    const uint8_t * visible; /* per file: the kernel shows this user its residency (else mincore says "all") */
     int64_t merge_gap;
     int64_t * count;         /* [n_layers]: cached experts (core.lru.ArrayLru's count) */
     uint8_t * read_mark;     /* [n_layers * n_experts]: read since the step's mark */
@@ -185,7 +186,8 @@ static bool resident(struct mbolt_filter * f, int layer, int32_t e) {
         int64_t a = m->r_off[base + r], b = a + m->r_len[base + r];
         a = (a + PAGE - 1) / PAGE * PAGE;
         b = b / PAGE * PAGE;
-        if (b <= a || a < m->map_off[file] || b > m->map_off[file] + m->map_len[file] || (b - a) / PAGE > m->vec_pages) {
+        if (!m->visible[file] || b <= a || a < m->map_off[file] || b > m->map_off[file] + m->map_len[file]
+            || (b - a) / PAGE > m->vec_pages) {
             continue;
         }
         if (mincore((void *) (m->map_lo[file] + a - m->map_off[file]), b - a, m->vec) != 0) {

@@ -67,7 +67,7 @@ MISS_COUNTS = ("layers", "experts", "hits", "misses", "reads", "bytes", "useful"
 class _Misses(ctypes.Structure):
     _fields_ = ([("slots", ctypes.c_int32), ("n_roles", ctypes.c_int32)]
                 + [(k, ctypes.c_void_p) for k in ("r_file", "r_off", "r_len", "fds", "map_lo", "map_off", "map_len",
-                                                  "ra_step")]
+                                                  "ra_step", "visible")]
                 + [("merge_gap", ctypes.c_int64)]
                 + [(k, ctypes.c_void_p) for k in ("count", "read_mark", "sel", "in_sel", "runs", "vec")]
                 + [("vec_pages", ctypes.c_int64)] + [(k, ctypes.c_int64) for k in MISS_COUNTS])
@@ -135,22 +135,28 @@ class TopkFilter:
         self._arrays = (perm, cached, stamp, clock, self.seen)  # alive as long as C may read them
 
     def share_reads(self, *, ranges: np.ndarray, fds: list[int], maps: list[tuple[int, int, int]],
-                    ra_steps: list[int], merge_gap: int, count: np.ndarray, read_mark: np.ndarray) -> None:
+                    ra_steps: list[int], merge_gap: int, count: np.ndarray, read_mark: np.ndarray,
+                    visible: list[bool] | None = None) -> None:
         """Let the filter answer decode layers with misses too (`with_misses` in the C source):
         `ranges` int64 [L, E, roles, 3] (file, offset in it, length; length 0: no such role),
         per file its descriptor, llama.cpp's one mapping of it (address, file offset, length) and
-        the most one WILLNEED reads; the LRU's per-layer counts and the read marks (numpy, shared)."""
+        the most one WILLNEED reads and whether the kernel shows this user its residency (`visible`,
+        default all: mincore is not asked where it would say every page is resident); the LRU's
+        per-layer counts and the read marks (numpy, shared)."""
         L, E, R, _ = ranges.shape
         n_files = len(fds)
         r_file = np.ascontiguousarray(ranges[..., 0], np.int32)
         r_off = np.ascontiguousarray(ranges[..., 1], np.int64)
         r_len = np.ascontiguousarray(ranges[..., 2], np.int64)
+        if visible is not None and len(visible) != n_files:
+            raise ValueError("visible names every file once")
         if (r_file < 0).any() or (r_file >= n_files).any():
             raise ValueError("a slice names a file the model does not have")
         longest = int(r_len.max()) if r_len.size else 0
         arrays = dict(r_file=r_file, r_off=r_off, r_len=r_len, fds=np.asarray(fds, np.int32),
                       map_lo=np.asarray([m[0] for m in maps], np.int64), map_off=np.asarray([m[1] for m in maps], np.int64),
                       map_len=np.asarray([m[2] for m in maps], np.int64), ra_step=np.asarray(ra_steps, np.int64),
+                      visible=np.asarray([True] * n_files if visible is None else visible, np.uint8),
                       count=count, read_mark=read_mark, sel=np.zeros(2 * E, np.int32), in_sel=np.zeros(E, np.uint8),
                       runs=np.zeros(4 * E * max(R, 1), np.int64), vec=np.zeros(longest // PAGE + 2, np.uint8))
         for name in ("count", "read_mark"):

@@ -396,7 +396,7 @@ class StreamRuntime:
             ranges[l.index, :, : R.shape[1], 2] = R[..., 1]
         self.filter.share_reads(ranges=ranges, fds=st.fds, maps=[(lo, off, hi - lo) for (lo, hi, off), in maps],
                                 ra_steps=st.willneed_steps, merge_gap=st.merge_gap, count=st.lru_count,
-                                read_mark=st.read_mark)
+                                read_mark=st.read_mark, visible=[fp.residency_visible for fp in pages.files])
 
     def make_cold(self) -> None:
         """Before a run: no expert page resident (the slot cache starts empty too); the dense

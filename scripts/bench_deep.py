@@ -1,0 +1,222 @@
+"""The full-depth model (issue 35, items 1 and 5) -> results/deep_q48.json.
+
+Qwen3-30B-A3B's real shape at its real depth: all 48 layers of 128 experts (k=8, hidden 2048,
+expert ff 768), typed as llama-quantize types a Q4_K_M file (experts Q4_K, down Q6_K, dense
+quantized too), routing like the real model's 48-layer co-activation profile (synth
+--routing-like): about 19 GB, under $MBOLT_BENCH, never in git. Per-layer costs weigh five to ten
+times more here than in the 8-16-layer files of bench_memlimit.py, whose protocol this is (every
+arm-round a fresh process in a memory cgroup, the file's pages dropped before every cold arm,
+teacher-forced on the same text, flash attention on, no repacking, same-round ratios):
+
+  warm     the file in memory, inside a cgroup larger than the file: plain llama.cpp (mapped, no
+           callback) and the runtime as shipped, whose budget is then larger than the model (every
+           expert it reads stays cached): the hot path at full depth, with A/A twins of both
+  limited  a cgroup of 40% of the file, readahead 128 KiB: plain llama.cpp and the runtime as
+           shipped (async reads, QD4, budget from the cgroup), A/A twins of both; beside them the
+           runtime's own bytes at the drive's sequential bandwidth plus the warm compute ("reads
+           then compute") and MIN's bound at the runtime's slot count
+
+A 64-token prompt, then 32 fed tokens: plain decodes about half a token per second at this depth.
+Not run here, and said so in the result: plain's readahead sweep (128 KiB was plain's best window
+on q864 and q4km, whose experts are this model's), the session workload, the reorder file (no
+training trace at this size), ik_llama.cpp (llama-perplexity feeds 256 tokens: ~9 minutes per
+arm-round).
+
+    python scripts/bench_deep.py prepare                                # $MBOLT_BENCH/memlimit/q48
+    python scripts/bench_deep.py run --prereg prereg/memlimit_deep.toml [--rounds 3] [--dry-run]
+    python scripts/bench_deep.py smoke    # one round on bench_memlimit's smoke model: checks the script
+
+The pre-registration binds as bench_memlimit.py's do (committed, locked, a clean tree, its goals
+read from the file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
+
+from mbolt.bench.arms import Arm  # noqa: E402
+from mbolt.bench.paired import pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
+from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, load_bench_prereg, open_bench_prereg  # noqa: E402
+from mbolt.bench.prereg import run_record  # noqa: E402
+from mbolt.bench.probe import sequential_read  # noqa: E402
+from mbolt.core.atomic import write_text_atomic  # noqa: E402
+from mbolt.core.errors import MboltError  # noqa: E402
+from mbolt.core.memlimit import readahead  # noqa: E402
+
+NAME = "q48"
+PROFILE = ml.SHARED / "coactivation_qwen3-30b-a3b.json"  # all 48 layers (the 8-layer reduction ships in git)
+SPEC = dict(preset="qwen3-30b-a3b", n_layers=48, fast_random=True, expert_type="Q4_K_M", dense_type="Q4_K_M")
+WORKLOAD = ml.Workload(64, 32, 0)
+READAHEAD_KB = 128
+GOALS = ("warm_over_plain_warm_min", "reads_then_compute_share_min", "over_plain_tuned_min", "aa_within")
+RESULT = ml.RESULTS / f"deep_{NAME}.json"
+NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, whose experts are this model's)",
+           "the session workload", "the reorder file (no training trace at this size)",
+           "ik_llama.cpp (llama-perplexity feeds 256 tokens: ~9 minutes per arm-round at this depth)")
+
+
+def prepare() -> None:
+    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.layout.stats import routing_target
+
+    p = ml.paths(NAME)
+    if p["stock"].exists():
+        ml.log(f"{p['stock']}: there already ({p['stock'].stat().st_size} bytes)")
+        return
+    if not PROFILE.exists():
+        raise SystemExit(f"{PROFILE}: the 48-layer routing profile is missing (../shared/data/mbolt)")
+    p["dir"].mkdir(parents=True, exist_ok=True)
+    ml.log(NAME, "synth (48 layers, about 19 GB)")
+    write_synth(p["stock"], SynthConfig.from_preset(SPEC["preset"], **{k: v for k, v in SPEC.items() if k != "preset"},
+                                                      routing_like=routing_target(PROFILE)))
+    ml.give_to_ordinary_user(p)
+    ml.log(NAME, "ready:", p["stock"].stat().st_size, "bytes")
+
+
+def cache_file(path: Path) -> None:
+    """Read the whole file once: the warm arms find every page in memory."""
+    buf = bytearray(16 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+
+
+def warm_limit(size: int) -> int:
+    """A cgroup larger than the file (the runtime's budget then holds every expert), below the machine."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(min(max(size * 1.2, 2 << 30), total - (1 << 30)))
+
+
+def beyond_plain_us(d: dict, arm: str, base: str, n_layers: int) -> float | None:
+    """Median over rounds of (arm's time per token - base's) per MoE layer, in microseconds."""
+    def per_token(a):
+        return {r["round"]: r["wall_s"] / r["tokens"] for r in d["rounds"] if r["arm"] == a and not r["rejected"]}
+    x, y = per_token(arm), per_token(base)
+    diffs = [(x[k] - y[k]) / n_layers * 1e6 for k in x if k in y]
+    return float(np.median(diffs)) if diffs else None
+
+
+def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
+    from mbolt.core.moe_map import moe_map
+
+    p = ml.paths(name)
+    stock, size = str(p["stock"]), p["stock"].stat().st_size
+    n_moe = len(moe_map(stock).moe_layers)
+    frac = 4.0 if name == "smoke" else 0.4  # smoke: the engine alone is larger than 40% of its file
+    ram, warm_ram = int(size * frac), warm_limit(size)
+    plain = Arm("plain", stock, mode="os")
+    mbolt = Arm("mbolt", stock, io_threads=4, asynchronous=True)
+    with readahead(p["stock"], READAHEAD_KB) as held:
+        ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file {size / 2**30:.1f} GiB "
+               "read into memory first)")
+        cache_file(p["stock"])
+        warm = ml.run_ab_config(name, [replace(plain, name="plain-warm", warm=True),
+                                       replace(mbolt, name="mbolt-warm", warm=True),
+                                       replace(mbolt, name="mbolt-warm (A/A)", warm=True, control_of="mbolt-warm")],
+                                WORKLOAD, rounds, warm_ram, seed, aa=True)
+        drive0 = sequential_read(p["stock"])
+        ml.log(f"{name}: under the limit ({ram / 2**30:.2f} GiB), readahead {held} KiB: drive "
+               f"{drive0['bytes_per_s'] / 1e6:.0f} MB/s sequential")
+        lim = ml.run_ab_config(name, [replace(plain, name="plain-stock"), replace(mbolt, name="mbolt-stock"),
+                                      replace(mbolt, name="mbolt-stock (A/A)", control_of="mbolt-stock")],
+                               WORKLOAD, rounds, ram, seed, aa=True)
+        drive1 = sequential_read(p["stock"])
+    bw = max(drive0["bytes_per_s"], drive1["bytes_per_s"])
+    compute_s = 1.0 / row(warm, "plain-warm")["decode_tokens_per_s"]
+    m = row(lim, "mbolt-stock")
+    out = {"model": name, "synth": SPEC, "routing_like": str(PROFILE.name), "workload": vars(WORKLOAD),
+           "file_bytes": size, "moe_layers": n_moe, "budget_frac": frac, "budget_bytes": ram,
+           "warm_limit_bytes": warm_ram, "rounds": rounds, "readahead_kb": held, "not_run": list(NOT_RUN),
+           "drive": {"before": drive0, "after": drive1, "sequential_bytes_per_s": bw},
+           "ratio_definition": "per round: an arm / its baseline of the same round; the median of those",
+           "decode_tokens_per_s": {"warm": {r["arm"]: r.get("decode_tokens_per_s") for r in warm["summary"]},
+                                   "limited": {r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]}},
+           "warm_over_plain_warm": pair_stats(warm, "mbolt-warm", "plain-warm"),
+           "warm_beyond_plain_us_per_moe_layer": beyond_plain_us(warm, "mbolt-warm", "plain-warm", n_moe),
+           "over_plain": pair_stats(lim, "mbolt-stock", "plain-stock"),
+           "aa": {"plain-warm": pair_ratio(warm, "plain-warm (A/A)", "plain-warm"),
+                  "mbolt-warm": pair_ratio(warm, "mbolt-warm (A/A)", "mbolt-warm"),
+                  "plain-stock": pair_ratio(lim, "plain-stock (A/A)", "plain-stock"),
+                  "mbolt-stock": pair_ratio(lim, "mbolt-stock (A/A)", "mbolt-stock")},
+           "tokens_identical": tokens_identical(warm, lim), "warm": ml._compact(warm), "limited": ml._compact(lim)}
+    if m.get("device_bytes_per_token"):
+        rtc = 1.0 / (m["device_bytes_per_token"] / bw + compute_s)
+        out["reads_then_compute"] = {"device_bytes_per_token": m["device_bytes_per_token"],
+                                     "bandwidth_bytes_per_s": bw, "compute_s_per_token": compute_s,
+                                     "tokens_per_s": rtc, "share": m["decode_tokens_per_s"] / rtc}
+    slots = ml.slots_of(lim)
+    if slots:
+        out["bound"] = ml.bound_of(name, WORKLOAD, slots, compute_s, bw)
+        out["share_of_bound"] = m["decode_tokens_per_s"] / out["bound"]["tokens_per_s"]
+    g = pr.goal
+    warm_r, over = out["warm_over_plain_warm"]["median"], out["over_plain"]["median"]
+    share = out.get("reads_then_compute", {}).get("share")
+    aa = [v for v in out["aa"].values() if v is not None]
+    out["goals"] = [
+        {"goal": f"warm: the runtime >= {g('warm_over_plain_warm_min')}x plain warm (hot path at full depth)",
+         "value": warm_r, "met": warm_r is not None and warm_r >= g("warm_over_plain_warm_min")},
+        {"goal": f"limited: mbolt-stock >= {g('reads_then_compute_share_min'):.0%} of reads then compute",
+         "value": share, "met": share is not None and share >= g("reads_then_compute_share_min")},
+        {"goal": f"limited: mbolt-stock >= {g('over_plain_tuned_min')}x plain (128 KiB)", "value": over,
+         "met": over is not None and over >= g("over_plain_tuned_min")},
+        {"goal": f"A/A within {g('aa_within'):.0%} (four twins)", "value": max(abs(a - 1) for a in aa) if aa else None,
+         "met": bool(aa) and max(abs(a - 1) for a in aa) <= g("aa_within")},
+        {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]},
+    ]
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["prepare", "run", "smoke"])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prereg", type=Path, default=ml.ROOT / "prereg" / "memlimit_deep.toml",
+                    help="the run's pre-registration, committed and locked")
+    ap.add_argument("--dry-run", action="store_true", help="check the pre-registration, the tree and the goals")
+    a = ap.parse_args()
+    if a.stage == "prepare":
+        prepare()
+        return
+    if a.stage == "smoke":  # checks the script, not a figure: the goals are read, nothing is gated
+        ml.prepare("smoke")
+        res = run(1, load_bench_prereg(a.prereg), "smoke")
+        for g in res["goals"]:
+            ml.log(f"  smoke: {g['goal']}: {g['value']}")
+        return
+    try:
+        pr, lock = open_bench_prereg(a.prereg, ml.ROOT, count_run=not a.dry_run)
+        pr.require_goals(list(GOALS))
+        check_rerun(pr, RESULT)
+        if not ml.paths(NAME)["stock"].exists():
+            raise SystemExit(f"{ml.paths(NAME)['stock']}: run `prepare` first")
+        if a.dry_run:
+            print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
+                  f"{a.rounds} rounds of: warm plain-warm, mbolt-warm (+ A/A twins); limited plain-stock, "
+                  "mbolt-stock (+ A/A twins)")
+            return
+        rec = run_record(pr, lock, ml.ROOT, ml.paths(NAME)["stock"])
+        res = run(a.rounds, pr)
+        res.update(finish_record(rec))
+        res.update({"benchmark": "the full-depth model under a real memory limit and warm (issue 35)",
+                    "script": "scripts/bench_deep.py", "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
+        write_text_atomic(RESULT, json.dumps(keep_earlier(pr, RESULT, res), indent=1, default=ml._json) + "\n")
+        ml.log("wrote", RESULT)
+        for g in res["goals"]:
+            v = g["value"]
+            ml.log(f"  {g['goal']}: {v if not isinstance(v, float) else round(v, 3)}: {'met' if g['met'] else 'MISSED'}")
+    except MboltError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
