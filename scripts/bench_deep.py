@@ -119,7 +119,7 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     with readahead(p["stock"], READAHEAD_KB) as held:
         ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file {size / 2**30:.1f} GiB "
                "read into memory first)")
-        cache_file(p["stock"])
+        cache_file(p["stock"])  # a warm arm under a limit is not evicted first (bench.ab_llama.run_in_group)
         warm = ml.run_ab_config(name, [replace(plain, name="plain-warm", warm=True),
                                        replace(mbolt, name="mbolt-warm", warm=True),
                                        replace(mbolt, name="mbolt-warm (A/A)", warm=True, control_of="mbolt-warm")],

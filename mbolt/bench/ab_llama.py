@@ -158,7 +158,8 @@ def run_in_group(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     from mbolt.core.pagecache import evict_model
     from mbolt.core.memlimit import MemoryGroup
 
-    evict_model(mm, job.threshold)  # uncharged and cold: the group fills its own page cache
+    if not arm.warm:  # a warm arm finds the file in memory, as the caller left it
+        evict_model(mm, job.threshold)  # uncharged and cold: the group fills its own page cache
     payload = json.dumps({"arm": asdict(arm), "job": {**asdict(job), "trace": None}})
     argv = [sys.executable, "-m", "mbolt.bench.ab_llama"]
     with MemoryGroup(job.ram) as group, _io_group(arm, job) as io:
