@@ -170,6 +170,37 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
         LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm)
 
 
+def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
+    """A budget that holds every expert (but not every expert and a prompt pass's reserve on top)
+    caches them all, in prompts too: the experts a first conversation read stay cached and resident
+    through a second prompt. Before, the pass's reserve shrank the cache (121 of 128 slots on the
+    48-layer model) and the next decode steps read the dropped experts back from the drive."""
+    from mbolt.runtime.budget import expert_bytes_all_layers, layer_bytes, margin
+    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.streamer import own_bytes
+
+    mm = model["mm"]
+    per_slot = expert_bytes_all_layers(mm)
+    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True) as s:
+        assert s.plan.prefill_reserve >= layer_bytes(mm) > 4 * per_slot  # the reserve is worth several slots
+        dense = sum(b - a for a, b in s.pages.dense_tensors)
+        # room for every expert and half a pass's reserve: enough for all, not for all and the reserve
+        need = own_bytes() + dense + s.memory.compute_bytes + mm.n_experts * per_slot + s.plan.prefill_reserve // 2
+        limit = need
+        while limit - margin(limit) < need:
+            limit = need + margin(limit)
+        s.budget.limit = limit
+        s.make_cold()
+        assert s.prefill_slots == s.decode_slots == s.cache_slots == mm.n_experts
+        s.generate([list(range(65, 65 + 24))], 8, forced=16)
+        first = {l.index: s.store.cached(l.index) for l in mm.moe_layers}
+        assert any(len(v) > mm.n_used for v in first.values())
+        s.generate([list(range(97, 97 + 24))], 8, forced=16)  # another conversation: a prompt pass, steps
+        for layer, experts in first.items():
+            assert set(experts) <= set(s.store.cached(layer)), layer
+            assert s.pages.resident(s.pages.expert_spans_of(layer, experts)) == 1.0, layer
+
+
 def test_a_layer_without_expert_selection_is_an_error(model):
     from mbolt.runtime.driver import LlamaStream
 

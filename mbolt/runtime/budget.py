@@ -149,7 +149,8 @@ class Budget:
             nothing fits (`plan_budget`);
     fit     after the load, the dense weights held: the expert slots per layer of a prompt pass and
             of a decode step, from what is used (inside the group that enforces the limit, its
-            charge; elsewhere the dense weights and this process's own memory);
+            charge; elsewhere the dense weights and this process's own memory); a budget that holds
+            every expert caches them all, in prompts too;
     keep    before a decode step, now and then: inside that group, when its charge has crept within
             half the margin of the limit (memory the plan does not see: the interpreter's heap,
             page cache of other files), the cache gives up as many slots as it took, for good,
@@ -186,6 +187,12 @@ class Budget:
         if used is None:
             used = used_outside
         used += compute_pending
+        if slots_for(self.mm, self.limit, used, 0) >= self.mm.n_experts:
+            # every expert fits: what a pass or a step reads is cached for good, so no reserve for
+            # reads beyond the cache and no prompt shrinks it (a shrink dropped experts that the
+            # next decode steps read back from the drive: 40 MB a token at 48 layers)
+            self.prefill_slots = self.decode_slots = self.mm.n_experts
+            return
         self.prefill_slots = slots_for(self.mm, self.limit, used, self.plan.prefill_reserve)
         self.decode_slots = max(self.prefill_slots, slots_for(self.mm, self.limit, used, self.plan.step_reserve))
 
