@@ -189,9 +189,9 @@ def test_packed_reads_one_range_per_run(rewritten):
 
 def test_split_reads_stay_byte_exact(tiny, monkeypatch):
     """With QD > 1 long merged reads are split into pieces (here forced small): same bytes."""
-    import mbolt.runtime.store as store_mod
+    import mbolt.core.ranges as ranges_mod
 
-    monkeypatch.setattr(store_mod, "SPLIT_MIN", 4096)
+    monkeypatch.setattr(ranges_mod, "SPLIT_MIN", 4096)
     path, want = tiny
     for direct in (False, True):
         with ExpertStore(path, io_threads=6, gap=1 << 20, direct=direct) as s:
@@ -204,7 +204,7 @@ def test_split_reads_stay_byte_exact(tiny, monkeypatch):
 
 
 def test_split_jobs_by_hand():
-    from mbolt.runtime.store import split_jobs
+    from mbolt.core.ranges import split_jobs
 
     # one 1 MiB read, QD 4: pieces of max(256 KiB, 1 MiB / 4) = 256 KiB
     jobs = split_jobs([(4096, 1 << 20, 0)], 4)

@@ -76,14 +76,14 @@ def reader_cost(probe_d: dict, direct: bool, qd: int, reads_per_call: float,
     (`bytes_per_call` bytes) per layer with `qd` threads.
 
     With qd > 1 the store splits long reads into pieces of >= 256 KiB and >= bytes/qd
-    (`runtime.store.split_jobs`), so a call issues about max(reads, bytes/piece) operations, and
+    (`core.ranges.split_jobs`), so a call issues about max(reads, bytes/piece) operations, and
     only min(qd, ops) are in flight: the per-op cost is interpolated between the probe's QD1
     and QD`qd` figures by that parallelism.
     """
     t1, b1 = cost(probe_d, direct, 1)
     if qd <= 1:
         return t1, b1, 1.0
-    from mbolt.runtime.store import SPLIT_MIN
+    from mbolt.core.ranges import SPLIT_MIN
 
     piece = max(SPLIT_MIN, bytes_per_call / qd)
     ops = max(reads_per_call, bytes_per_call / piece) if bytes_per_call else reads_per_call

@@ -14,11 +14,12 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
-from mbolt.core.checks import MAX_EXPERTS, MAX_LAYERS
+from mbolt.core.checks import MAX_EXPERTS, n_layers_of
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.header import GGUFHeader, TensorInfo
 from mbolt.core.packed import PAGE, read_packed
+from mbolt.core.routemap import read_route_map
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 # suffix after "blk.N." -> role. Weights of the routed experts, then small expert-indexed tensors.
@@ -109,8 +110,6 @@ class MoeMap:
     @cached_property
     def route_map(self):
         """The file's route map (identity for a stock file), read once from the header."""
-        from mbolt.core.routemap import read_route_map  # routemap builds on this module
-
         return read_route_map(self.header)
 
     @property
@@ -189,25 +188,6 @@ def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertT
             stride=pl.slot_bytes, container=blob.name, file=blob.file,
         ))
     return out
-
-
-def n_layers_of(header: GGUFHeader) -> int:
-    """Layers of a model: `{arch}.block_count`, or one past the highest blk.N of its tensors when
-    the key is missing. A layer index beyond block_count or MAX_LAYERS is a damaged file (and
-    would make every per-layer loop run that long)."""
-    arch = header.get("general.architecture")
-    block_count = header.get_int(f"{arch}.block_count")
-    if not 0 <= block_count <= MAX_LAYERS:
-        raise MboltError(f"{header.path}: {arch}.block_count is {block_count} (expected 1..{MAX_LAYERS})")
-    top = -1
-    for t in header.tensors:
-        m = _BLK.match(t.name)
-        if m and int(m.group(1)) > top:
-            top = int(m.group(1))
-            if top >= MAX_LAYERS or (block_count and top >= block_count):
-                limit = f"{arch}.block_count is {block_count}" if block_count else f"at most {MAX_LAYERS} layers"
-                raise MboltError(f"{header.path}: tensor {t.name}: layer {top} is out of range ({limit})")
-    return block_count or top + 1
 
 
 def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:

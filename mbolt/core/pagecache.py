@@ -267,3 +267,15 @@ def willneed(fd: int, offset: int, length: int, step: int) -> None:
     (`willneed_bytes`): the kernel starts reading every piece and returns at once."""
     for a in range(offset, offset + length, step):
         os.posix_fadvise(fd, a, min(step, offset + length - a), os.POSIX_FADV_WILLNEED)
+
+
+def proc_read_bytes() -> int | None:
+    """Bytes this process caused to be fetched from storage (/proc/self/io), None if unknown."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None

@@ -3,8 +3,7 @@
 The planner's evaluator, the predictor and the streaming engine all call this, so a layout is
 scored exactly the way it is later read. Two ranges join into one read when the hole between
 them is at most `gap` bytes (the reader reads through the hole); overlapping or touching ranges
-always join. Also the one page-cache drop after reads (`drop_cached`), which the store and the
-probe share so that the probe measures reads under the store's conditions.
+always join. `split_jobs` cuts merged reads back into pieces when several threads read one call.
 """
 
 from __future__ import annotations
@@ -58,3 +57,23 @@ def merge_ranges(starts, ends, gap: int = 0) -> tuple[np.ndarray, np.ndarray]:
     idx = np.flatnonzero(new[0])
     last = np.append(idx[1:] - 1, len(s) - 1)
     return s[idx], e[last]
+
+
+SPLIT_MIN = 256 << 10  # never split a read into pieces smaller than this
+
+
+def split_jobs(jobs, qd: int):
+    """Split large reads `(offset, length, where)` so that `qd` threads have work: each read of a
+    call becomes pieces of at least SPLIT_MIN bytes and at most total/qd (4 KiB-aligned), so one
+    long merged run is not read by a single thread while the others idle."""
+    total = sum(n for _, n, _ in jobs)
+    piece = max(SPLIT_MIN, -(-total // qd))
+    piece += (-piece) % 4096
+    out = []
+    for off, n, where in jobs:
+        done = 0
+        while n - done > piece:
+            out.append((off + done, piece, where + done))
+            done += piece
+        out.append((off + done, n - done, where + done))
+    return out

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import numpy as np
 
+from mbolt.core.checks import MAX_EXPERTS, n_layers_of
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header, split_vaddr, vaddr
 from mbolt.core.header import GGUFHeader
-from mbolt.core.moe_map import MoeLayer, MoeMap
 
 ROUTE_MAP_VERSION = 1
 ROUTE_MAP_KEYS = ("mbolt.version", "mbolt.layout", "mbolt.n_layers", "mbolt.n_experts", "mbolt.perm",
@@ -115,10 +115,6 @@ def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> n
 
 
 def _model_shape(header: GGUFHeader) -> tuple[int, int]:
-    from mbolt.core.moe_map import n_layers_of
-
-    from mbolt.core.checks import MAX_EXPERTS
-
     arch = header.get("general.architecture")
     n_experts = header.get_int(f"{arch}.expert_count")
     if not 0 <= n_experts <= MAX_EXPERTS:  # it sizes the route map
@@ -126,9 +122,10 @@ def _model_shape(header: GGUFHeader) -> tuple[int, int]:
     return n_layers_of(header), n_experts
 
 
-def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
-    """The route map of a GGUF (identity with layout "stock" for a file mbolt did not write)."""
-    if isinstance(src, MoeMap):
+def read_route_map(src) -> RouteMap:
+    """The route map of a GGUF (identity with layout "stock" for a file mbolt did not write); `src`
+    is a path, a GGUFHeader or an opened model (core.moe_map.MoeMap, whose map is read once)."""
+    if hasattr(src, "route_map"):
         return src.route_map
     header = src if isinstance(src, GGUFHeader) else open_model_header(src)
     path = header.path
@@ -162,10 +159,11 @@ def read_route_map(src: GGUFHeader | MoeMap | str | os.PathLike) -> RouteMap:
     return RouteMap(layout, perm, heat, method if isinstance(method, str) else "", src_fp, version)
 
 
-def expert_ranges(moemap: MoeMap, layer: MoeLayer | int) -> np.ndarray:
-    """int64 [E, n_roles, 2]: (start, size) of every expert's slice of every routed weight
-    tensor, indexed by ORIGINAL expert id, roles in `layer.weights` order. The start is a
-    virtual offset (core.gguf_set.vaddr: file index << 48 | offset in that file), the plain
+def expert_ranges(moemap, layer) -> np.ndarray:
+    """int64 [E, n_roles, 2] of an opened model (core.moe_map.MoeMap; this module sits below it, so
+    its functions take one untyped) and one layer (a MoeLayer or its index): (start, size) of every
+    expert's slice of every routed weight tensor, indexed by ORIGINAL expert id, roles in
+    `layer.weights` order. The start is a virtual offset (core.gguf_set.vaddr: file index << 48 | offset in that file), the plain
     absolute offset for a one-file model; `split_vaddr` gives (file, offset).
 
     Works for stock, reorder and packed files and split sets (a dense layer gives [E, 0, 2]).
@@ -188,7 +186,7 @@ def sidecar_path(gguf_path: str | os.PathLike) -> Path:
     return p.with_name(p.name + SIDECAR_SUFFIX)
 
 
-def sidecar_dict(moemap: MoeMap) -> dict:
+def sidecar_dict(moemap) -> dict:
     """Everything an engine needs to locate experts without parsing GGUF metadata."""
     rm = moemap.route_map
     h = moemap.header
@@ -225,7 +223,7 @@ def sidecar_dict(moemap: MoeMap) -> dict:
 EXPERT_MAP_VERSION = 1
 
 
-def expert_map_dict(moemap: MoeMap) -> dict:
+def expert_map_dict(moemap) -> dict:
     """The expert map for engines (docs/expert_map.md): for every MoE layer and ORIGINAL expert,
     the byte ranges [file, offset, bytes] of its slice in each routed weight tensor (one per
     projection; a packed file's projections lie side by side in one slot), with the tensor types,

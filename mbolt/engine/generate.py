@@ -11,7 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from mbolt.engine.model import Model, load_model
+from mbolt.engine.arch import load_model
+from mbolt.engine.model import Model
 from mbolt.engine.tokenizer import Tokenizer
 from mbolt.core.errors import MboltError
 

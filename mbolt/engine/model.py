@@ -1,6 +1,6 @@
 """The reference engine's model: hyperparameters, weights, and the MoE decoder shared by every arch.
 
-`load_model(path, route="file"|"map", expert_source=None)` reads the header, picks the
+`load_model(path, route="file"|"map", expert_source=None)` (engine/arch) reads the header, picks the
 architecture module (engine/arch/*.py) and returns a `Model`. Non-expert weights are
 dequantized once and cached; routed experts are fetched per forward through `expert_source`
 (by ORIGINAL expert id) and dequantized per fetch, since they are what gets streamed.
@@ -16,7 +16,6 @@ reordered file gives bit-identical logits and the same routing (as original ids)
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,9 +27,8 @@ from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, rou
 from mbolt.engine.source import MmapExpertSource
 from mbolt.core.routemap import RouteMap
 from mbolt.core.errors import MboltError
-from mbolt.core.gguf_set import open_model_header
 from mbolt.core.header import GGUFHeader, MappedFile
-from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.core.moe_map import MoeMap
 
 F32 = np.float32
 
@@ -361,30 +359,3 @@ class Model:
     def close(self) -> None:
         if hasattr(self.source, "close") and isinstance(self.source, MmapExpertSource):
             self.source.close()
-
-
-def load_model(path: str | os.PathLike | MoeMap, *, route: str = "file", expert_source=None) -> Model:
-    """Open a MoE GGUF (one file or any shard of a split set; or the model already opened as a
-    MoeMap, not read again) for the reference engine (see the module docstring for `route`)."""
-    from mbolt.engine.arch import ARCHS
-
-    if route not in ("file", "map"):
-        raise MboltError(f"route must be 'file' or 'map', not {route!r}")
-    opened = path if isinstance(path, MoeMap) else None
-    path = Path(opened.path if opened else path)
-    header = opened.header if opened else open_model_header(path)  # one file, or the whole set of a shard
-    arch = header.get("general.architecture")
-    cls = ARCHS.get(arch)
-    if cls is None:
-        raise MboltError(f"{path}: architecture {arch!r} is not supported by the reference engine "
-                         f"(supported: {', '.join(sorted(ARCHS))}; `mbolt trace --engine llama.cpp` "
-                         f"traces any architecture llama.cpp runs)")
-    mm = opened or moe_map(header)
-    tok = header.get("tokenizer.ggml.tokens")
-    emb = header.tensor("token_embd.weight")
-    if emb is None:
-        raise MboltError(f"{path}: missing tensor token_embd.weight")
-    n_vocab = int(emb.ne[1]) if len(emb.ne) > 1 else len(tok or [])
-    hp = HParams.from_header(header, arch, n_vocab)
-    routes = mm.route_map
-    return cls(path, header, mm, hp, routes, route, expert_source)

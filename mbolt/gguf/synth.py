@@ -7,17 +7,12 @@ requires. The routing is planted (gguf/routing.py) or fitted to a real model's p
 (gguf/routing_like.py); the bytes of each tensor come from gguf/blocks.py, their types from
 gguf/config.py and gguf/mixes.py. This module lays out the tensors and writes the file.
 
-Vocabulary
-----------
-`tokenizer.ggml.model` "gpt2", `tokenizer.ggml.pre` "gpt-2" (GPT-2's pre-tokenizer regex). Ids
-0..255 are the 256 bytes in GPT-2 byte-to-unicode form (token id == byte value), then one token
-per merge of gguf.vocabulary.BYTE_MERGES ("Ġ t", "h e", "i n", "Ġ a", ranked in that order), then the control
-tokens <|bos|> and <|eos|>. add_bos/add_eos are false. Token topics and expert groups are recorded
-(`mbolt.synth.token_topic`; `mbolt.synth.groups`: int32 [n_layers*E], -1 for dense layers).
+Vocabulary: "gpt2" with GPT-2's pre-tokenizer; ids 0..255 are the bytes (token id == byte value),
+then one token per merge of gguf.vocabulary.BYTE_MERGES, then <|bos|> and <|eos|> (not added).
+Token topics and expert groups are recorded (`mbolt.synth.token_topic`; `mbolt.synth.groups`:
+int32 [n_layers*E], -1 for dense layers).
 
-Expert weights
---------------
-Real mode: Gaussian weights (std gain/sqrt(fan_in)) quantized with `gguf.quants.quantize`.
+Expert weights: real mode: Gaussian weights (std gain/sqrt(fan_in)) quantized with `gguf.quants.quantize`.
 `fast_random=True` writes random but valid blocks instead (the only way for K- and I-quants),
 copied from a pool at a per-slice offset so every expert slice has its own bytes; this runs at
 memcpy speed, so big files write at disk speed with bounded memory. Router, embeddings and norms
@@ -26,9 +21,8 @@ then noise). Mixed types as real files have them: `down_type`, `layer_types` (pe
 Q4_K_M mix (experts and dense matrices, gguf/mixes.py); `fused_gate_up` writes one ffn_gate_up_exps
 tensor (gate rows then up rows per expert, as llama.cpp's build_moe_ffn splits it).
 
-Memory: the file is streamed tensor by tensor (experts slice by slice, large matrices in row
-chunks); peak memory is a few pools of POOL_BYTES plus one chunk, independent of model size.
-Everything is derived from `seed` and the tensor name: same config, same bytes.
+Memory: streamed tensor by tensor, in chunks: a few pools of POOL_BYTES plus one chunk, whatever
+the model's size. Every byte derives from `seed` and the tensor name: same config, same bytes.
 
 What llama.cpp refuses: `probs_bias`, `expert_bias` and `dense_layers` on qwen3moe, olmoe,
 mixtral and qwen2moe add tensors (or drop experts from layers) their loaders do not accept; such

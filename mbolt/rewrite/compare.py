@@ -1,13 +1,13 @@
 """The byte comparison of `verify`: every tensor of the output against the source through the
 route map (expert slices by position), read with pread or a mapping that releases what it compared,
-and the padding that must be zero."""
+and the padding that must be zero; the report (`VerifyReport`) that verify fills and returns."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import numpy as np
 
@@ -16,9 +16,6 @@ from mbolt.core.gguf_set import split_vaddr
 from mbolt.rewrite.copy import Readahead
 from mbolt.rewrite.outplan import LTensor, split_ops
 from mbolt.core.routemap import RouteMap
-
-if TYPE_CHECKING:
-    from mbolt.rewrite.verify import VerifyReport
 
 BUF = 4 << 20  # bytes compared per step
 RELEASE = 16 << 20  # mmap reader: drop compared pages from the mapping every this many bytes
@@ -43,6 +40,48 @@ class Mismatch:
             return f"{where}{self.tensor}: bytes differ from byte {self.offset}"
         return (f"{where}{self.tensor}: layer {self.layer}, expert {self.expert} at position {self.position}: "
                 f"bytes differ from byte {self.offset} of the slice")
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool | None  # None = not run (skipped / pending)
+    detail: str = ""
+
+
+@dataclass
+class VerifyReport:
+    src: str
+    out: str
+    layout: str = ""
+    checks: list[Check] = field(default_factory=list)
+    mismatches: list[Mismatch] = field(default_factory=list)
+    n_mismatches: int = 0
+    bytes_compared: int = 0
+    seconds: float = 0.0  # headers, metadata and the byte comparison (what the benchmark times)
+    total_seconds: float = 0.0  # all of verify, engine parity included
+    phase_seconds: dict = field(default_factory=dict)  # "routing", "llama.cpp": each parity run
+    parity: dict | None = None
+    llama: dict | None = None
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok is not False for c in self.checks) and self.n_mismatches == 0
+
+    def add(self, name: str, ok: bool | None, detail: str = "") -> bool | None:
+        self.checks.append(Check(name, ok, detail))
+        return ok
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok, "src": self.src, "out": self.out, "layout": self.layout,
+            "checks": [c.__dict__ for c in self.checks],
+            "n_mismatches": self.n_mismatches, "mismatches": [m.__dict__ | {"message": str(m)} for m in self.mismatches],
+            "bytes_compared": self.bytes_compared, "seconds": self.seconds,
+            "total_seconds": self.total_seconds, "phase_seconds": self.phase_seconds,
+            "throughput_bytes_s": 2 * self.bytes_compared / self.seconds if self.seconds else 0.0,
+            "parity": self.parity, "llama": self.llama,
+        }
 
 
 # ---- data ----

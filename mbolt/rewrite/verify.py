@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -40,53 +39,11 @@ from mbolt.core.moe_map import moe_map
 from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.rewrite.outplan import logical_tensors
 from mbolt.core.routemap import RouteMap, is_route_map_key, read_sidecar, sidecar_path
-from mbolt.rewrite.compare import Mismatch, check_padding, compare_data, compare_jobs
+from mbolt.rewrite.compare import VerifyReport, check_padding, compare_data, compare_jobs
 
 IGNORED_KEYS = ("general.alignment",)  # besides mbolt.*
 
 Progress = Callable[[int, int], None]
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool | None  # None = not run (skipped / pending)
-    detail: str = ""
-
-
-@dataclass
-class VerifyReport:
-    src: str
-    out: str
-    layout: str = ""
-    checks: list[Check] = field(default_factory=list)
-    mismatches: list[Mismatch] = field(default_factory=list)
-    n_mismatches: int = 0
-    bytes_compared: int = 0
-    seconds: float = 0.0  # headers, metadata and the byte comparison (what the benchmark times)
-    total_seconds: float = 0.0  # all of verify, engine parity included
-    phase_seconds: dict = field(default_factory=dict)  # "routing", "llama.cpp": each parity run
-    parity: dict | None = None
-    llama: dict | None = None
-
-    @property
-    def ok(self) -> bool:
-        return all(c.ok is not False for c in self.checks) and self.n_mismatches == 0
-
-    def add(self, name: str, ok: bool | None, detail: str = "") -> bool | None:
-        self.checks.append(Check(name, ok, detail))
-        return ok
-
-    def to_dict(self) -> dict:
-        return {
-            "ok": self.ok, "src": self.src, "out": self.out, "layout": self.layout,
-            "checks": [c.__dict__ for c in self.checks],
-            "n_mismatches": self.n_mismatches, "mismatches": [m.__dict__ | {"message": str(m)} for m in self.mismatches],
-            "bytes_compared": self.bytes_compared, "seconds": self.seconds,
-            "total_seconds": self.total_seconds, "phase_seconds": self.phase_seconds,
-            "throughput_bytes_s": 2 * self.bytes_compared / self.seconds if self.seconds else 0.0,
-            "parity": self.parity, "llama": self.llama,
-        }
 
 
 # ---- metadata ----

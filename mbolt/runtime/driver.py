@@ -30,7 +30,7 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
 from mbolt.runtime.runner import Phase
-from mbolt.runtime.store import proc_read_bytes
+from mbolt.core.pagecache import proc_read_bytes
 from mbolt.runtime.streamer import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
 
 

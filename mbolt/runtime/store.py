@@ -47,25 +47,13 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.lru import ArrayLru
 from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.core.pagecache import drop_cached, drop_mapped, willneed, willneed_bytes
-from mbolt.core.ranges import merge_ranges
+from mbolt.core.pagecache import drop_cached, drop_mapped, proc_read_bytes, willneed, willneed_bytes
+from mbolt.core.ranges import merge_ranges, split_jobs
 from mbolt.core.gguf_set import split_vaddr
 from mbolt.core.routemap import expert_ranges
 
 ALIGN = 4096
 PAGE = mmap.PAGESIZE
-
-
-def proc_read_bytes() -> int | None:
-    """Bytes this process caused to be fetched from storage (/proc/self/io), None if unknown."""
-    try:
-        with open("/proc/self/io") as f:
-            for line in f:
-                if line.startswith("read_bytes:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
 
 
 @dataclass
@@ -494,23 +482,3 @@ class ExpertStore:
                             int((offs + sizes)[sel].max()), self.file_sizes[int(f)])
             c.drop_time += time.perf_counter() - t1
         return got
-
-
-SPLIT_MIN = 256 << 10  # never split a read into pieces smaller than this
-
-
-def split_jobs(jobs, qd: int):
-    """Split large reads so that `qd` threads have work: each read of a call becomes pieces of at
-    least SPLIT_MIN bytes and at most total/qd (aligned), so one long merged run is not read
-    by a single thread while the others idle."""
-    total = sum(n for _, n, _ in jobs)
-    piece = max(SPLIT_MIN, -(-total // qd))
-    piece += (-piece) % ALIGN
-    out = []
-    for off, n, where in jobs:
-        done = 0
-        while n - done > piece:
-            out.append((off + done, piece, where + done))
-            done += piece
-        out.append((off + done, n - done, where + done))
-    return out

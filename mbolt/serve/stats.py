@@ -6,7 +6,7 @@ from __future__ import annotations
 import resource
 import time
 
-from mbolt.runtime.store import proc_read_bytes
+from mbolt.core.pagecache import proc_read_bytes
 
 
 def scheduler_stats(sched) -> dict:
