@@ -122,13 +122,14 @@ class Served:
         """One streamed completion, timed by the client: TTFT is the request to the first streamed
         event that carries a token (a choice; its text may be empty while a UTF-8 character is
         still incomplete), decode tok/s the tokens after the first over the wall time after it.
-        The token count is the server's usage (the reply must be exactly `n`)."""
+        The token count is the server's usage (the reply must be exactly `n`: `ignore_eos`, as
+        llama-server's benchmarks ask, so that a sampled end-of-generation token does not end it)."""
         t0 = time.perf_counter()
         first, text, usage = None, [], None
         for ch in self.client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=1.0,
                                                  top_p=1.0, seed=seed, stream=True,
                                                  stream_options={"include_usage": True},
-                                                 extra_body={"top_k": 0, "min_p": 0.0}):
+                                                 extra_body={"top_k": 0, "min_p": 0.0, "ignore_eos": True}):
             if ch.choices and first is None:
                 first = time.perf_counter() - t0
                 if on_first is not None:

@@ -441,3 +441,43 @@ def test_a_newcomers_prompt_passes_carry_the_replies_under_way(model, tmp_path):
     assert got["first"] == first_alone and len(first_alone) > 0
     assert got["newcomer"]["choices"][0]["tokens"] == newcomer_alone["choices"][0]["tokens"]
     assert s["mixed_passes"] - passes0 >= 2  # the reply under way rode in the newcomer's passes
+
+
+def test_ignore_eos_runs_a_reply_to_max_tokens(tmp_path):
+    """llama-server's `ignore_eos`: a reply that sampling ends early at the end-of-generation token
+    runs to max_tokens with it (the benchmarks' 256 tokens per reply). The model has the synthetic
+    byte vocabulary (262 tokens, <|eos|> among them), so at temperature 2 a seed whose reply ends
+    early is found among the first few; the eos id the sampler bans is checked against gguf-py."""
+    import gguf
+
+    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.sampling import eog_tokens
+
+    path = tmp_path / "bytes.gguf"
+    write_synth(path, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4, hidden=64, expert_ff=64,
+                                  n_heads=4, n_kv_heads=2, head_dim=16, expert_type="Q8_0", dense_type="F16", seed=7))
+    eos = int(gguf.GGUFReader(path).fields["tokenizer.ggml.eos_token_id"].contents())
+    with LlamaStream(str(path), reads=False) as s:
+        assert eos in eog_tokens(s.runner.L, s.runner.vocab) and len(eog_tokens(s.runner.L, s.runner.vocab)) < 4
+    srv = Server(path, tmp_path)
+    try:
+        c = srv.client()
+        loose = dict(model="m", prompt="The castle is", max_tokens=400, temperature=2.0, top_p=1.0)
+        extra = {"top_k": 0, "min_p": 0.0}
+        for seed in range(40):
+            early = c.completions.create(seed=seed, extra_body=extra, **loose)
+            if early.choices[0].finish_reason == "stop":
+                break
+        assert early.choices[0].finish_reason == "stop" and early.usage.completion_tokens < 400, "no seed ended early"
+        full = c.completions.create(seed=seed, extra_body={**extra, "ignore_eos": True}, **loose)
+        assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 400
+        status, body, _ = srv.request("POST", "/v1/completions",
+                                      json.dumps({"prompt": "x", "ignore_eos": "yes"}).encode())
+        assert status == 400 and json.loads(body)["error"]["param"] == "ignore_eos"
+        status, body, _ = srv.request("POST", "/v1/chat/completions", json.dumps(
+            {"messages": [{"role": "user", "content": "x"}], "ignore_eos": True,
+             "response_format": {"type": "json_object"}}).encode())
+        assert status == 400 and json.loads(body)["error"]["param"] == "ignore_eos", body
+    finally:
+        err = srv.stop()
+    assert "Traceback" not in err, err

@@ -100,6 +100,7 @@ class Driver:
 
         self.arm = arm
         self.runner = None
+        self._eog: tuple[int, ...] | None = None  # the vocabulary's end-of-generation tokens, once asked
         if watchers:
             arm.record = True  # every selection reaches Python
             arm.uses_callback = True
@@ -179,9 +180,11 @@ class Driver:
         return out
 
     def sampler(self, opts) -> "Sampler":
-        from mbolt.runtime.sampling import Sampler
+        from mbolt.runtime.sampling import Sampler, eog_tokens
 
-        return Sampler(self.runner.L, self.runner.vocab, opts)
+        if opts.ignore_eos and self._eog is None:
+            self._eog = eog_tokens(self.runner.L, self.runner.vocab)
+        return Sampler(self.runner.L, self.runner.vocab, opts, self._eog or ())
 
     def is_eog(self, token: int) -> bool:
         return bool(self.runner.L.llama_vocab_is_eog(self.runner.vocab, int(token)))

@@ -1,7 +1,8 @@
 """Choosing the next token: llama.cpp's own sampler chain (the one llama-server builds), so a
 reply samples as llama.cpp samples, greedy at temperature 0, and a grammar constrains the output.
 
-Order (llama.cpp's common sampler): grammar (GBNF: tool calls, JSON output), repetition
+Order (llama.cpp's common sampler): the logit bias (`ignore_eos`: every end-of-generation
+token at -inf, as llama-server does it), grammar (GBNF: tool calls, JSON output), repetition
 penalties, top-k, top-p, min-p, temperature, then a draw from the distribution (seeded); at
 temperature 0 the most likely token (greedy) after the grammar. `sample(ctx, i)` samples from the
 logits of output i of the last llama_decode (-1: its last) and accepts the token into every
@@ -30,14 +31,24 @@ class SamplingOptions:
     repeat_last_n: int = 64
     seed: int | None = None
     grammar: str | None = None  # GBNF, root rule "root"
+    ignore_eos: bool = False  # never sample an end-of-generation token (llama.cpp's --ignore-eos)
+
+
+def eog_tokens(L, vocab) -> tuple[int, ...]:
+    """Every end-of-generation token of a vocabulary (llama.cpp keeps the set internal: asked token
+    by token; the driver asks once per model)."""
+    return tuple(t for t in range(int(L.llama_vocab_n_tokens(vocab))) if L.llama_vocab_is_eog(vocab, t))
 
 
 class Sampler:
-    def __init__(self, L, vocab, opts: SamplingOptions):
+    def __init__(self, L, vocab, opts: SamplingOptions, eog: tuple[int, ...] = ()):
         self.L = L
         p = L.llama_sampler_chain_default_params()
         self.chain = L.llama_sampler_chain_init(p)
         add = lambda s: L.llama_sampler_chain_add(self.chain, s)  # noqa: E731  (the chain owns it)
+        if opts.ignore_eos:
+            bias = (L.llama_logit_bias * len(eog))(*[L.llama_logit_bias(t, float("-inf")) for t in eog])
+            add(L.llama_sampler_init_logit_bias(int(L.llama_vocab_n_tokens(vocab)), len(eog), bias))
         if opts.grammar:
             g = L.llama_sampler_init_grammar(vocab, opts.grammar.encode("utf-8"), b"root")
             if not g:

@@ -19,7 +19,7 @@ from mbolt.serve.scheduler import SAMPLING_DEFAULTS, RequestError
 
 _NUMBERS = {"temperature": (0.0, 2.0), "top_p": (0.0, 1.0), "min_p": (0.0, 1.0), "repeat_penalty": (0.0, 10.0),
             "presence_penalty": (-2.0, 2.0), "frequency_penalty": (-2.0, 2.0)}
-_SAMPLING = set(_NUMBERS) | {"top_k", "seed"}
+_SAMPLING = set(_NUMBERS) | {"top_k", "seed", "ignore_eos"}  # with llama-server's extensions
 _COMMON = {"model", "stream", "stream_options", "stop", "max_tokens", "n", "return_tokens"} | _SAMPLING
 CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls",
                          "response_format"}
@@ -100,6 +100,11 @@ def sampling(body: dict) -> dict:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise RequestError(f"{k} must be a non-negative integer", k)
         out[k] = int(v)
+    v = body.get("ignore_eos")
+    if v is not None:
+        if not isinstance(v, bool):
+            raise RequestError("ignore_eos must be a boolean", "ignore_eos")
+        out["ignore_eos"] = v
     return out
 
 
@@ -276,6 +281,9 @@ def chat_request(body: dict) -> Request:
         raise RequestError("parallel_tool_calls must be a boolean", "parallel_tool_calls")
     r.parallel = ptc is not False
     _response_format(body, r)
+    if r.sampling.get("ignore_eos") and (r.tools or r.json_object or r.json_schema is not None):
+        # a call or a JSON document ends where the model ends it: past it the reply would run on
+        raise RequestError("ignore_eos cannot be combined with tools or response_format", "ignore_eos")
     return r
 
 
