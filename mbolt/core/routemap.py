@@ -17,7 +17,6 @@ Keys (DESIGN.md; compatible with the original mbolt where they overlap):
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -37,9 +36,10 @@ ROUTE_MAP_KEYS = ("mbolt.version", "mbolt.layout", "mbolt.n_layers", "mbolt.n_ex
 def is_route_map_key(key: str) -> bool:
     """Keys `reorder` owns (rewritten on every run); other mbolt.* keys (e.g. mbolt.synth.*) are kept."""
     return key in ROUTE_MAP_KEYS or key.startswith("mbolt.packed.")
+
+
 LAYOUTS = ("stock", "reorder", "packed")
 SIDECAR_SUFFIX = ".mbolt.json"
-_BLK = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclass
@@ -163,8 +163,9 @@ def expert_ranges(moemap, layer) -> np.ndarray:
     """int64 [E, n_roles, 2] of an opened model (core.moe_map.MoeMap; this module sits below it, so
     its functions take one untyped) and one layer (a MoeLayer or its index): (start, size) of every
     expert's slice of every routed weight tensor, indexed by ORIGINAL expert id, roles in
-    `layer.weights` order. The start is a virtual offset (core.gguf_set.vaddr: file index << 48 | offset in that file), the plain
-    absolute offset for a one-file model; `split_vaddr` gives (file, offset).
+    `layer.weights` order. The start is a virtual offset (core.gguf_set.vaddr: file index << 48 |
+    offset in that file), the plain absolute offset for a one-file model; `split_vaddr` gives
+    (file, offset).
 
     Works for stock, reorder and packed files and split sets (a dense layer gives [E, 0, 2]).
     """
