@@ -209,9 +209,9 @@ def test_session_ratio_is_the_median_of_same_round_ratios():
     assert pair_stats(d, "mbolt", "plain-512", key=ttft_of)["median"] == pytest.approx(1.0)
 
 
-def test_plain_sweep_brackets_8k_to_1m_and_picks_inside():
+def test_plain_sweep_brackets_4k_to_1m_and_picks_inside():
     bm = _bench_memlimit()
-    assert sorted(bm.READAHEADS) == [8, 16, 32, 64, 128, 256, 512, 1024]
+    assert sorted(bm.READAHEADS) == [4, 8, 16, 32, 64, 128, 256, 512, 1024]
     swept = {ra: {"arms": {"plain-512": {"decode_tokens_per_s": 1.0, "ttft_s": 30.0},
                            "plain-2048": {"decode_tokens_per_s": 1.0, "ttft_s": 30.0}}} for ra in bm.READAHEADS}
     swept[32]["arms"]["plain-2048"]["decode_tokens_per_s"] = 1.6  # the best decode: 32 KiB, via the 2048 arm
@@ -233,6 +233,7 @@ def test_every_stage_reads_its_goals_from_the_prereg(tmp_path):
     with pytest.raises(MboltError, match="lacks decode_over_best_plain_min, followup_over_bound_max"):
         pr.require_goals(bm.STAGE_GOALS["session"])
     assert "q72_over_plain_tuned_min" in [k.format(model="q72") for k in bm.STAGE_GOALS["decode"]]
+    assert "share_of_bound_min" in bm.STAGE_GOALS["drives"]  # drives() reads it: refused before, not mid-run
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not __import__("shutil").which("runuser"), reason="runuser needs root")

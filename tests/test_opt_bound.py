@@ -64,10 +64,11 @@ def test_opt_layers_are_separate_caches():
 # ---- against every eviction choice ----
 
 
-def brute_force_misses(tokens: list[list[int]], slots: int) -> int:
-    """The fewest misses of one layer's cache, searched over every choice the rule allows: after a
-    token the cache holds all its experts plus any subset of the others it held, up to `slots`
-    in all; when the token selected more than `slots`, any `slots` or fewer of them."""
+def brute_force_misses(tokens: list[list[int]], slots: int, start: frozenset = frozenset()) -> int:
+    """The fewest misses of one layer's cache that starts holding `start`, searched over every
+    choice the rule allows: after a token the cache holds all its experts plus any subset of the
+    others it held, up to `slots` in all; when the token selected more than `slots`, any `slots`
+    or fewer of them."""
     tokens = [tuple(dict.fromkeys(t)) for t in tokens]
 
     @lru_cache(maxsize=None)
@@ -84,7 +85,7 @@ def brute_force_misses(tokens: list[list[int]], slots: int) -> int:
             nexts = [req | frozenset(c) for n in range(min(room, len(old)) + 1) for c in combinations(old, n)]
         return cost + min(best(i + 1, s) for s in nexts)
 
-    return best(0, frozenset())
+    return best(0, frozenset(start))
 
 
 tiny_tokens = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True), min_size=1, max_size=9)
@@ -94,6 +95,26 @@ tiny_tokens = st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=3, uniqu
 @given(tiny_tokens, st.integers(1, 4))
 def test_opt_equals_exhaustive_search(tokens, slots):
     assert misses(one_layer(tokens), OptPolicy(1, slots)) == brute_force_misses(tokens, slots)
+
+
+def test_prefilled_opt_by_hand():
+    # 2 slots holding {0, 1} at the start: 0h 1h 0h 2m (evict 1: next at 5, 0's at 4) 0h 1m
+    # (evict 2) 3m (evict 1) 0h -> 3 misses, the empty start's 5 less its first fill of 2
+    t = one_layer([[e] for e in [0, 1, 0, 2, 0, 1, 3, 0]])
+    assert misses(t, OptPolicy(1, 2, prefilled=True)) == 3
+    assert miss_bytes_per_token(t, 2, 1000, prefilled=True) == 375.0
+    # more slots than distinct experts: nothing is ever missed
+    assert misses(t, OptPolicy(1, 8, prefilled=True)) == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(tiny_tokens, st.integers(1, 4))
+def test_prefilled_opt_equals_the_best_start_of_an_exhaustive_search(tokens, slots):
+    """No cache misses less than prefilled MIN, whatever it holds at the start: the search over
+    every start of up to `slots` experts (of the 5 the tokens draw from) and every choice after."""
+    starts = [frozenset(c) for n in range(slots + 1) for c in combinations(range(5), n)]
+    best = min(brute_force_misses(tokens, slots, s) for s in starts)
+    assert misses(one_layer(tokens), OptPolicy(1, slots, prefilled=True)) == best
 
 
 @settings(max_examples=150, deadline=None)

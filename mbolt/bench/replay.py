@@ -231,18 +231,28 @@ class OptPolicy(CachePolicy):
     keeps its last `slots`) and, in the room left, the experts it held that are needed soonest.
     Evicting the one used again farthest ahead is optimal here as in Belady's proof (exchange:
     keeping a sooner-needed expert instead never costs a miss); tests check it against a
-    search over every eviction choice. Needs the future: `replay` hands it the whole trace."""
+    search over every eviction choice. Needs the future: `replay` hands it the whole trace.
+
+    `prefilled`: the cache starts full, not empty, holding each layer's `slots` experts needed
+    soonest (the best start any cache could have: a decode after a prompt pass that filled it).
+    Then no cache that starts in any state misses less (tests: against the search over every
+    start and every eviction choice)."""
 
     name = "opt"
 
-    def __init__(self, n_layers: int, slots: int):
-        self.n_layers, self.slots = n_layers, max(int(slots), 0)
+    def __init__(self, n_layers: int, slots: int, prefilled: bool = False):
+        self.n_layers, self.slots, self.prefilled = n_layers, max(int(slots), 0), bool(prefilled)
 
     def start(self, layers, experts):
         self._next = next_uses(layers, experts)
         self._i = 0
         self._cache: list[dict] = [dict() for _ in range(self.n_layers)]  # expert -> index of its next use
         self.misses = np.zeros(self.n_layers, dtype=np.int64)  # per layer: a layer's bytes may differ
+        if self.prefilled:
+            for i, (lay, e) in enumerate(zip(layers.tolist(), experts.tolist())):
+                c = self._cache[lay]
+                if len(c) < self.slots and e not in c:
+                    c[e] = i  # its first use is its next use from the start
 
     def step(self, layer, experts):
         c = self._cache[layer]
