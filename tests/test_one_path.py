@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import pytest
 
 from conftest import needs_llama
 from test_serve import Server, model  # noqa: F401 (the served model fixture)
@@ -25,7 +24,7 @@ def _mbolt(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     return r
 
 
-def test_generate_chat_and_serve_run_the_same_path(model, tmp_path):
+def test_generate_chat_and_serve_run_the_same_path(model, tmp_path):  # noqa: F811 (the fixture)
     gen = json.loads(_mbolt("generate", str(model), PROMPT, "--engine", "llama.cpp", "--stream", "--ram", "2G",
                             "-c", "512", "-n", str(N), "--json").stdout)
     chat = _mbolt("chat", str(model), "--ram", "2G", "-c", "512", "--temp", "0", stdin="Name three colours.\n/exit\n")

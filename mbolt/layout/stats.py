@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.routing_stats import LIFT_PERCENTILES, cut_lifts, cut_summary, heat_overlap
+from mbolt.core.routing_stats import LIFT_PERCENTILES, cut_lifts, cut_summary
 from mbolt.core.trace import DECODE, PREFILL, Trace, select_phase
 from mbolt.layout.coact import Coact, coactivation
 

@@ -24,6 +24,7 @@ import ctypes
 import resource
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -32,6 +33,9 @@ from mbolt.core.moe_map import MoeMap
 from mbolt.runtime.runner import Phase
 from mbolt.core.pagecache import proc_read_bytes
 from mbolt.runtime.streamer import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from mbolt.runtime.sampling import Sampler
 
 
 @dataclass
