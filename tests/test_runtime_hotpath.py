@@ -7,6 +7,7 @@ compiler); a batched step's union is counted once."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import numpy as np
@@ -125,7 +126,7 @@ def _run_small_cache(path, text_ids, slots: int, **kw):
         lru = {layer: d.store.cached(layer) for layer in sorted(d.moe_layers)}
         resident = {layer: [e for e in range(d.mm.n_experts) if d.pages.expert_resident(layer, e)]
                     for layer in sorted(d.moe_layers)}
-        return [first, second], lru, resident, d.arm.native_layers, d.arm.reclaimed
+        return [first, second], lru, resident, d.arm.native_layers, d.arm.reclaimed, d.arm.drop_behind_s
 
 
 @needs_llama
@@ -134,8 +135,8 @@ def test_layers_with_misses_are_answered_in_c_with_pythons_results(toy):
     native's with_misses): the same tokens, hits, misses, merged reads, bytes, reclaimed experts
     and LRU as Python's path, and the same pages left resident: those of the cached experts only."""
     ids = list(range(30, 130))
-    c_runs, c_lru, c_res, c_layers, c_reclaimed = _run_small_cache(toy, ids, 6)
-    py_runs, py_lru, py_res, py_layers, py_reclaimed = _run_small_cache(toy, ids, 6, native_misses=False)
+    c_runs, c_lru, c_res, c_layers, c_reclaimed, _ = _run_small_cache(toy, ids, 6)
+    py_runs, py_lru, py_res, py_layers, py_reclaimed, _ = _run_small_cache(toy, ids, 6, native_misses=False)
     assert c_layers > 0 and py_layers == 0
     assert c_runs[0].misses > 24 * 4  # the cache of 6 of 16 missed in most steps
     for c, p in zip(c_runs, py_runs):
@@ -146,6 +147,36 @@ def test_layers_with_misses_are_answered_in_c_with_pythons_results(toy):
     assert c_lru == py_lru
     assert all(len(v) == 6 for v in c_lru.values())
     assert c_res == py_res == {layer: sorted(v) for layer, v in c_lru.items()}  # victims left memory
+
+
+def _task_names() -> list[str]:
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except FileNotFoundError:  # a thread that ended while we looked
+            pass
+    return names
+
+
+@needs_llama
+def test_victims_dropped_behind_the_layer_leave_what_dropping_at_once_leaves(toy):
+    """With the victims dropped by the filter's thread while llama.cpp computes (the default), the
+    tokens, counts, LRU and resident pages after each run are those of dropping them at once on
+    the path to the matmuls; the thread did the drops (its kernel time is counted), and it is gone
+    when the driver closes."""
+    ids = list(range(30, 130))
+    b_runs, b_lru, b_res, b_layers, b_reclaimed, b_drop_s = _run_small_cache(toy, ids, 6)
+    assert "mbolt-drops" not in _task_names()
+    n_runs, n_lru, n_res, n_layers, n_reclaimed, n_drop_s = _run_small_cache(toy, ids, 6, drop_behind=False)
+    assert b_layers == n_layers > 0
+    assert b_drop_s > 0 and n_drop_s == 0
+    for b, n in zip(b_runs, n_runs):
+        assert b.generated == n.generated
+        assert (b.hits, b.misses, b.reads, b.bytes) == (n.hits, n.misses, n.reads, n.bytes)
+    assert b_reclaimed == n_reclaimed > 0
+    assert b_lru == n_lru
+    assert b_res == n_res == {layer: sorted(v) for layer, v in b_lru.items()}  # every victim out of memory
 
 
 @needs_llama
@@ -159,9 +190,9 @@ def test_neither_path_asks_mincore_where_the_kernel_hides_residency(toy, monkeyp
     monkeypatch.setattr(pages, "residency_visible", lambda path: False)
     ids = list(range(30, 130))
     with pytest.warns(UserWarning, match="hides its page-cache residency"):
-        c_runs, c_lru, _, c_layers, c_reclaimed = _run_small_cache(toy, ids, 6)
+        c_runs, c_lru, _, c_layers, c_reclaimed, _ = _run_small_cache(toy, ids, 6)
     with pytest.warns(UserWarning, match="hides its page-cache residency"):
-        py_runs, py_lru, _, py_layers, py_reclaimed = _run_small_cache(toy, ids, 6, native_misses=False)
+        py_runs, py_lru, _, py_layers, py_reclaimed, _ = _run_small_cache(toy, ids, 6, native_misses=False)
     assert c_layers > 0 and py_layers == 0
     assert c_reclaimed == py_reclaimed == 0
     for c, p in zip(c_runs, py_runs):

@@ -61,7 +61,7 @@ class _Filter(ctypes.Structure):
 
 
 MISS_COUNTS = ("layers", "experts", "hits", "misses", "reads", "bytes", "useful", "io_ns", "reclaimed", "victims",
-               "errors")
+               "errors", "drop_ns")
 
 
 class _Misses(ctypes.Structure):
@@ -70,7 +70,8 @@ class _Misses(ctypes.Structure):
                                                   "ra_step", "visible")]
                 + [("merge_gap", ctypes.c_int64)]
                 + [(k, ctypes.c_void_p) for k in ("count", "read_mark", "sel", "in_sel", "runs", "vec")]
-                + [("vec_pages", ctypes.c_int64)] + [(k, ctypes.c_int64) for k in MISS_COUNTS])
+                + [("vec_pages", ctypes.c_int64)] + [(k, ctypes.c_int64) for k in MISS_COUNTS]
+                + [("drop_behind", ctypes.c_int32), ("dropper", ctypes.c_void_p)])
 
 
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: no compiler
@@ -97,7 +98,7 @@ def _library() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
                 src, out = Path(tmp) / "f.c", Path(tmp) / "f.so"
                 src.write_text(SOURCE)
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)], check=True,
+                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out), str(src)], check=True,
                                capture_output=True, timeout=120)
                 os.replace(out, so)  # complete or not at all; a concurrent build writes the same bytes
         _LIB = ctypes.CDLL(str(so))
@@ -116,6 +117,7 @@ class TopkFilter:
         self.user = _Filter(ctypes.cast(python_cb, ctypes.c_void_p).value,
                             *(offsets[k] for k in ("name", "type", "ne", "nb", "data")))
         self.cb = ctypes.cast(lib.mbolt_topk_filter, type(python_cb))
+        self.lib = lib
         self.user_data = ctypes.cast(ctypes.pointer(self.user), ctypes.c_void_p)
         self._arrays: tuple = ()
         self.misses: _Misses | None = None
@@ -136,13 +138,14 @@ class TopkFilter:
 
     def share_reads(self, *, ranges: np.ndarray, fds: list[int], maps: list[tuple[int, int, int]],
                     ra_steps: list[int], merge_gap: int, count: np.ndarray, read_mark: np.ndarray,
-                    visible: list[bool] | None = None) -> None:
+                    visible: list[bool] | None = None, drop_behind: bool = True) -> None:
         """Let the filter answer decode layers with misses too (`with_misses` in the C source):
         `ranges` int64 [L, E, roles, 3] (file, offset in it, length; length 0: no such role),
         per file its descriptor, llama.cpp's one mapping of it (address, file offset, length) and
         the most one WILLNEED reads and whether the kernel shows this user its residency (`visible`,
         default all: mincore is not asked where it would say every page is resident); the LRU's
-        per-layer counts and the read marks (numpy, shared)."""
+        per-layer counts and the read marks (numpy, shared). `drop_behind`: the victims are dropped
+        by a thread of the filter's while llama.cpp computes (`flush_drops` waits for them)."""
         L, E, R, _ = ranges.shape
         n_files = len(fds)
         r_file = np.ascontiguousarray(ranges[..., 0], np.int32)
@@ -163,8 +166,9 @@ class TopkFilter:
             a = arrays[name]
             if not a.flags.c_contiguous or a.shape[:1] != (L,):
                 raise ValueError(f"{name} must be a C-contiguous array of the model's layers")
+        self.stop_drops()
         m = self.misses = _Misses(slots=0, n_roles=R, merge_gap=int(merge_gap), vec_pages=longest // PAGE + 2,
-                                  **{k: a.ctypes.data for k, a in arrays.items()})
+                                  drop_behind=int(bool(drop_behind)), **{k: a.ctypes.data for k, a in arrays.items()})
         self._miss_arrays = arrays  # alive as long as C may read them
         self.user.misses = ctypes.addressof(m)
 
@@ -181,10 +185,24 @@ class TopkFilter:
         if self.answers_misses:
             self.misses.slots = int(n)
 
+    def flush_drops(self) -> None:
+        """Every victim queued for the drop thread dropped (after each llama_decode: Python never
+        sees a drop in flight)."""
+        if self.misses is not None and self.misses.dropper:
+            self.lib.mbolt_drops_flush(ctypes.byref(self.misses))
+
+    def stop_drops(self) -> None:
+        """The drop thread's queue emptied and the thread ended: before llama.cpp's mapping or the
+        descriptors go."""
+        if self.misses is not None and self.misses.dropper:
+            self.lib.mbolt_drops_stop(ctypes.byref(self.misses))
+
     def take_miss_counts(self) -> dict[str, int]:
-        """What the decode layers with misses answered here did since the last call."""
+        """What the decode layers with misses answered here did since the last call (the drops
+        behind included: they are waited for first)."""
         if not self.answers_misses:
             return {}
+        self.flush_drops()
         m = self.misses
         out = {k: int(getattr(m, k)) for k in MISS_COUNTS}
         for k in MISS_COUNTS:

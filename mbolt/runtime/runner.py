@@ -309,6 +309,8 @@ class LlamaRunner:
 
     def close(self) -> None:
         L = self.L
+        if getattr(self, "filter", None) is not None:
+            self.filter.stop_drops()  # no drop in flight once the mapping goes
         if getattr(self, "batch", None) is not None:
             L.llama_batch_free(self.batch)
             self.batch = None

@@ -80,6 +80,8 @@ class StreamRuntime:
     n_seq: the sequences the driver decodes together (their KV caches and steps are budgeted).
     native_misses: under a budget, decode layers with misses are answered in C too (the same rule;
       False keeps them in Python: the A/B of the two paths).
+    drop_behind: those layers' victims are dropped by the C filter's thread while llama.cpp
+      computes (False: at once, on the path to the matmuls; the A/B).
     """
 
     uses_callback = True
@@ -87,7 +89,8 @@ class StreamRuntime:
     def __init__(self, path, *, gap: int = 0, qd: int = 1, cache_slots: int = 0, n_ctx: int | None = None,
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
-                 flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True):
+                 flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True,
+                 drop_behind: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -110,7 +113,8 @@ class StreamRuntime:
             raise MboltError(f"--cache-slots {cache_slots} is below the {self.mm.n_used} experts a token uses: "
                              "give 0 (no cache) or at least that many")
         self.cache_slots = int(cache_slots)
-        self.native_misses = native_misses
+        self.native_misses, self.drop_behind = native_misses, drop_behind
+        self.drop_behind_s = 0.0  # the drop thread's time in the kernel (it overlaps compute)
         self.locked_bytes = self.copied_bytes = 0
         self.pins, self.pinned_per_layer = pins, 0
         self.perm = self.mm.route_map.perm  # position in the file -> original expert id
@@ -179,6 +183,8 @@ class StreamRuntime:
     def begin(self, phase: Phase, n_rows: int) -> None:
         """Before a llama_decode of `n_rows` tokens: a prompt pass, or a decode step (one token of
         each live sequence)."""
+        if self.filter is not None:
+            self.filter.flush_drops()  # a llama_decode stopped half-way (abort) left drops queued
         self._rows = n_rows
         self._seen = set()
         self.step_routing = {}
@@ -237,6 +243,7 @@ class StreamRuntime:
                     raise MboltError(f"{self.path}: {done['errors']} madvise/posix_fadvise/mincore call(s) failed in "
                                      "a decode step's reads")
                 self.store.count_native(done)
+                self.drop_behind_s += done["drop_ns"] * 1e-9
                 self.reclaimed += done["reclaimed"]
                 self.native_layers += done["layers"]
         if self.phase is Phase.DECODE:
@@ -396,7 +403,8 @@ class StreamRuntime:
             ranges[l.index, :, : R.shape[1], 2] = R[..., 1]
         self.filter.share_reads(ranges=ranges, fds=st.fds, maps=[(lo, off, hi - lo) for (lo, hi, off), in maps],
                                 ra_steps=st.willneed_steps, merge_gap=st.merge_gap, count=st.lru_count,
-                                read_mark=st.read_mark, visible=[fp.residency_visible for fp in pages.files])
+                                read_mark=st.read_mark, visible=[fp.residency_visible for fp in pages.files],
+                                drop_behind=self.drop_behind)
 
     def make_cold(self) -> None:
         """Before a run: no expert page resident (the slot cache starts empty too); the dense
@@ -460,6 +468,7 @@ class StreamRuntime:
 
     def close(self) -> None:
         if self.filter is not None:
+            self.filter.stop_drops()
             self.filter.fast = False
             self.filter = None
         if self.reader is not None:
