@@ -1,85 +1,7 @@
-/* mbolt's eval-callback filter and decode-layer reads in C (runtime.native builds and loads it).
-   PREFIX and PREFIX_LEN are replaced with the selection nodes' name prefix before compiling. */
-#define _GNU_SOURCE
-#include <fcntl.h>
-#include <pthread.h>
-#include <stdbool.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/mman.h>
-#include <time.h>
-
-typedef bool (*eval_cb)(void * t, bool ask, void * user);
-
-/* what the filter needs of a ggml_tensor (offsets from the binding's layout, checked there) and
-   the expert cache's state, shared with Python (numpy arrays) */
-struct mbolt_filter {
-    eval_cb python;
-    long name_offset, type_offset, ne_offset, nb_offset, data_offset;
-    int32_t fast;            /* 1: a computed selection whose experts are all cached is answered here */
-    int32_t n_layers, n_experts;
-    const int32_t * perm;    /* [n_layers * n_experts]: position in the file -> original expert id */
-    uint8_t * cached;        /* [n_layers * n_experts] by original id: in the slot cache */
-    int64_t * stamp;         /* [n_layers * n_experts] by original id: last use (core.lru.ArrayLru) */
-    int64_t * clock;         /* the stamps' counter */
-    uint8_t * seen;          /* [n_layers]: the layers whose selection was computed this step */
-    int64_t fast_layers;     /* selections answered here (cumulative) */
-    int64_t fast_experts;    /* distinct experts those selections used (cumulative) */
-    struct mbolt_misses * misses;  /* NULL: a selection with a miss goes to Python */
-};
-
-/* a decode layer with misses, under a budget (runtime.streamer with asynchronous reads): the
-   slices of every expert, the files' descriptors and llama.cpp's mapping of each, scratch space
-   (Python's numpy arrays), and what was done (cumulative, taken after each step) */
-struct mbolt_misses {
-    int32_t slots;           /* the slot cache's size in this phase */
-    int32_t n_roles;
-    const int32_t * r_file;  /* [n_layers * n_experts * n_roles]: the slice's file */
-    const int64_t * r_off;   /* the same: its offset in that file */
-    const int64_t * r_len;   /* the same: its length (0: the layer has no such role) */
-    const int32_t * fds;     /* per file */
-    const int64_t * map_lo, * map_off, * map_len;  /* per file: llama.cpp's mapping */
-    const int64_t * ra_step; /* per file: the most one WILLNEED reads (core.pagecache.willneed_bytes) */
-    const uint8_t * visible; /* per file: the kernel shows this user its residency (else mincore says "all") */
-    int64_t merge_gap;
-    int64_t * count;         /* [n_layers]: cached experts (core.lru.ArrayLru's count) */
-    uint8_t * read_mark;     /* [n_layers * n_experts]: read since the step's mark */
-    int32_t * sel;           /* scratch [2 * n_experts]: the distinct selected experts, then the victims */
-    uint8_t * in_sel;        /* scratch [n_experts] */
-    int64_t * runs;          /* scratch [n_experts * n_roles * 4]: (file, start, end, role) */
-    uint8_t * vec;           /* scratch: mincore's answer for the longest slice */
-    int64_t vec_pages;
-    int64_t layers, experts, hits, misses, reads, bytes, useful, io_ns, reclaimed, victims, errors, drop_ns;
-    int32_t drop_behind;     /* 1: victims are dropped by a thread of their own while llama.cpp computes */
-    struct dropper * dropper;  /* that thread (created at its first drop; mbolt_drops_stop ends it) */
-};
-
-/* Dropping a victim (unmap its pages from llama.cpp's mapping, then drop them from the page cache)
-   costs the kernel about 0.2 ms per 864 KiB slice: on q864 about 7 ms of each token, spent on the
-   path between a layer's selection and its matmuls. The victims are not used by the step that
-   evicts them, so a thread drops them behind the step instead: the callback queues their page
-   ranges and returns. A layer's queued drops are done before that layer is answered again
-   (mbolt_topk_filter waits for them), and every drop is done before a llama_decode returns to
-   the driver (mbolt_drops_flush), so Python never sees a drop in flight. */
-struct drop_job {
-    int64_t file, a, b, layer;
-};
-
-struct dropper {
-    pthread_t thread;
-    pthread_mutex_t mu;
-    pthread_cond_t work, idle;
-    struct drop_job * q;
-    int64_t cap, head, n;    /* a ring of queued ranges */
-    int64_t * pending;       /* [n_layers]: queued or running ranges of each layer */
-    int64_t busy;            /* ranges taken by the thread and not done yet */
-    int64_t errors, ns;
-    int stop;
-    struct mbolt_misses * m;
-};
-
-#define PAGE 4096
+/* mbolt's eval-callback filter and decode-layer reads in C (runtime.native builds and loads it
+   with drops.c). PREFIX and PREFIX_LEN are replaced with the selection nodes' name prefix before
+   compiling. */
+#include "native.h"
 
 /* a computed ffn_moe_topk-N node: n rows of k int32 positions, rows strided by `stride` bytes (a
    view of an argsort over every expert) */
@@ -175,20 +97,6 @@ static int64_t slices(struct mbolt_filter * f, int layer, const int32_t * es, in
     return nr;
 }
 
-/* one page range of a file out of llama.cpp's mapping and the page cache; returns the failed calls */
-static int drop_range(const struct mbolt_misses * m, int64_t file, int64_t a, int64_t b) {
-    int failed = 0;
-    const int64_t lo = a > m->map_off[file] ? a : m->map_off[file];
-    const int64_t hi = b < m->map_off[file] + m->map_len[file] ? b : m->map_off[file] + m->map_len[file];
-    if (hi > lo && madvise((void *) (m->map_lo[file] + lo - m->map_off[file]), hi - lo, MADV_DONTNEED) != 0) {
-        failed++;
-    }
-    if (posix_fadvise(m->fds[file], a, b - a, POSIX_FADV_DONTNEED) != 0) {
-        failed++;
-    }
-    return failed;
-}
-
 /* submit a range's read (WILLNEED, at most ra_step per call); returns the failed calls */
 static int read_range(const struct mbolt_misses * m, int64_t file, int64_t a, int64_t b) {
     int failed = 0;
@@ -197,123 +105,6 @@ static int read_range(const struct mbolt_misses * m, int64_t file, int64_t a, in
         failed += posix_fadvise(m->fds[file], x, len, POSIX_FADV_WILLNEED) != 0;
     }
     return failed;
-}
-
-static void * drop_loop(void * arg) {
-    struct dropper * d = arg;
-    pthread_mutex_lock(&d->mu);
-    for (;;) {
-        while (d->n == 0 && !d->stop) {
-            pthread_cond_wait(&d->work, &d->mu);
-        }
-        if (d->n == 0) {
-            break;
-        }
-        const struct drop_job job = d->q[d->head];
-        d->head = (d->head + 1) % d->cap;
-        d->n--;
-        d->busy++;
-        pthread_mutex_unlock(&d->mu);
-        struct timespec t0, t1;
-        clock_gettime(CLOCK_MONOTONIC, &t0);
-        const int failed = drop_range(d->m, job.file, job.a, job.b);
-        clock_gettime(CLOCK_MONOTONIC, &t1);
-        pthread_mutex_lock(&d->mu);
-        d->errors += failed;
-        d->ns += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
-        d->busy--;
-        d->pending[job.layer]--;
-        pthread_cond_broadcast(&d->idle);
-    }
-    pthread_mutex_unlock(&d->mu);
-    return NULL;
-}
-
-/* queue a range for the drop thread (started here the first time); false: drop it now (drops
-   behind are off, or the thread or its queue could not be had) */
-static bool queue_drop(struct mbolt_filter * f, int layer, int64_t file, int64_t a, int64_t b) {
-    struct mbolt_misses * m = f->misses;
-    if (!m->drop_behind) {
-        return false;
-    }
-    struct dropper * d = m->dropper;
-    if (d == NULL) {
-        d = calloc(1, sizeof(*d));
-        if (d == NULL) {
-            m->drop_behind = 0;
-            return false;
-        }
-        d->cap = 4096;
-        d->q = calloc(d->cap, sizeof(*d->q));
-        d->pending = calloc(f->n_layers, sizeof(*d->pending));
-        d->m = m;
-        pthread_mutex_init(&d->mu, NULL);
-        pthread_cond_init(&d->work, NULL);
-        pthread_cond_init(&d->idle, NULL);
-        if (d->q == NULL || d->pending == NULL || pthread_create(&d->thread, NULL, drop_loop, d) != 0) {
-            free(d->q);
-            free(d->pending);
-            free(d);
-            m->drop_behind = 0;
-            return false;
-        }
-        pthread_setname_np(d->thread, "mbolt-drops");
-        m->dropper = d;
-    }
-    pthread_mutex_lock(&d->mu);
-    const bool room = d->n < d->cap;
-    if (room) {
-        d->q[(d->head + d->n) % d->cap] = (struct drop_job) {file, a, b, layer};
-        d->n++;
-        d->pending[layer]++;
-        pthread_cond_signal(&d->work);
-    }
-    pthread_mutex_unlock(&d->mu);
-    return room;
-}
-
-/* wait until the layer's queued drops (every layer's: layer < 0) are done */
-static void wait_drops(struct mbolt_misses * m, int layer) {
-    struct dropper * d = m == NULL ? NULL : m->dropper;
-    if (d == NULL) {
-        return;
-    }
-    pthread_mutex_lock(&d->mu);
-    while (layer >= 0 ? d->pending[layer] > 0 : (d->n > 0 || d->busy > 0)) {
-        pthread_cond_wait(&d->idle, &d->mu);
-    }
-    if (layer < 0) {
-        m->errors += d->errors;
-        m->drop_ns += d->ns;
-        d->errors = d->ns = 0;
-    }
-    pthread_mutex_unlock(&d->mu);
-}
-
-/* every queued drop done, its counts added to the misses' (the driver calls it after each llama_decode) */
-void mbolt_drops_flush(struct mbolt_misses * m) {
-    wait_drops(m, -1);
-}
-
-/* the drop thread's queue emptied and the thread ended (before the mapping or the descriptors go) */
-void mbolt_drops_stop(struct mbolt_misses * m) {
-    struct dropper * d = m->dropper;
-    if (d == NULL) {
-        return;
-    }
-    wait_drops(m, -1);
-    pthread_mutex_lock(&d->mu);
-    d->stop = 1;
-    pthread_cond_signal(&d->work);
-    pthread_mutex_unlock(&d->mu);
-    pthread_join(d->thread, NULL);
-    pthread_mutex_destroy(&d->mu);
-    pthread_cond_destroy(&d->work);
-    pthread_cond_destroy(&d->idle);
-    free(d->q);
-    free(d->pending);
-    free(d);
-    m->dropper = NULL;
 }
 
 /* unmap these experts' whole pages from llama.cpp's mapping and drop them from the page cache:
@@ -334,8 +125,8 @@ static void drop(struct mbolt_filter * f, int layer, const int32_t * es, int64_t
         if (b <= a) {
             continue;
         }
-        if (!(behind && queue_drop(f, layer, file, a, b))) {
-            m->errors += drop_range(m, file, a, b);
+        if (!(behind && mbolt_queue_drop(f, layer, file, a, b))) {
+            m->errors += mbolt_drop_range(m, file, a, b);
         }
     }
 }
@@ -504,7 +295,7 @@ bool mbolt_topk_filter(void * t, bool ask, void * user) {
         return true;
     }
     if (layer >= 0 && layer < f->n_layers) {
-        wait_drops(f->misses, layer);  /* this layer's victims gone before it reads (one may be read again) */
+        mbolt_wait_drops(f->misses, layer);  /* this layer's victims gone before it reads (one may be read again) */
     }
     if (with_misses(f, (const char *) t, layer)) {
         return true;

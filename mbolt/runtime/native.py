@@ -23,7 +23,8 @@ through ctypes): about 20 ms of a 35 ms token, on the path between the selection
 matmuls. In C it costs the syscalls alone. Python keeps the path when a step selects more
 experts than the cache holds, and `StreamRuntime(native_misses=False)` keeps it always (the A/B).
 
-The C source is `native.c` beside this file.
+The C source is `native.c` beside this file, with `drops.c` (the thread that drops a decode
+layer's victims behind it) and `native.h` (what the two share).
 
 It is compiled once with the system C compiler into ``$XDG_CACHE_HOME/mbolt`` (the file name
 carries a hash of the source; the tensor-name offset is passed at run time). Without a compiler `topk_filter`
@@ -47,8 +48,11 @@ PAGE = mmap.PAGESIZE
 
 TOPK_PREFIX = b"ffn_moe_topk-"  # the graph nodes whose computed values are the selected experts
 
-SOURCE = ((Path(__file__).with_name("native.c")).read_text()
-          .replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode()))
+_HERE = Path(__file__).parent
+SOURCES = {"native.h": (_HERE / "native.h").read_text(),  # what the two files share
+           "native.c": ((_HERE / "native.c").read_text()
+                        .replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode())),
+           "drops.c": (_HERE / "drops.c").read_text()}
 
 
 class _Filter(ctypes.Structure):
@@ -90,15 +94,17 @@ def _library() -> ctypes.CDLL | None:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         return None
-    tag = hashlib.sha256(SOURCE.encode()).hexdigest()[:12]
+    tag = hashlib.sha256("".join(SOURCES.values()).encode()).hexdigest()[:12]
     so = _cache_dir() / f"topk_filter-{tag}.so"
     try:
         if not so.exists():
             so.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-                src, out = Path(tmp) / "f.c", Path(tmp) / "f.so"
-                src.write_text(SOURCE)
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out), str(src)], check=True,
+                for name, text in SOURCES.items():
+                    (Path(tmp) / name).write_text(text)
+                out = Path(tmp) / "f.so"
+                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out),
+                                *(str(Path(tmp) / n) for n in SOURCES if n.endswith(".c"))], check=True,
                                capture_output=True, timeout=120)
                 os.replace(out, so)  # complete or not at all; a concurrent build writes the same bytes
         _LIB = ctypes.CDLL(str(so))
