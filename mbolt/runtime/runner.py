@@ -309,8 +309,9 @@ class LlamaRunner:
 
     def close(self) -> None:
         L = self.L
-        if getattr(self, "filter", None) is not None:
-            self.filter.stop_drops()  # no drop in flight once the mapping goes
+        tap = getattr(self, "tap", None)
+        if tap is not None and tap.filter is not None:
+            tap.filter.stop_drops()  # the C filter's drop thread ended before the mapping goes
         if getattr(self, "batch", None) is not None:
             L.llama_batch_free(self.batch)
             self.batch = None

@@ -468,7 +468,6 @@ class StreamRuntime:
 
     def close(self) -> None:
         if self.filter is not None:
-            self.filter.stop_drops()
             self.filter.fast = False
             self.filter = None
         if self.reader is not None:
