@@ -16,11 +16,15 @@ teacher-forced on the same text, flash attention on, no repacking, same-round ra
            runtime's own bytes at the drive's sequential bandwidth plus the warm compute ("reads
            then compute") and MIN's bound at the runtime's slot count
 
-A 64-token prompt, then 32 fed tokens: plain decodes about half a token per second at this depth.
+  peers    ik_llama.cpp (bench.peers, when `bench_memlimit.py prepare` has built it): warm, and under
+           the same limit and readahead mapped (with its A/A) and --prefetch-experts at 2 workers
+           (its best count on q864), fed the same text one token per decode: 2 chunks of 64 tokens
+           (llama-perplexity -b 1 -ub 1), after the mbolt arms of the same stage
+
+A 64-token prompt, then 32 fed tokens: plain decodes about one token per second at this depth.
 Not run here, and said so in the result: plain's readahead sweep (128 KiB was plain's best window
 on q864 and q4km, whose experts are this model's), the session workload, the reorder file (no
-training trace at this size), ik_llama.cpp (llama-perplexity feeds 256 tokens: ~9 minutes per
-arm-round).
+training trace at this size), ik's --prefetch-experts at 1, 3 and 4 workers.
 
     python scripts/bench_deep.py prepare                                # $MBOLT_BENCH/memlimit/q48
     python scripts/bench_deep.py run --prereg prereg/memlimit_deep.toml [--rounds 3] [--dry-run]
@@ -44,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
 
+from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench.paired import pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
 from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, load_bench_prereg, open_bench_prereg  # noqa: E402
@@ -59,10 +64,14 @@ SPEC = dict(preset="qwen3-30b-a3b", n_layers=48, fast_random=True, expert_type="
 WORKLOAD = ml.Workload(64, 32, 0)
 READAHEAD_KB = 128
 GOALS = ("warm_over_plain_warm_min", "reads_then_compute_share_min", "over_plain_tuned_min", "aa_within")
+PEER_GOAL = "over_best_peer_min"  # required when the peer's build is there
+# ik fed in 2 chunks of 64 (128 tokens: its cold start spread over more tokens than the mbolt arms'
+# 32, whose prompt pass warms their cache first); prefetch at 2 workers, its best count on q864
+PEER_HOW = dict(n_ctx=64, new_tokens=128, prefetch_threads=(2,))
 RESULT = ml.RESULTS / f"deep_{NAME}.json"
 NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, whose experts are this model's)",
            "the session workload", "the reorder file (no training trace at this size)",
-           "ik_llama.cpp (llama-perplexity feeds 256 tokens: ~9 minutes per arm-round at this depth)")
+           "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers (on q864 every count ran below ik mapped)")
 
 
 def prepare() -> None:
@@ -124,12 +133,14 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
                                        replace(mbolt, name="mbolt-warm", warm=True),
                                        replace(mbolt, name="mbolt-warm (A/A)", warm=True, control_of="mbolt-warm")],
                                 WORKLOAD, rounds, warm_ram, seed, aa=True)
+        peer_warm = ml.peer_arms(name, WORKLOAD, rounds, 0, seed, warm=True, **PEER_HOW)
         drive0 = sequential_read(p["stock"])
         ml.log(f"{name}: under the limit ({ram / 2**30:.2f} GiB), readahead {held} KiB: drive "
                f"{drive0['bytes_per_s'] / 1e6:.0f} MB/s sequential")
         lim = ml.run_ab_config(name, [replace(plain, name="plain-stock"), replace(mbolt, name="mbolt-stock"),
                                       replace(mbolt, name="mbolt-stock (A/A)", control_of="mbolt-stock")],
                                WORKLOAD, rounds, ram, seed, aa=True)
+        peer = ml.peer_arms(name, WORKLOAD, rounds, ram, seed, **PEER_HOW) if peer_warm else None
         drive1 = sequential_read(p["stock"])
     bw = max(drive0["bytes_per_s"], drive1["bytes_per_s"])
     compute_s = 1.0 / row(warm, "plain-warm")["decode_tokens_per_s"]
@@ -154,6 +165,10 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
         out["reads_then_compute"] = {"device_bytes_per_token": m["device_bytes_per_token"],
                                      "bandwidth_bytes_per_s": bw, "compute_s_per_token": compute_s,
                                      "tokens_per_s": rtc, "share": m["decode_tokens_per_s"] / rtc}
+    if peer:
+        out["peer_warm"], out["peer_limited"] = peer_warm, peer
+        out["peers"] = peers.peers_beside(m["decode_tokens_per_s"], row(warm, "plain-warm")["decode_tokens_per_s"],
+                                          peer, peer_warm)
     slots = ml.slots_of(lim)
     if slots:
         out["bound"] = ml.bound_of(name, WORKLOAD, slots, compute_s, bw)
@@ -173,6 +188,10 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
          "met": bool(aa) and max(abs(a - 1) for a in aa) <= g("aa_within")},
         {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]},
     ]
+    if peer and PEER_GOAL in pr.goals:  # required of a real run when the build is there (main)
+        vs = out["peers"]["mbolt_over_best_peer"]
+        out["goals"].append({"goal": f"limited: mbolt-stock >= {g(PEER_GOAL)}x the best peer arm", "value": vs,
+                             "met": vs is not None and vs >= g(PEER_GOAL)})
     return out
 
 
@@ -195,14 +214,15 @@ def main() -> None:
         return
     try:
         pr, lock = open_bench_prereg(a.prereg, ml.ROOT, count_run=not a.dry_run)
-        pr.require_goals(list(GOALS))
+        pr.require_goals(list(GOALS) + ([PEER_GOAL] if peers.find_ik(ml.PEERS) else []))
         check_rerun(pr, RESULT)
         if not ml.paths(NAME)["stock"].exists():
             raise SystemExit(f"{ml.paths(NAME)['stock']}: run `prepare` first")
         if a.dry_run:
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
                   f"{a.rounds} rounds of: warm plain-warm, mbolt-warm (+ A/A twins); limited plain-stock, "
-                  "mbolt-stock (+ A/A twins)")
+                  "mbolt-stock (+ A/A twins)" + ("; ik_llama.cpp warm, mapped (+ A/A), --prefetch-experts 2"
+                                                 if peers.find_ik(ml.PEERS) else "; no ik_llama.cpp build: no peers"))
             return
         rec = run_record(pr, lock, ml.ROOT, ml.paths(NAME)["stock"])
         res = run(a.rounds, pr)

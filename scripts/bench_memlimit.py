@@ -371,17 +371,19 @@ def slots_of(d: dict, arm: str = "mbolt-stock") -> int | None:
     return int(np.median(xs)) if xs else None
 
 
-def peer_arms(name: str, w: Workload, rounds: int, ram: int, seed: int, warm: bool = False) -> dict | None:
+def peer_arms(name: str, w: Workload, rounds: int, ram: int, seed: int, warm: bool = False, **how) -> dict | None:
     """ik_llama.cpp's arms (bench.peers) on the text the mbolt arms are fed, at the same budget and
-    readahead; None (said in the log) without the build `prepare` makes."""
+    readahead (`how`: peer_decode's n_ctx, new_tokens, prefetch_threads); None (said in the log)
+    without the build `prepare` makes."""
     build = peers.find_ik(PEERS)
     if build is None:
         log(f"  peers: no ik_llama.cpp build in {PEERS} (`prepare` builds it): no peer arms")
         return None
     p = paths(name)
     log(f"  peers: ik_llama.cpp {'warm (no limit, the file in memory)' if warm else 'under the limit'}")
+    how.setdefault("new_tokens", w.new)
     return peers.peer_decode(build, p["stock"], p["dir"] / "peer_text.txt", peers.fed_text(p["stock"], w.prompt, w.new),
-                             new_tokens=w.new, rounds=rounds, ram=ram, seed=seed, warm=warm,
+                             rounds=rounds, ram=ram, seed=seed, warm=warm, **how,
                              progress=lambda d, t, r: log(f"  {d}/{t} {r['arm']} r{r['round']}: "
                                                           f"{r['decode_tokens_per_s']:.2f} tok/s"))
 

@@ -246,6 +246,14 @@ def deep() -> str:
                   f"inside {d['warm_limit_bytes'] / 2**30:.1f} GiB, readahead {d['readahead_kb']} KiB; "
                   f"{d['workload']['prompt']}-token prompt, {d['workload']['new']} fed tokens, {d['rounds']} rounds; "
                   f"not run: {'; '.join(d['not_run'])}.", f"- {d['model']} goals: {met(d['goals'])}."]
+        pe = d.get("peers")
+        if pe:
+            ik = {s["arm"]: s["decode_tokens_per_s"] for s in d["peer_limited"]["summary"]}
+            notes.append(f"- {d['model']}: the peer under the same limit: "
+                         + ", ".join(f"{a} {fmt(v)}" for a, v in ik.items()) + " tok/s; best arm "
+                         f"{pe['best_peer_arm']}, mbolt-stock over it **{fmt(pe['mbolt_over_best_peer'])}x**; warm "
+                         f"ik_llama.cpp {fmt(pe['ik_warm_tokens_per_s'])}, llama.cpp {fmt(pe['llama_cpp_warm_tokens_per_s'])}"
+                         f" tok/s (ik's kernels {fmt(pe['ik_kernels_over_llama_cpp_warm'])}x; fed: {pe['fed']}).")
         notes += earlier(d) + [run_line(d)]
     return "\n".join(out + [""] + [n for n in notes if n])
 

@@ -243,6 +243,12 @@ def test_beside_tells_kernels_from_io():
 def test_fed_tokens_are_whole_chunks(tmp_path):
     with pytest.raises(MboltError, match="200 fed tokens are not whole chunks of 128"):
         peers.peer_decode(None, tmp_path / "m.gguf", tmp_path / "t.txt", "text", new_tokens=200, rounds=1, ram=0)
+    # the full-depth benchmark's chunks of 64: 96 tokens are one and a half, 64 only one
+    for n in (96, 64):
+        with pytest.raises(MboltError, match=f"{n} fed tokens are not whole chunks of 64"):
+            peers.peer_decode(None, tmp_path / "m.gguf", tmp_path / "t.txt", "text", new_tokens=n, rounds=1, ram=0,
+                              n_ctx=64)
+    assert [a.name for a in peers.ik_arms((2,))] == ["ik-mapped", "ik-mapped (A/A)", "ik-prefetch-2"]
 
 
 def test_a_warm_arm_under_a_limit_is_refused(tmp_path):

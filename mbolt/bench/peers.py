@@ -456,15 +456,17 @@ def fed_text(model: Path, prompt_tokens: int, new_tokens: int) -> str:
 
 
 def peer_decode(build: PeerBuild, model: Path, text_path: Path, text: str, *, new_tokens: int, rounds: int, ram: int,
-                seed: int = 0, warm: bool = False, progress=None) -> dict:
-    """ik's arms on `text` (written to text_path), `new_tokens` one per decode: under the limit
-    ik mapped (with its A/A) and --prefetch-experts at 1-4 workers; warm: ik with the file in memory."""
-    if new_tokens < 2 * PEER_CTX or new_tokens % PEER_CTX:
-        raise MboltError(f"peers: {new_tokens} fed tokens are not whole chunks of {PEER_CTX} (at least 2)")
+                seed: int = 0, warm: bool = False, progress=None, n_ctx: int = PEER_CTX,
+                prefetch_threads=(1, 2, 3, 4)) -> dict:
+    """ik's arms on `text` (written to text_path), `new_tokens` one per decode in chunks of n_ctx:
+    under the limit ik mapped (with its A/A) and --prefetch-experts at each of `prefetch_threads`
+    workers; warm: ik with the file in memory."""
+    if new_tokens < 2 * n_ctx or new_tokens % n_ctx:
+        raise MboltError(f"peers: {new_tokens} fed tokens are not whole chunks of {n_ctx} (at least 2)")
     text_path.write_text(text)
-    arms = [IK_WARM] if warm else ik_arms()
-    return run_peers(build, arms, model, text_path, rounds=rounds, ram=0 if warm else ram, n_ctx=PEER_CTX,
-                     chunks=new_tokens // PEER_CTX, seed=seed, progress=progress)
+    arms = [IK_WARM] if warm else ik_arms(prefetch_threads)
+    return run_peers(build, arms, model, text_path, rounds=rounds, ram=0 if warm else ram, n_ctx=n_ctx,
+                     chunks=new_tokens // n_ctx, seed=seed, progress=progress)
 
 
 def peers_beside(mbolt_tokens_per_s: float | None, plain_warm_tokens_per_s: float | None, limited: dict,
