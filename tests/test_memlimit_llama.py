@@ -287,6 +287,15 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
         s.generate([list(range(65, 65 + 24))], 8, forced=16)
         first = {l.index: s.store.cached(l.index) for l in mm.moe_layers}
         assert any(len(v) > mm.n_used for v in first.values())
+        # what the prompt read ahead for a layer that did not select it stays cached and resident
+        # (dropped, decode read it back from the drive: 7 MB a token at 48 layers, the file in memory)
+        assert s.arm.prompt.prefetched_unused > 0
+        ahead = [layer for layer, v in first.items() if len(v) == mm.n_experts]
+        # read ahead whole: the layers whose predecessor selected at least half its experts (3 of the
+        # 6 here; none stayed whole when the unused ones were dropped)
+        assert len(ahead) >= 2
+        for layer in ahead:
+            assert s.pages.resident(s.pages.expert_spans_of(layer, range(mm.n_experts))) == 1.0, layer
         s.generate([list(range(97, 97 + 24))], 8, forced=16)  # another conversation: a prompt pass, steps
         for layer, experts in first.items():
             assert set(experts) <= set(s.store.cached(layer)), layer

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 
 class SlotLru:
     """One layer's slot cache. Keys are expert ids (any hashable: the OS policy keys by
@@ -83,8 +85,6 @@ class ArrayLru:
     __slots__ = ("slots", "cached", "stamp", "clock", "pinned", "count")
 
     def __init__(self, slots: int, cached, stamp, clock, pinned=(), count=None):
-        import numpy as np
-
         self.slots = max(int(slots), 0)
         self.cached, self.stamp, self.clock = cached, stamp, clock
         self.pinned = set(pinned)
@@ -144,3 +144,14 @@ class ArrayLru:
     def clear(self) -> None:
         self.cached[:] = 0
         self._n = 0
+
+
+def by_last_use(positions: np.ndarray) -> np.ndarray:
+    """Unique positions of a step's rows, ordered by their last use (the last token's experts last:
+    the LRU then keeps what the next token most likely needs)."""
+    flat = positions.reshape(-1)
+    flat = flat[flat >= 0]
+    if flat.size == 0:
+        return flat.astype(np.int64)
+    u, first_in_reversed = np.unique(flat[::-1], return_index=True)
+    return u[np.argsort(-first_in_reversed, kind="stable")].astype(np.int64)

@@ -237,3 +237,17 @@ class Budget:
         self.prefill_slots = min(self.prefill_slots, self.decode_slots)
         self.given_back += n
         return True
+
+    def describe(self, memory, locked_bytes: int, copied_bytes: int, pinned: int) -> str:
+        """One line: where the budget goes (`memory`: what llama.cpp logged, else the plan's)."""
+        p, mib = self.plan, 2**20
+        mem = memory or p.memory
+        held = f"{locked_bytes / 1e6:.0f} MB of dense weights locked"
+        if copied_bytes:
+            held += f", {copied_bytes / 1e6:.0f} MB held as anonymous copies (RLIMIT_MEMLOCK)"
+        lost = p.decode_slots_lost(self.mm)
+        return (f"{held}; context {mem.n_ctx} tokens (KV cache {mem.kv_bytes / mib:.0f} MiB); prompt passes of "
+                f"{p.n_ubatch} tokens (compute buffer {mem.compute_bytes / mib:.0f} MiB, given back after a prompt; "
+                f"a decode step's {p.decode_compute_bytes / mib:.1f} MiB: {lost} decode slot{'s' if lost != 1 else ''}"
+                f"{', next layer read ahead' if p.prefetch else ''}); "
+                f"{self.decode_slots} expert slots per layer ({self.prefill_slots} during a prompt, {pinned} pinned)")

@@ -291,18 +291,19 @@ class ExpertStore:
             if self.on_evict is not None:
                 self.on_evict(layer, gone)
 
-    def admit(self, layer: int, expert_ids) -> int:
+    def admit(self, layer: int, expert_ids, count: bool = True) -> int:
         """Count and admit experts whose bytes the caller brought in itself (a prompt pass's long
-        reads): hits and misses as `read` counts them, the LRU as `read` leaves it (the last id the
-        most recent). Returns the misses."""
+        reads): hits and misses as `read` counts them (`count`: False for bytes nobody used, read
+        ahead), the LRU as `read` leaves it (the last id the most recent). Returns the misses."""
         ids = list(dict.fromkeys(int(e) for e in expert_ids if int(e) >= 0))
         lru = self._lru[layer]
         misses = sum(e not in lru for e in ids)
-        c = self.counters
-        c.calls += 1
-        c.experts += len(ids)
-        c.hits += len(ids) - misses
-        c.misses += misses
+        if count:
+            c = self.counters
+            c.calls += 1
+            c.experts += len(ids)
+            c.hits += len(ids) - misses
+            c.misses += misses
         if self.cache_slots:
             for e in ids:
                 self._kept[layer].pop(e, None)  # nobody holds their bytes: the page cache does

@@ -42,6 +42,7 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import split_vaddr
+from mbolt.core.lru import by_last_use
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
@@ -54,17 +55,6 @@ from mbolt.runtime.store import ExpertStore
 
 PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinned, the rest LRU
 ENGINE_EXTRA = 16 << 20  # llama.cpp's own structures, threads and work buffers beyond the process before the load
-
-
-def _by_last_use(positions: np.ndarray) -> np.ndarray:
-    """Unique positions of a step's rows, ordered by their last use (the last token's experts last:
-    the LRU then keeps what the next token most likely needs)."""
-    flat = positions.reshape(-1)
-    flat = flat[flat >= 0]
-    if flat.size == 0:
-        return flat.astype(np.int64)
-    u, first_in_reversed = np.unique(flat[::-1], return_index=True)
-    return u[np.argsort(-first_in_reversed, kind="stable")].astype(np.int64)
 
 
 class StreamRuntime:
@@ -218,7 +208,7 @@ class StreamRuntime:
             return
         self._computed = True
         self._seen.add(layer)
-        ids = self.perm[layer][_by_last_use(rows)]
+        ids = self.perm[layer][by_last_use(rows)]
         if self.record and rows.shape[0]:
             self.step_routing[layer] = np.asarray(rows[-1], np.int16)
         if self.phase is Phase.PROMPT and self.budget:
@@ -272,8 +262,7 @@ class StreamRuntime:
             c = self.reader.counters
             self.prompt.bytes, self.prompt.reads, self.prompt.read_s = c.bytes, c.reads, c.busy_s
         for layer, es in self._spec.items():
-            self._drop(layer, es)
-            self.prompt.prefetched_unused += len(es)
+            self._unused_read_ahead(layer, es)
         self._spec.clear()
         self.drop_experts()
         if self.budget:
@@ -303,8 +292,7 @@ class StreamRuntime:
         sel = [int(e) for e in ids]
         unused = spec.difference(sel)
         if unused:  # read ahead, not selected: out before anything else is read
-            self._drop(layer, unused)
-            self.prompt.prefetched_unused += len(unused)
+            self._unused_read_ahead(layer, unused)
         cached = set(self.store.cached(layer))
         missing = [e for e in sel if e not in cached and e not in spec]
         self._calling = set(sel)
@@ -328,6 +316,16 @@ class StreamRuntime:
             ahead = set(range(self.mm.n_experts)).difference(self.store.cached(nxt))
             self._spec[nxt] = ahead
             self.reader.submit(nxt, ahead)
+
+    def _unused_read_ahead(self, layer: int, experts) -> None:
+        """Experts read ahead for a layer that did not select them: dropped, unless every expert
+        fits (their bytes are in memory: dropped, decode read them back from the drive, 7 MB a
+        token at 48 layers with the file in memory), then cached."""
+        if self.store.cache_slots >= self.mm.n_experts:
+            self.store.admit(layer, sorted(experts), count=False)
+        else:
+            self._drop(layer, experts)
+        self.prompt.prefetched_unused += len(experts)
 
     def _keep_budget(self, layer: int, ids) -> None:
         """Before a decode layer's read: deferred victims go now, and a selected expert the cache
@@ -476,18 +474,7 @@ class StreamRuntime:
 
     def describe_budget(self) -> str:
         """One line: where the budget goes."""
-        p, mib = self.plan, 2**20
-        mem = self.memory or p.memory
-        held = f"{self.locked_bytes / 1e6:.0f} MB of dense weights locked"
-        if self.copied_bytes:
-            held += f", {self.copied_bytes / 1e6:.0f} MB held as anonymous copies (RLIMIT_MEMLOCK)"
-        lost = p.decode_slots_lost(self.mm)
-        return (f"{held}; context {mem.n_ctx} tokens (KV cache {mem.kv_bytes / mib:.0f} MiB); prompt passes of "
-                f"{self.n_ubatch} tokens (compute buffer {mem.compute_bytes / mib:.0f} MiB, given back after a prompt; "
-                f"a decode step's {p.decode_compute_bytes / mib:.0f} MiB: {lost} decode slot{'s' if lost != 1 else ''}"
-                f"{', next layer read ahead' if p.prefetch else ''}); "
-                f"{self.decode_slots} expert slots per layer ({self.prefill_slots} during a prompt, "
-                f"{self.pinned_per_layer} pinned)")
+        return self.budget.describe(self.memory, self.locked_bytes, self.copied_bytes, self.pinned_per_layer)
 
     def close(self) -> None:
         if self.filter is not None:
