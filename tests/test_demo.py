@@ -110,8 +110,9 @@ def test_demo_tiny_end_to_end(tmp_path, monkeypatch):
         assert a["reads_per_token"] == by_arm[a["arm"]]["reads_per_token"]
 
 def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
-    """An A/A control out of tolerance (injected: the A/A arm's reads timed 25% slower): the
-    demo's summary shows no speedups, says the machine was too noisy and what to run instead."""
+    """An A/A control out of tolerance (injected: the A/A arm's reads timed twice as slow; 25% was
+    swamped once by another job on the machine): the demo's summary shows no speedups, says the
+    machine was too noisy and what to run instead."""
     from rich.console import Console
 
     import mbolt.bench.ab as ab_mod
@@ -137,7 +138,7 @@ def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
     def slow_aa(arm, mm, job):
         r = real(arm, mm, job)
         if arm.control_of:
-            r.io_s *= 1.25
+            r.io_s *= 2.0
         return r
 
     monkeypatch.setitem(runners.ARM_RUNNERS, "replay", slow_aa)
