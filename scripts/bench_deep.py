@@ -28,6 +28,7 @@ training trace at this size), ik's --prefetch-experts at 1, 3 and 4 workers.
 
     python scripts/bench_deep.py prepare                                # $MBOLT_BENCH/memlimit/q48
     python scripts/bench_deep.py run --prereg prereg/memlimit_deep.toml [--rounds 3] [--dry-run]
+    python scripts/bench_deep.py warm --prereg PREREG [--rounds 5]   # the warm stage alone -> deep_q48_warm.json
     python scripts/bench_deep.py smoke    # one round on bench_memlimit's smoke model: checks the script
 
 The pre-registration binds as bench_memlimit.py's do (committed, locked, a clean tree, its goals
@@ -69,6 +70,8 @@ PEER_GOAL = "over_best_peer_min"  # required when the peer's build is there
 # 32, whose prompt pass warms their cache first); prefetch at 2 workers, its best count on q864
 PEER_HOW = dict(n_ctx=64, new_tokens=128, prefetch_threads=(2,))
 RESULT = ml.RESULTS / f"deep_{NAME}.json"
+WARM_GOALS = ("warm_over_plain_warm_min", "aa_within")
+WARM_RESULT = ml.RESULTS / f"deep_{NAME}_warm.json"
 NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, whose experts are this model's)",
            "the session workload", "the reorder file (no training trace at this size)",
            "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers (on q864 every count ran below ik mapped)")
@@ -115,6 +118,47 @@ def beyond_plain_us(d: dict, arm: str, base: str, n_layers: int) -> float | None
     return float(np.median(diffs)) if diffs else None
 
 
+def warm_stage(name: str, plain: Arm, mbolt: Arm, rounds: int, warm_ram: int, seed: int) -> dict:
+    """plain llama.cpp and the runtime with the file in memory (read first: a warm arm under a
+    limit is not evicted first, bench.ab_llama.run_in_group), A/A twins of both."""
+    cache_file(ml.paths(name)["stock"])
+    return ml.run_ab_config(name, [replace(plain, name="plain-warm", warm=True),
+                                   replace(mbolt, name="mbolt-warm", warm=True),
+                                   replace(mbolt, name="mbolt-warm (A/A)", warm=True, control_of="mbolt-warm")],
+                            WORKLOAD, rounds, warm_ram, seed, aa=True)
+
+
+def run_warm(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
+    """The warm stage alone: the hot path at full depth (issue 35's ">= 0.95x plain warm")."""
+    from mbolt.core.moe_map import moe_map
+
+    p = ml.paths(name)
+    stock, size = str(p["stock"]), p["stock"].stat().st_size
+    n_moe, warm_ram = len(moe_map(stock).moe_layers), warm_limit(size)
+    with readahead(p["stock"], READAHEAD_KB):
+        ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file read into memory first)")
+        warm = warm_stage(name, Arm("plain", stock, mode="os"), Arm("mbolt", stock, io_threads=4, asynchronous=True),
+                          rounds, warm_ram, seed)
+    r = pair_stats(warm, "mbolt-warm", "plain-warm")
+    aa = {a: pair_ratio(warm, f"{a} (A/A)", a) for a in ("plain-warm", "mbolt-warm")}
+    spread = max((abs(v - 1) for v in aa.values() if v is not None), default=None)
+    g = pr.goal
+    out = {"model": name, "synth": SPEC, "workload": vars(WORKLOAD), "file_bytes": size, "moe_layers": n_moe,
+           "warm_limit_bytes": warm_ram, "rounds": rounds,
+           "decode_tokens_per_s": {r_["arm"]: r_.get("decode_tokens_per_s") for r_ in warm["summary"]},
+           "device_bytes_per_token": {r_["arm"]: r_.get("device_bytes_per_token") for r_ in warm["summary"]},
+           "warm_over_plain_warm": r, "warm_beyond_plain_us_per_moe_layer": beyond_plain_us(warm, "mbolt-warm",
+                                                                                             "plain-warm", n_moe),
+           "aa": aa, "tokens_identical": tokens_identical(warm), "warm": ml._compact(warm)}
+    out["goals"] = [
+        {"goal": f"warm: the runtime >= {g('warm_over_plain_warm_min')}x plain warm (hot path at full depth)",
+         "value": r["median"], "met": r["median"] is not None and r["median"] >= g("warm_over_plain_warm_min")},
+        {"goal": f"A/A within {g('aa_within'):.0%} (two twins)", "value": spread,
+         "met": spread is not None and spread <= g("aa_within")},
+        {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]}]
+    return out
+
+
 def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     from mbolt.core.moe_map import moe_map
 
@@ -128,11 +172,7 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     with readahead(p["stock"], READAHEAD_KB) as held:
         ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file {size / 2**30:.1f} GiB "
                "read into memory first)")
-        cache_file(p["stock"])  # a warm arm under a limit is not evicted first (bench.ab_llama.run_in_group)
-        warm = ml.run_ab_config(name, [replace(plain, name="plain-warm", warm=True),
-                                       replace(mbolt, name="mbolt-warm", warm=True),
-                                       replace(mbolt, name="mbolt-warm (A/A)", warm=True, control_of="mbolt-warm")],
-                                WORKLOAD, rounds, warm_ram, seed, aa=True)
+        warm = warm_stage(name, plain, mbolt, rounds, warm_ram, seed)
         peer_warm = ml.peer_arms(name, WORKLOAD, rounds, 0, seed, warm=True, **PEER_HOW)
         drive0 = sequential_read(p["stock"])
         ml.log(f"{name}: under the limit ({ram / 2**30:.2f} GiB), readahead {held} KiB: drive "
@@ -197,7 +237,7 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "run", "smoke"])
+    ap.add_argument("stage", choices=["prepare", "run", "warm", "smoke"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prereg", type=Path, default=ml.ROOT / "prereg" / "memlimit_deep.toml",
                     help="the run's pre-registration, committed and locked")
@@ -214,23 +254,27 @@ def main() -> None:
         return
     try:
         pr, lock = open_bench_prereg(a.prereg, ml.ROOT, count_run=not a.dry_run)
-        pr.require_goals(list(GOALS) + ([PEER_GOAL] if peers.find_ik(ml.PEERS) else []))
-        check_rerun(pr, RESULT)
+        warm_only = a.stage == "warm"
+        fn, result = (run_warm, WARM_RESULT) if warm_only else (run, RESULT)
+        pr.require_goals(list(WARM_GOALS) if warm_only else
+                         list(GOALS) + ([PEER_GOAL] if peers.find_ik(ml.PEERS) else []))
+        check_rerun(pr, result)
         if not ml.paths(NAME)["stock"].exists():
             raise SystemExit(f"{ml.paths(NAME)['stock']}: run `prepare` first")
         if a.dry_run:
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
-                  f"{a.rounds} rounds of: warm plain-warm, mbolt-warm (+ A/A twins); limited plain-stock, "
-                  "mbolt-stock (+ A/A twins)" + ("; ik_llama.cpp warm, mapped (+ A/A), --prefetch-experts 2"
-                                                 if peers.find_ik(ml.PEERS) else "; no ik_llama.cpp build: no peers"))
+                  f"{a.rounds} rounds of: warm plain-warm, mbolt-warm (+ A/A twins)" + ("" if warm_only else
+                  "; limited plain-stock, mbolt-stock (+ A/A twins)" + (
+                      "; ik_llama.cpp warm, mapped (+ A/A), --prefetch-experts 2" if peers.find_ik(ml.PEERS)
+                      else "; no ik_llama.cpp build: no peers")))
             return
         rec = run_record(pr, lock, ml.ROOT, ml.paths(NAME)["stock"])
-        res = run(a.rounds, pr)
+        res = fn(a.rounds, pr)
         res.update(finish_record(rec))
         res.update({"benchmark": "the full-depth model under a real memory limit and warm (issue 35)",
                     "script": "scripts/bench_deep.py", "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
-        write_text_atomic(RESULT, json.dumps(keep_earlier(pr, RESULT, res), indent=1, default=ml._json) + "\n")
-        ml.log("wrote", RESULT)
+        write_text_atomic(result, json.dumps(keep_earlier(pr, result, res), indent=1, default=ml._json) + "\n")
+        ml.log("wrote", result)
         for g in res["goals"]:
             v = g["value"]
             ml.log(f"  {g['goal']}: {v if not isinstance(v, float) else round(v, 3)}: {'met' if g['met'] else 'MISSED'}")

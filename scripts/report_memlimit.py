@@ -32,6 +32,8 @@ def load(prefix: str) -> list[dict]:
         d = json.loads(p.read_text())
         if prefix == "serve" and p.name.startswith("serve_concurrency_"):  # its own table (concurrency())
             continue
+        if prefix == "deep" and p.name.endswith("_warm.json"):  # the warm stage alone: deep()'s notes
+            continue
         if prefix != "memlimit" or "headline" in d:  # the steady-decode format (issue 28)
             out.append(d)
     return out
@@ -255,6 +257,14 @@ def deep() -> str:
                          f"ik_llama.cpp {fmt(pe['ik_warm_tokens_per_s'])}, llama.cpp {fmt(pe['llama_cpp_warm_tokens_per_s'])}"
                          f" tok/s (ik's kernels {fmt(pe['ik_kernels_over_llama_cpp_warm'])}x; fed: {pe['fed']}).")
         notes += earlier(d) + [run_line(d)]
+    for p in sorted(RESULTS.glob("deep_*_warm.json")):
+        d = json.loads(p.read_text())
+        t, aa = d["decode_tokens_per_s"], d["aa"]
+        notes += [f"- {d['model']}, the warm stage alone (`{p.name}`, {d['rounds']} rounds): plain warm "
+                  f"{fmt(t['plain-warm'])}, mbolt warm {fmt(t['mbolt-warm'])} tok/s, **{paired(d['warm_over_plain_warm'])}**"
+                  f", {fmt(d['warm_beyond_plain_us_per_moe_layer'], '.0f')} us per MoE layer beyond plain; A/A "
+                  f"{fmt(aa['plain-warm'], '.3f')}, {fmt(aa['mbolt-warm'], '.3f')}; goals: {met(d['goals'])}.",
+                  run_line(d)]
     return "\n".join(out + [""] + [n for n in notes if n])
 
 
