@@ -11,6 +11,7 @@ These tests run in CI, as root on a machine with memory cgroups.
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -49,12 +50,12 @@ def model(tmp_path_factory):
     return {"stock": stock, "reorder": reordered, "mm": moe_map(stock)}
 
 
-def _llama_predictions(path, prompts, forced, n_new):
+def _llama_predictions(path, prompts, forced, n_new, n_ctx=256):
     """llama.cpp's own greedy prediction at each teacher-forced step, through llama-cpp-python's
     high-level API (file mapped, default KV cache): the oracle mbolt's arms must match."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), n_ctx=256, use_mmap=True, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, use_mmap=True, verbose=False)
     n_vocab = llm.n_vocab()
 
     def last_logits():
@@ -149,7 +150,9 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
                     + 20 * per_slot)
         s.make_cold()
         assert 15 <= s.prefill_slots <= 21  # the pages held round dense tensors up to whole pages
-        extra = (2 * layer - step_bytes(mm)) // per_slot  # the pass's reserve less a step's k experts
+        # the pass's reserve less a step's k experts, and the compute buffer less a decode step's
+        # part of it (given back after each prompt)
+        extra = (2 * layer - step_bytes(mm) + s.memory.compute_bytes - s.plan.decode_compute_bytes) // per_slot
         assert s.decode_slots in (min(64, s.prefill_slots + extra), min(64, s.prefill_slots + extra + 1))
         assert s.cache_slots == s.decode_slots > s.prefill_slots
         s.generate([list(range(65, 65 + 16))], 8, forced=8)  # a prompt pass, then decode steps
@@ -168,6 +171,107 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
     with pytest.raises(MboltError, match=r"a budget of 8 MiB cannot hold the dense weights .* the KV cache of a "
                                          r"4096-token context .*no context fits: give a larger --ram"):
         LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm)
+
+
+def _resident_bytes(base: int, size: int) -> int:
+    """Bytes of [base, base + size) in memory (mincore: the kernel's answer for anonymous pages)."""
+    import ctypes
+
+    from mbolt.core.pagecache import PAGE, libc
+
+    a, b = -(-base // PAGE) * PAGE, (base + size) // PAGE * PAGE
+    vec = (ctypes.c_ubyte * ((b - a) // PAGE))()
+    assert libc().mincore(ctypes.c_void_p(a), b - a, vec) == 0
+    return int((np.frombuffer(vec, np.uint8) & 1).sum()) * PAGE
+
+
+class _ComputeResidency:
+    """A watcher: after every llama_decode, how much of llama.cpp's compute buffer is in memory."""
+
+    def __init__(self, advise_huge=False):
+        self.driver, self.after, self.advise_huge = None, [], advise_huge
+
+    def begin(self, phase, n_rows):
+        self.phase = phase
+
+    def on_topk(self, layer, rows):
+        # the first pass's first layer: the buffer exists, most of it not yet touched. Advising it
+        # MADV_HUGEPAGE is what numpy leaves on a heap range it freed and malloc hands to llama.cpp
+        # (numpy advises every array of 4 MiB or more): the pass then faults 2 MiB pages
+        if self.advise_huge:
+            import ctypes
+
+            from mbolt.core.pagecache import libc
+            from mbolt.runtime.binding import buffer_span
+
+            base, size = buffer_span(self.driver.runner.tap.buffer)
+            a, b = -(-base // (2 << 20)) * (2 << 20), (base + size) // (2 << 20) * (2 << 20)
+            assert b > a and libc().madvise(ctypes.c_void_p(a), b - a, 14) == 0  # MADV_HUGEPAGE
+            self.advise_huge = False
+
+    def end(self):
+        from mbolt.runtime.binding import buffer_span
+
+        self.after.append((self.phase.name, _resident_bytes(*buffer_span(self.driver.runner.tap.buffer))))
+
+
+def test_the_compute_buffer_is_given_back_after_a_prompt(model, monkeypatch):
+    """A 512-token prompt pass fills llama.cpp's compute buffer (its graph is the one the buffer
+    was sized for); after the prompt the runtime gives the buffer's pages back, and each decode
+    step touches only its own graph's part (at most what the plan counts for it), so the budget
+    gives the rest of the buffer to decode's expert slots. Residency is the kernel's (mincore on the
+    buffer libggml names); the greedy tokens are those of the same run with the buffer kept, and
+    those of llama.cpp's own API."""
+    from mbolt.runtime.binding import buffer_span
+    from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes
+    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.streamer import own_bytes
+
+    mm = model["mm"]
+    per_slot = expert_bytes_all_layers(mm)
+    ids = [65 + (i * 7) % 180 for i in range(512 + N_NEW)]
+
+    def run(watcher=None, give_back=True):
+        with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True,
+                         watchers=[watcher] if watcher else (), give_back_compute=give_back) as s:
+            if watcher:
+                watcher.driver = s
+            assert s.n_ubatch == 512
+            dense = sum(b - a for a, b in s.pages.dense_tensors)  # room for a pass and 16 slots (of 64)
+            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer_bytes(mm)
+                              + 16 * per_slot)
+            s.make_cold()
+            before = (s.prefill_slots, s.decode_slots)
+            out = s.generate([ids], N_NEW, forced=512)
+            return dict(tokens=out.generated, releases=s.compute_releases, plan=s.plan, memory=s.memory,
+                        prefill=before[0], decode=before[1], decode_after=s.decode_slots,
+                        size=buffer_span(s.runner.tap.buffer)[1])
+
+    w = _ComputeResidency(advise_huge=True)
+    r = run(w)
+    mem, plan = r["memory"], r["plan"]
+    assert r["size"] == pytest.approx(mem.compute_bytes, abs=16 << 10)  # the buffer llama.cpp logged
+    assert 0 < plan.decode_compute_bytes < mem.compute_bytes // 4
+    assert r["releases"] == 1 and r["decode_after"] == r["decode"]
+    assert [p for p, _ in w.after] == ["PROMPT"] + ["DECODE"] * N_NEW
+    assert w.after[0][1] >= mem.compute_bytes // 2  # the pass's graph used the buffer it was sized for
+    for _, resident in w.after[1:]:
+        assert resident <= plan.decode_compute_bytes  # a decode step: its own part only
+    # kept resident, the buffer is decode's too: decode holds that many slots fewer beyond the prompt's
+    kept = run(give_back=False)
+    assert kept["releases"] == 0
+    freed = (mem.compute_bytes - plan.decode_compute_bytes) / per_slot
+    gained = (r["decode"] - r["prefill"]) - (kept["decode"] - kept["prefill"])
+    assert freed - 2 <= gained <= freed + 2 and gained >= 1  # four slot counts, each rounded down
+    assert r["tokens"] == kept["tokens"] == _llama_predictions(model["stock"], [ids], 512, N_NEW, n_ctx=1024)
+    # a buffer the runtime cannot give back (not the one llama.cpp logged): decode gives up the
+    # slots it had counted on, once the prompt is done
+    import mbolt.runtime.streamer as streamer
+
+    monkeypatch.setattr(streamer, "give_back", lambda buffer, compute_bytes: False)
+    failed = run()
+    assert failed["releases"] == 0
+    assert failed["decode_after"] == max(failed["prefill"], failed["decode"] - math.ceil(freed))
 
 
 def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):

@@ -162,6 +162,7 @@ def evict(path: str | os.PathLike, threshold: float = 0.01, tries: int = 3) -> E
 
 MADV_RANDOM = 1
 MADV_DONTNEED = 4
+MADV_NOHUGEPAGE = 15
 
 
 def joined(spans, gap: int = PAGE) -> list[tuple[int, int]]:

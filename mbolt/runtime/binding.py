@@ -6,7 +6,8 @@ the first use (`lib`), and tests/test_llama_binding.py fails loudly on one. What
   self-checked once per process against libggml's own accessors (`check_tensor_layout`);
 - the sizes of a context's KV cache and compute buffer, which llama.cpp only logs (`log_sizes`);
 - the parameter structs' field names (`set_fields` refuses a name a struct does not have);
-- the library's path (libggml-base.so beside the package).
+- the library's path (libggml-base.so beside the package), and the ggml_backend_buffer of the
+  graph's nodes (its base and size by libggml's accessors: the compute buffer, `buffer_span`).
 Nothing else in mbolt reads llama-cpp-python's private names.
 """
 
@@ -85,7 +86,8 @@ def ggml_library() -> ctypes.CDLL:
 
         g = ctypes.CDLL(str(Path(llama_cpp.__file__).parent / "lib" / "libggml-base.so"))
         for name, res in (("ggml_get_name", ctypes.c_char_p), ("ggml_get_data", ctypes.c_void_p),
-                          ("ggml_nelements", ctypes.c_int64)):
+                          ("ggml_nelements", ctypes.c_int64), ("ggml_backend_buffer_get_base", ctypes.c_void_p),
+                          ("ggml_backend_buffer_get_size", ctypes.c_size_t)):
             getattr(g, name).restype = res
             getattr(g, name).argtypes = [ctypes.c_void_p]
         _GGML = g
@@ -107,6 +109,12 @@ def check_tensor_layout(t_ptr: int, t: GgmlTensor) -> None:
         raise MboltError("llama.cpp's ggml_tensor layout differs from the one mbolt reads (name, data or shape "
                          f"disagree with libggml's accessors): llama-cpp-python {BINDING_VERSION} is required")
     _LAYOUT_CHECKED = True
+
+
+def buffer_span(buffer: int) -> tuple[int, int]:
+    """(base address, bytes) of a ggml_backend_buffer (a tensor's `buffer`), by libggml's accessors."""
+    g = ggml_library()
+    return int(g.ggml_backend_buffer_get_base(buffer) or 0), int(g.ggml_backend_buffer_get_size(buffer))
 
 
 _LOG_LOCK = threading.Lock()

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mbolt.core.errors import MboltError
-from mbolt.runtime.binding import GGML_TYPE_F32, captured_log, lib, log_sizes, set_fields
+from mbolt.runtime.binding import GGML_TYPE_F32, buffer_span, captured_log, lib, log_sizes, set_fields
 
 DEFAULT_CTX = 4096  # llama-server's --ctx-size default is the model's; ours is a size every budget can name
 CTX_PAD = 256  # llama.cpp pads a sequence's context to this many cells
@@ -135,3 +135,32 @@ def largest_ctx(fits, upper: int) -> int:
         else:
             hi = mid - 1
     return lo * CTX_PAD
+
+
+COMPUTE_SLACK = 64 << 10  # a buffer's size against the one llama.cpp logged (printed to 0.01 MiB)
+
+
+def give_back(buffer: int, compute_bytes: int) -> bool:
+    """Give a context's compute buffer's pages back to the system (MADV_DONTNEED): its bytes are
+    scratch (every graph writes a node before it reads it), a page touched again comes back zeroed,
+    and a decode step's small graph, laid out from the buffer's start, touches only its own part.
+    `buffer`: the ggml_backend_buffer of a graph node (runner.TopkTap.buffer); False (nothing done)
+    unless it is as large as the compute buffer llama.cpp logged."""
+    import ctypes
+
+    from mbolt.core.pagecache import MADV_DONTNEED, MADV_NOHUGEPAGE, PAGE, libc
+
+    base, size = buffer_span(buffer)
+    if not base or abs(size - compute_bytes) > COMPUTE_SLACK:
+        return False
+    a, b = -(-base // PAGE) * PAGE, (base + size) // PAGE * PAGE
+    if b <= a:
+        return True
+    # Small pages from here on: where the buffer's memory may take transparent huge pages (THP
+    # "always", or a heap range numpy had advised MADV_HUGEPAGE for an array before it was freed),
+    # a decode step's 250 KiB brings back whole 2 MiB pages (12 MiB measured). A kernel without THP
+    # refuses the advice: nothing to undo then.
+    libc().madvise(ctypes.c_void_p(a), b - a, MADV_NOHUGEPAGE)
+    if libc().madvise(ctypes.c_void_p(a), b - a, MADV_DONTNEED) != 0:
+        raise MboltError(f"madvise(MADV_DONTNEED) of llama.cpp's compute buffer failed (errno {ctypes.get_errno()})")
+    return True

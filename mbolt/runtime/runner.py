@@ -53,6 +53,7 @@ class TopkTap:
         self.on_topk, self.capture = on_topk, capture
         self.routing: dict[int, list[np.ndarray]] = {}  # layer -> row blocks [n, k] of the last eval
         self.error: BaseException | None = None
+        self.buffer: int | None = None  # the ggml_backend_buffer that holds the graph's nodes (the compute buffer)
         self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
         self.filter = topk_filter(self._cb, TENSOR_OFFSETS)  # names compared in C, when it builds
         self.native = self.filter is not None
@@ -90,6 +91,8 @@ class TopkTap:
 
     def _computed(self, t_ptr: int, t, layer: int) -> None:
         check_tensor_layout(t_ptr, t)
+        if self.buffer is None and t.buffer:
+            self.buffer = int(t.buffer)  # a node of the graph: it lives in the scheduler's compute buffer
         k, n = int(t.ne[0]), int(t.ne[1])
         stride = int(t.nb[1]) // 4
         rows = np.empty((n, k), dtype=np.int32)

@@ -25,9 +25,10 @@ is done (`end`, and `end_prompt` after a prompt's last pass): the phases are exp
 Under a budget the expert spans of llama.cpp's mapping get MADV_RANDOM (a stray fault reads one
 page), and an expert that leaves the LRU is dropped at once (mapping and page cache), so the group
 stays under its limit and the kernel never has to reclaim. The cache is smaller during a prompt
-pass (it reads up to a layer beyond it) and grows back for decode steps. Without a budget, the
-emulation: every expert page dropped after every decode step (or, with cache slots, when it
-leaves the LRU): the s = 1 bound of a model far larger than RAM.
+pass (it reads up to a layer beyond it, and fills llama.cpp's compute buffer) and grows back for
+decode steps, the buffer's pages given back. Without a budget, the emulation: every expert page
+dropped after every decode step (or, with cache slots, when it leaves the LRU): the s = 1 bound
+of a model far larger than RAM.
 
 Plain llama.cpp is not this class: runtime.plain.
 """
@@ -46,7 +47,7 @@ from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
 from mbolt.runtime.budget import PREFETCH_SHARE, Budget
-from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
+from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, give_back, resolve_ctx
 from mbolt.runtime.pages import ExpertPages
 from mbolt.runtime.prefill import LayerReader
 from mbolt.runtime.runner import Phase
@@ -72,6 +73,8 @@ class StreamRuntime:
       False keeps them in Python: the A/B of the two paths).
     drop_behind: those layers' victims are dropped by the C filter's thread while llama.cpp
       computes (False: at once, on the path to the matmuls; the A/B).
+    give_back_compute: under a budget, the compute buffer's pages go back after each prompt and
+      decode steps count only their own part of it (False: it stays, and so does its budget; the A/B).
     """
 
     uses_callback = True
@@ -80,7 +83,7 @@ class StreamRuntime:
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True,
-                 drop_behind: bool = True):
+                 drop_behind: bool = True, give_back_compute: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -103,7 +106,7 @@ class StreamRuntime:
             raise MboltError(f"--cache-slots {cache_slots} is below the {self.mm.n_used} experts a token uses: "
                              "give 0 (no cache) or at least that many")
         self.cache_slots = int(cache_slots)
-        self.native_misses, self.drop_behind = native_misses, drop_behind
+        self.native_misses, self.drop_behind, self.give_back_compute = native_misses, drop_behind, give_back_compute
         self.drop_behind_s = 0.0  # the drop thread's time in the kernel (it overlaps compute)
         self.locked_bytes = self.copied_bytes = 0
         self.pins, self.pinned_per_layer = pins, 0
@@ -124,7 +127,9 @@ class StreamRuntime:
         self.step_clock = 0  # the LRU's clock when the last decode step began
         self.store = self.reader = self.filter = None
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
-        self._computed = False  # no graph ran yet (the compute buffer's pages are not resident)
+        self._computed = False  # no graph ran since the compute buffer's pages were last given back (or ever)
+        self.tap = None  # the eval callback (it knows the compute buffer once a graph ran)
+        self.compute_releases = 0  # prompts after which the compute buffer's pages were given back
         self.prompt = PromptStats()
         moe = sorted(l.index for l in self.mm.moe_layers)
         self.moe_layers = set(moe)
@@ -261,7 +266,19 @@ class StreamRuntime:
         self._spec.clear()
         self.drop_experts()
         if self.budget:
+            if self.give_back_compute and not self.release_compute():
+                self.budget.compute_kept()
             self._resize_cache(self.budget.decode_slots)
+
+    def release_compute(self) -> bool:
+        """The compute buffer's pages given back (runtime.memory.give_back); False when it is not
+        known (no graph reached the callback) or not the one llama.cpp logged."""
+        buf = self.tap.buffer if self.tap is not None else None
+        if buf is None or self.memory is None or not give_back(buf, self.memory.compute_bytes):
+            return False
+        self._computed = False
+        self.compute_releases += 1
+        return True
 
     # ---- a layer's reads and drops ----
 
@@ -376,6 +393,7 @@ class StreamRuntime:
         """After llama.cpp mapped the model and created its context (`memory`: what it logged;
         `tap`: the eval callback, whose C filter then answers cached selections itself)."""
         self.memory = memory
+        self.tap = tap
         self.pages.attach()
         f = tap.filter if tap is not None else None
         if f is not None:
@@ -413,6 +431,8 @@ class StreamRuntime:
         self._evicted.clear()
         self.phase = Phase.LOAD
         self.pages.reset()
+        if self._computed and self.give_back_compute:
+            self.release_compute()  # a run before this one left it resident
         if self.budget:
             self.fit_budget()
         if self.pins:
@@ -426,8 +446,10 @@ class StreamRuntime:
             self.pages.advise_experts()
         self.store.reserve(self.mm.n_used)
         pending = self.memory.compute_bytes if (not self._computed and self.memory is not None) else 0
+        # a decode step touches its own graph's part of the buffer (given back after each prompt)
+        decode = min(pending, self.plan.decode_compute_bytes) if self.give_back_compute else pending
         # the copied dense weights are anonymous: in own_bytes
-        self.budget.fit(self.locked_bytes + own_bytes(), pending)
+        self.budget.fit(self.locked_bytes + own_bytes(), pending, decode)
         self.cache_slots = self.store.cache_slots = self.budget.decode_slots
 
     def _resize_cache(self, slots: int | None) -> None:
