@@ -127,6 +127,28 @@ def test_ram_needs_llama_engine_and_a_size(model, tmp_path):
     assert r.exit_code == 2 and "--ram: 'lots' is not a size" in r.output
 
 
+def test_the_runtime_takes_2048_token_passes_by_default(model):
+    """With no -ub the streaming runtime of one sequence evaluates a prompt in 2048-token passes
+    (each pass reads the layer's selected experts once: results/ubatch_q72.json); plain llama.cpp
+    and batched sequences keep llama.cpp's 512. A 1,500-token prompt is one pass instead of three,
+    and greedy decoding after it gives the same tokens."""
+    from mbolt.runtime.driver import LlamaStream
+
+    mm = model["mm"]
+    ids = [65 + (i * 7) % 180 for i in range(1500)]
+    runs = {}
+    for ub in (None, 512):
+        with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=ub) as s:
+            assert s.n_ubatch == (ub or 2048)
+            runs[ub] = s.generate([ids], 4)
+    assert (runs[None].prompt_passes, runs[512].prompt_passes) == (1, 3)
+    assert runs[None].generated == runs[512].generated
+    with LlamaStream(str(model["stock"]), reads=False, evict=False, mm=mm) as s:
+        assert s.n_ubatch == 512
+    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_seq=2) as s:
+        assert s.n_ubatch == 512
+
+
 def test_budget_sizes_the_cache_and_refuses_too_small(model):
     """Outside a cgroup the runtime counts its own memory (dense weights, anonymous memory, the
     compute buffer its first prompt will touch, its read buffers): a budget of that plus the margin,
@@ -142,7 +164,7 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
     assert per_slot == sum(w.slice_bytes for w in mm.moe_layers[0].weights) * len(mm.moe_layers)
     layer = sum(w.slice_bytes for w in mm.moe_layers[0].weights) * mm.n_experts
     assert layer_bytes(mm) == layer
-    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm) as s:
+    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=512) as s:
         assert s.n_ubatch == 512 and s.plan.prefetch  # a pass selects the whole layer: two layers reserved
         assert s.plan.prefill_reserve == 2 * layer
         dense = sum(b - a for a, b in s.pages.dense_tensors)
@@ -232,7 +254,7 @@ def test_the_compute_buffer_is_given_back_after_a_prompt(model, monkeypatch):
     ids = [65 + (i * 7) % 180 for i in range(512 + N_NEW)]
 
     def run(watcher=None, give_back=True):
-        with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True,
+        with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True, n_ubatch=512,
                          watchers=[watcher] if watcher else (), give_back_compute=give_back) as s:
             if watcher:
                 watcher.driver = s

@@ -94,7 +94,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
            seed: int = 0, progress=None, prereg: dict | None = None, trace_path: str = "",
            tokens_per_round: int = 0, aa_tolerance: float = AA_TOLERANCE, stop: StopRule | None = None,
            host_cache: dict | None = None, engine: str = "reference", ram: int = 0, forced: int = 0,
-           followup: int = 0, n_ctx: int | None = None, n_ubatch: int = 512, drive: str = "") -> AbResult:
+           followup: int = 0, n_ctx: int | None = None, n_ubatch: int = 0, drive: str = "") -> AbResult:
     """Run every arm once per round, in the orders of `arm_orders(seed)`, until the stop rule says
     so (see the module docstring). `rounds` is a shortcut for StopRule(rounds=rounds).
 
@@ -156,7 +156,7 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     env["memory_limit_bytes"] = int(ram) if ram else None
     env["teacher_forced"] = int(forced)
     if engine == "llama.cpp":
-        env["llama"] = {"n_ctx": n_ctx, "n_ubatch": int(n_ubatch), "flash_attn": "on (every arm)",
+        env["llama"] = {"n_ctx": n_ctx, "n_ubatch": int(n_ubatch) or "each arm's default (2048 with reads, else 512)", "flash_attn": "on (every arm)",
                         "followup_tokens": int(followup), "repacking": "off (every arm)"}
         env["drive"] = drive or "this VM's disk as it is"
     results: list[RoundResult] = []

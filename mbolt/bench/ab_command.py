@@ -17,7 +17,6 @@ from mbolt.bench.stats import StopRule
 from mbolt.core.atomic import check_output
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import parse_size, readahead
-from mbolt.runtime.memory import DEFAULT_UBATCH
 
 
 @dataclass
@@ -34,7 +33,7 @@ class AbRequest:
     prompt_tokens: int = FORCED_PREFILL
     followup_tokens: int = 0
     ctx_size: int | None = None
-    ubatch: int = DEFAULT_UBATCH
+    ubatch: int | None = None  # None: each arm's default (runtime.memory.default_ubatch)
     ram: str | None = None
     readahead_kb: int | None = None
     rounds: int | None = None
@@ -139,7 +138,7 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
                      progress=progress,
                      prereg=pr.to_dict() if pr else None, trace_path=str(replay_trace or ""),
                      tokens_per_round=tokens_per_round, seed=seed, engine=engine, ram=ram_bytes,
-                     forced=n_forced, followup=req.followup_tokens, n_ctx=req.ctx_size, n_ubatch=req.ubatch)
+                     forced=n_forced, followup=req.followup_tokens, n_ctx=req.ctx_size, n_ubatch=req.ubatch or 0)
     if pr is not None:
         from mbolt.bench.prereg import verdict
 

@@ -195,5 +195,5 @@ class ArmJob:
     forced: int = 0  # teacher forcing: prefill this many tokens of each prompt, then feed its next tokens
     followup: int = 0  # teacher-forced sessions: then this many tokens as one more turn on the same context
     n_ctx: int | None = None  # llama.cpp's context size (None: the default)
-    n_ubatch: int = 512  # tokens per prompt pass, for arms that do not set their own
+    n_ubatch: int = 0  # tokens per prompt pass, for arms that do not set their own (0: the driver's default)
     drive: str = ""  # --ram: a drive profile (core.blkio.PROFILES) set on the arm's reads once its model has loaded

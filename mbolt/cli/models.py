@@ -172,9 +172,9 @@ def generate_cmd(
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
                                  "4096, capped by the model's training context). Under --stream its KV cache is "
                                  "counted in the budget."),
-    ubatch: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass (each "
+    ubatch: int = typer.Option(None, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass (each "
                                "pass reads the experts the cache does not hold; --stream may take fewer to fit the "
-                               "budget)."),
+                               "budget). Default: 2048 with --stream, else llama.cpp's 512."),
     as_json: bool = typer.Option(False, "--json", help="Print prompt ids, generated ids, text and timings as JSON."),
 ):
     """Greedy decode with tokens/s: the numpy reference engine, or llama.cpp (with --stream: mbolt's expert reads)."""

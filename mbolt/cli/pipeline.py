@@ -294,8 +294,9 @@ def ab_cmd(
                                         "(a session: its KV cache reused; its time to first token is recorded)."),
     ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
                                  "4096, capped by the model's training context)."),
-    ubatch: int = typer.Option(512, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass for arms "
-                               "without ubatch=N (mbolt's runtime may take fewer to fit its budget)."),
+    ubatch: int = typer.Option(None, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass for arms "
+                               "without ubatch=N (mbolt's runtime may take fewer to fit its budget). Default: 2048 "
+                               "for arms with reads, llama.cpp's 512 for os arms."),
     ram: str = typer.Option(None, "--ram", help="llama.cpp: run every arm-round as a fresh process inside a memory "
                             "cgroup of this size (e.g. 2G; v1 or v2, needs root): a real memory limit. os arms are "
                             "then plain llama.cpp, arms with reads mbolt's runtime with this budget."),

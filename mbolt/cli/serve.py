@@ -14,8 +14,9 @@ _RAM = typer.Option(None, "--ram", help="The memory budget (e.g. 8G). Default: t
                     "this process and its parents, else the available memory.")
 _CTX = typer.Option(None, "--ctx-size", "-c", min=1, help="Context size in tokens (default 4096, capped by the "
                     "model's training context); its KV cache is counted in the budget.")
-_UB = typer.Option(512, "--ubatch-size", "-ub", min=1, help="Tokens per prompt pass (the runtime may take fewer "
-                   "to fit the budget).")
+_UB = typer.Option(None, "--ubatch-size", "-ub", min=1, help="Tokens per prompt pass (the runtime may take fewer "
+                   "to fit the budget). Default: 2048 for the runtime with one slot, llama.cpp's 512 for --plain "
+                   "and for several slots (a pass holds up the running replies).")
 _THREADS = typer.Option(0, "--threads", "-t", min=0, help="llama.cpp threads (0 = all cores).")
 _PLAIN = typer.Option(False, "--plain", help="Plain llama.cpp instead of the runtime (the file mapped, repacking "
                       "off, no callback): what the runtime is measured against.")

@@ -14,7 +14,7 @@ A budget (`--ram`, else the cgroup's limit, else available memory) holds, from l
 
 A prompt of T tokens is ceil(T / n_ubatch) passes over the experts, and each pass reads the experts
 the cache does not hold. `plan_budget` takes the largest micro-batch up to the request (default
-512, llama.cpp's) whose compute buffer and pass fit; a budget that cannot hold even one token's
+runtime.memory.default_ubatch) whose compute buffer and pass fit; a budget that cannot hold even one token's
 pass (the dense weights, the KV cache and the k experts of one step) is refused before anything is
 allocated, naming the largest context that fits.
 """

@@ -316,10 +316,10 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     gap, qd, cache_slots, budget, asynchronous, pins; `evict=False` a warm control), else plain
     llama.cpp (`evict`: drop every expert page after each decode step, the emulation without a
     limit; `callback`: the eval callback alone; `record`: keep each step's selections)."""
-    from mbolt.runtime.memory import DEFAULT_UBATCH
+    from mbolt.runtime.memory import default_ubatch
     from mbolt.runtime.plain import PlainLlama
 
-    common = dict(mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch or DEFAULT_UBATCH, f32_kv=f32_kv, flash_attn=flash_attn,
+    common = dict(mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch or default_ubatch(reads, n_seq), f32_kv=f32_kv, flash_attn=flash_attn,
                   record=record)
     if reads:
         arm = StreamRuntime(path, evict=evict, n_seq=n_seq, **common, **runtime_options)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mbolt.core.errors import MboltError
-from mbolt.runtime.memory import DEFAULT_UBATCH
+from mbolt.runtime.memory import DEFAULT_UBATCH, default_ubatch
 
 MAX_AUTO_PARALLEL = 4
 KV_SHARE = 8  # automatic slots: their KV caches take at most 1/KV_SHARE of the budget
@@ -57,7 +57,7 @@ def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None
     return 1
 
 
-def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
+def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, n_ubatch: int | None = None,
                n_threads: int | None = None, plain: bool = False, parallel: int | None = None,
                watchers=()) -> Loaded:
     """Load `path` for serving: mbolt's runtime with the budget (`ram`, else the cgroups' limit,
@@ -73,9 +73,10 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     mm = moe_map(path)
     limit, where = (None, "") if plain else find_budget(ram)
     ctx, _ = resolve_ctx(n_ctx, mm)
-    n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch, limit)
+    n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch or DEFAULT_UBATCH, limit)
     if n_seq < 1:
         raise MboltError(f"--parallel must be at least 1, got {n_seq}")
+    n_ubatch = n_ubatch or default_ubatch(not plain, n_seq)
     if plain:
         d = open_driver(path, reads=False, evict=False, mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch, n_threads=n_threads,
                         n_seq=n_seq, watchers=watchers)
