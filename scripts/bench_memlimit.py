@@ -20,7 +20,8 @@ Workloads:
              mbolt         the runtime as shipped (stock file, budget from the cgroup): the headline arm
              mbolt (A/A)   the same again
              mbolt-user    the same as an ordinary user: uid nobody (the worker gives root up), RLIMIT_MEMLOCK 8 MiB
-             mbolt-2048    the runtime asked for 2048-token passes (what a larger micro-batch buys)
+             mbolt-512     the runtime asked for llama.cpp's 512-token passes (its default was 512 until
+                           2026-12-05, 2048 since: what the larger pass buys; runs before then had mbolt-2048)
              + plain-512 (A/A)
            and, without a limit and with the file in memory, warm-512 and warm-2048 (the compute alone).
   decode   a 64-token prompt, then 256 fed tokens (steady decoding), --ctx-size 4096. With the peer built
@@ -208,7 +209,7 @@ def session_arms(name: str) -> list[Arm]:
     mbolt = Arm("mbolt", stock, io_threads=4, asynchronous=True)
     return [Arm("plain-512", stock, mode="os"), Arm("plain-2048", stock, mode="os", n_ubatch=2048), mbolt,
             replace(mbolt, name="mbolt (A/A)", control_of="mbolt"), replace(mbolt, name="mbolt-user", user=True),
-            replace(mbolt, name="mbolt-2048", n_ubatch=2048)]
+            replace(mbolt, name="mbolt-512", n_ubatch=512)]
 
 
 def warm_arms(name: str) -> list[Arm]:

@@ -119,12 +119,13 @@ def session() -> str:
             f"{fmt(d['prompt_read_mb_per_s'], '.0f')} ({d['drive']['sequential_bytes_per_s'] / 1e6:.0f}: "
             f"{100 * d['prompt_bw_share']:.0f}%) | {fmt(d['user_over_root'])} | "
             f"{fmt(d['aa']['plain'], '.3f')}, {fmt(d['aa']['mbolt'], '.3f')} |")
-        m2048 = d["decode_tokens_per_s"].get("mbolt-2048")
         lim = d["limited"]
-        row = next((r for r in lim["summary"] if r["arm"] == "mbolt-2048"), None)
-        if row:
-            notes.append(f"- {d['model']}: the runtime asked for 2048-token passes: TTFT {fmt(row['ttft_s'], '.1f')} s, "
-                         f"decode {fmt(m2048)} tok/s (512: {fmt(t['mbolt'], '.1f')} s, {fmt(dec['mbolt'])} tok/s).")
+        for other, shipped in (("mbolt-2048", 512), ("mbolt-512", 2048)):  # the default changed on 2026-12-05
+            row = next((r for r in lim["summary"] if r["arm"] == other), None)
+            if row:
+                notes.append(f"- {d['model']}: the runtime asked for {other[6:]}-token passes: TTFT "
+                             f"{fmt(row['ttft_s'], '.1f')} s, decode {fmt(d['decode_tokens_per_s'].get(other))} tok/s "
+                             f"({shipped}: {fmt(t['mbolt'], '.1f')} s, {fmt(dec['mbolt'])} tok/s).")
         notes.append(f"- {d['model']} goals: {met(d['goals'])}.")
         notes += earlier(d)
     if tuned_rows:
