@@ -128,6 +128,19 @@ def warm_stage(name: str, plain: Arm, mbolt: Arm, rounds: int, warm_ram: int, se
                             WORKLOAD, rounds, warm_ram, seed, aa=True)
 
 
+def warm_figures(warm: dict, n_moe: int) -> dict:
+    """The warm stage's figures: the runtime over plain warm (same-round ratios), its cost beyond
+    plain per MoE layer and token, the twins' A/A."""
+    return {"warm_over_plain_warm": pair_stats(warm, "mbolt-warm", "plain-warm"),
+            "warm_beyond_plain_us_per_moe_layer": beyond_plain_us(warm, "mbolt-warm", "plain-warm", n_moe),
+            "aa": {a: pair_ratio(warm, f"{a} (A/A)", a) for a in ("plain-warm", "mbolt-warm")}}
+
+
+def warm_goal(g, value) -> dict:
+    return {"goal": f"warm: the runtime >= {g('warm_over_plain_warm_min')}x plain warm (hot path at full depth)",
+            "value": value, "met": value is not None and value >= g("warm_over_plain_warm_min")}
+
+
 def run_warm(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     """The warm stage alone: the hot path at full depth (issue 35's ">= 0.95x plain warm")."""
     from mbolt.core.moe_map import moe_map
@@ -139,20 +152,15 @@ def run_warm(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
         ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file read into memory first)")
         warm = warm_stage(name, Arm("plain", stock, mode="os"), Arm("mbolt", stock, io_threads=4, asynchronous=True),
                           rounds, warm_ram, seed)
-    r = pair_stats(warm, "mbolt-warm", "plain-warm")
-    aa = {a: pair_ratio(warm, f"{a} (A/A)", a) for a in ("plain-warm", "mbolt-warm")}
-    spread = max((abs(v - 1) for v in aa.values() if v is not None), default=None)
     g = pr.goal
     out = {"model": name, "synth": SPEC, "workload": vars(WORKLOAD), "file_bytes": size, "moe_layers": n_moe,
            "warm_limit_bytes": warm_ram, "rounds": rounds,
            "decode_tokens_per_s": {r_["arm"]: r_.get("decode_tokens_per_s") for r_ in warm["summary"]},
            "device_bytes_per_token": {r_["arm"]: r_.get("device_bytes_per_token") for r_ in warm["summary"]},
-           "warm_over_plain_warm": r, "warm_beyond_plain_us_per_moe_layer": beyond_plain_us(warm, "mbolt-warm",
-                                                                                             "plain-warm", n_moe),
-           "aa": aa, "tokens_identical": tokens_identical(warm), "warm": ml._compact(warm)}
+           **warm_figures(warm, n_moe), "tokens_identical": tokens_identical(warm), "warm": ml._compact(warm)}
+    spread = max((abs(v - 1) for v in out["aa"].values() if v is not None), default=None)
     out["goals"] = [
-        {"goal": f"warm: the runtime >= {g('warm_over_plain_warm_min')}x plain warm (hot path at full depth)",
-         "value": r["median"], "met": r["median"] is not None and r["median"] >= g("warm_over_plain_warm_min")},
+        warm_goal(g, out["warm_over_plain_warm"]["median"]),
         {"goal": f"A/A within {g('aa_within'):.0%} (two twins)", "value": spread,
          "met": spread is not None and spread <= g("aa_within")},
         {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]}]
@@ -192,14 +200,9 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
            "ratio_definition": "per round: an arm / its baseline of the same round; the median of those",
            "decode_tokens_per_s": {"warm": {r["arm"]: r.get("decode_tokens_per_s") for r in warm["summary"]},
                                    "limited": {r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]}},
-           "warm_over_plain_warm": pair_stats(warm, "mbolt-warm", "plain-warm"),
-           "warm_beyond_plain_us_per_moe_layer": beyond_plain_us(warm, "mbolt-warm", "plain-warm", n_moe),
-           "over_plain": pair_stats(lim, "mbolt-stock", "plain-stock"),
-           "aa": {"plain-warm": pair_ratio(warm, "plain-warm (A/A)", "plain-warm"),
-                  "mbolt-warm": pair_ratio(warm, "mbolt-warm (A/A)", "mbolt-warm"),
-                  "plain-stock": pair_ratio(lim, "plain-stock (A/A)", "plain-stock"),
-                  "mbolt-stock": pair_ratio(lim, "mbolt-stock (A/A)", "mbolt-stock")},
+           **warm_figures(warm, n_moe), "over_plain": pair_stats(lim, "mbolt-stock", "plain-stock"),
            "tokens_identical": tokens_identical(warm, lim), "warm": ml._compact(warm), "limited": ml._compact(lim)}
+    out["aa"].update({a: pair_ratio(lim, f"{a} (A/A)", a) for a in ("plain-stock", "mbolt-stock")})
     if m.get("device_bytes_per_token"):
         rtc = 1.0 / (m["device_bytes_per_token"] / bw + compute_s)
         out["reads_then_compute"] = {"device_bytes_per_token": m["device_bytes_per_token"],
@@ -218,8 +221,7 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     share = out.get("reads_then_compute", {}).get("share")
     aa = [v for v in out["aa"].values() if v is not None]
     out["goals"] = [
-        {"goal": f"warm: the runtime >= {g('warm_over_plain_warm_min')}x plain warm (hot path at full depth)",
-         "value": warm_r, "met": warm_r is not None and warm_r >= g("warm_over_plain_warm_min")},
+        warm_goal(g, warm_r),
         {"goal": f"limited: mbolt-stock >= {g('reads_then_compute_share_min'):.0%} of reads then compute",
          "value": share, "met": share is not None and share >= g("reads_then_compute_share_min")},
         {"goal": f"limited: mbolt-stock >= {g('over_plain_tuned_min')}x plain (128 KiB)", "value": over,

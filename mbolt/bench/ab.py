@@ -156,7 +156,10 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
     env["memory_limit_bytes"] = int(ram) if ram else None
     env["teacher_forced"] = int(forced)
     if engine == "llama.cpp":
-        env["llama"] = {"n_ctx": n_ctx, "n_ubatch": int(n_ubatch) or "each arm's default (2048 with reads, else 512)", "flash_attn": "on (every arm)",
+        from mbolt.runtime.memory import DEFAULT_UBATCH, STREAM_UBATCH
+
+        default = f"each arm's default ({STREAM_UBATCH} with reads, else {DEFAULT_UBATCH})"
+        env["llama"] = {"n_ctx": n_ctx, "n_ubatch": int(n_ubatch) or default, "flash_attn": "on (every arm)",
                         "followup_tokens": int(followup), "repacking": "off (every arm)"}
         env["drive"] = drive or "this VM's disk as it is"
     results: list[RoundResult] = []

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mbolt.core.errors import MboltError
-from mbolt.runtime.memory import DEFAULT_UBATCH, default_ubatch
+from mbolt.runtime.memory import DEFAULT_UBATCH
 
 MAX_AUTO_PARALLEL = 4
 KV_SHARE = 8  # automatic slots: their KV caches take at most 1/KV_SHARE of the budget
@@ -76,7 +76,6 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch or DEFAULT_UBATCH, limit)
     if n_seq < 1:
         raise MboltError(f"--parallel must be at least 1, got {n_seq}")
-    n_ubatch = n_ubatch or default_ubatch(not plain, n_seq)
     if plain:
         d = open_driver(path, reads=False, evict=False, mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch, n_threads=n_threads,
                         n_seq=n_seq, watchers=watchers)
