@@ -107,6 +107,34 @@ def test_a_batched_step_reads_the_union_once(toy):
     assert d.mm.n_used <= per_layer_step <= 4 * d.mm.n_used  # a union: at most every row's k, at least one row's
 
 
+
+@needs_llama
+def test_generate_decodes_prompts_together_as_it_does_alone(toy):
+    """generate(parallel=4): four teacher-forced prompts, one sequence each, every decode step one
+    row of each in one llama_decode (what `mbolt ab` arms with parallel=4 measure): the same
+    predictions as one prompt after another, and every row counted as a decode token."""
+    from mbolt.core.errors import MboltError
+    from mbolt.bench.ab import run_ab
+    from mbolt.bench.arms import parse_arm
+    from mbolt.runtime.driver import open_driver
+
+    prompts = [[40 + 7 * i + 3 * j for j in range(28)] for i in range(4)]
+    runs, steps = {}, {1: [], 4: []}
+    for n in (1, 4):
+        with open_driver(toy, reads=True, budget=2 << 30, n_ctx=128, n_seq=n, f32_kv=True) as d:
+            d.make_cold()
+            runs[n] = d.generate(prompts, 12, forced=16, parallel=n, on_token=lambda i, t: steps[n].append(t))
+            with pytest.raises(MboltError, match="multiple of"):
+                d.generate(prompts[:3], 4, forced=16, parallel=max(n, 2))
+    assert runs[4].generated == runs[1].generated  # F32 weights and KV cache: batching changes no prediction
+    assert [len(g) for g in runs[4].generated] == [12] * 4
+    assert runs[4].decode_tokens == runs[1].decode_tokens == 48
+    assert (len(steps[1]), len(steps[4])) == (48, 12)  # one llama_decode per step: 4 rows in each
+    assert runs[4].prompt_tokens == runs[1].prompt_tokens == 64
+    with pytest.raises(MboltError, match="parallel=4 .* multiple of it \\(now 2\\)"):
+        run_ab([parse_arm(f"{toy}:parallel=4,async", 0)], mode="decode", engine="llama.cpp", prompts=prompts[:2],
+               rounds=1, forced=16, n_new=4)
+
 def _run_small_cache(path, text_ids, slots: int, **kw):
     """Two teacher-forced runs through a cache of `slots` experts per layer (under a budget, so
     victims leave memory at once), every cached expert's pages taken from the page cache between

@@ -139,13 +139,17 @@ def run_ab(arms: list[Arm], *, trace: Trace | None = None, mode: str = "replay",
         from mbolt.bench.ab_llama import check_llama_arms, run_llama_arm
 
         check_llama_arms(arms, info, mode, ram, drive)
+        for a in arms:
+            if a.parallel < 1 or len(prompts) % a.parallel:
+                raise MboltError(f"arm {a.name}: parallel={a.parallel} decodes the prompts that many at a time: "
+                                 f"give --n-prompts a multiple of it (now {len(prompts)})")
         runner = run_llama_arm
     elif engine != "reference":
         raise MboltError(f"engine must be reference or llama.cpp, not {engine!r}")
     elif ram or forced or followup:
         raise MboltError("--ram, --forced and --followup-tokens run arms in llama.cpp: add --engine llama.cpp")
-    elif any(a.warm or a.callback or a.asynchronous or a.pins or a.n_ubatch or a.user for a in arms):
-        raise MboltError("arm options warm, callback, async, pins, ubatch and user are for --engine llama.cpp")
+    elif any(a.warm or a.callback or a.asynchronous or a.pins or a.n_ubatch or a.user or a.parallel != 1 for a in arms):
+        raise MboltError("arm options warm, callback, async, pins, ubatch, user and parallel are for --engine llama.cpp")
     if trace is not None:
         check_compatible(trace, mm0, trace_path or "trace")
     layouts = {p: lay for p, (m, lay) in info.items()}

@@ -246,7 +246,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                          budget=job.ram if (job.ram and reads) else None, asynchronous=arm.asynchronous,
                          pins=arm.pins, n_ctx=job.n_ctx, n_ubatch=arm.n_ubatch or job.n_ubatch,
                          native_misses=not arm.py_misses, drop_behind=not arm.drops_now,
-                         give_back_compute=not arm.keep_compute)
+                         give_back_compute=not arm.keep_compute, n_seq=arm.parallel)
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()
@@ -284,7 +284,8 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
             if io is not None and not marks:
                 marks.append(io.served())
 
-        run = stream.generate(prompts, n_new, forced=job.forced, followup=job.followup, on_token=mark_decode)
+        run = stream.generate(prompts, n_new, forced=job.forced, followup=job.followup, on_token=mark_decode,
+                              parallel=arm.parallel)
         decode_served = None
         if marks and not job.followup and len(prompts) == 1:
             end = io.served()

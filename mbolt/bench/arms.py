@@ -31,6 +31,7 @@ class Arm:
     py_misses: bool = False  # --engine llama.cpp: decode layers with misses handled in Python (not in C)
     drops_now: bool = False  # --engine llama.cpp: decode layers' victims dropped at once, not behind the layer
     keep_compute: bool = False  # --ram: llama.cpp's compute buffer stays resident after a prompt (and budgeted)
+    parallel: int = 1  # --engine llama.cpp: prompts decoded this many at a time, one token of each per step
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -40,20 +41,20 @@ class Arm:
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
             "callback": bool, "async": bool, "pins": bool, "ubatch": int, "user": bool,
-            "pymisses": bool, "dropsnow": bool, "keepcompute": bool}
+            "pymisses": bool, "dropsnow": bool, "keepcompute": bool, "parallel": int}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
     frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins, ubatch, user, pymisses,
-    dropsnow, keepcompute."""
+    dropsnow, keepcompute, parallel."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
             raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, "
-                             "async, pins, ubatch, user, pymisses, dropsnow, keepcompute)")
+                             "async, pins, ubatch, user, pymisses, dropsnow, keepcompute, parallel)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)

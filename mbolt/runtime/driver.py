@@ -211,16 +211,21 @@ class Driver:
         return np.array([getattr(c, k) if c else 0 for k in _COUNTED], float)
 
     def generate(self, prompts: list[list[int]], n_new: int, on_token=None, forced: int = 0,
-                 followup: int = 0) -> StreamRun:
+                 followup: int = 0, parallel: int = 1) -> StreamRun:
         """Decode `n_new` tokens after each prompt; timings and reads of the decode steps only (the
         prompt's reads count in its time to first token). Greedy by default; `forced` > 0 is
         teacher forcing: prefill the prompt's first `forced` tokens, then feed its next tokens one
         at a time (routing follows the text). `followup` > 0 (teacher-forced sessions): then feed
         the next `followup` tokens of the text as one more turn on the same context (its KV cache
-        reused): its time to first token is `followup_s`. `generated` holds the greedy prediction
-        of every step (and of the follow-up's first token), so arms that compute the same model agree."""
+        reused): its time to first token is `followup_s`. `parallel` > 1: the prompts in groups of
+        that many, one sequence each, every decode step one token of each in one llama_decode (a
+        server's batch; decode_tokens counts every row). `generated` holds the greedy prediction of
+        every step (and of the follow-up's first token), so arms that compute the same model agree."""
         run = StreamRun(generated=[])
         arm = self.arm
+        if parallel < 1 or parallel > self.n_seq or len(prompts) % parallel:
+            raise MboltError(f"{len(prompts)} prompts cannot be decoded {parallel} at a time by a driver of "
+                             f"{self.n_seq} sequence{'s' if self.n_seq > 1 else ''} (give a multiple of {parallel})")
         acc = np.zeros(len(_COUNTED))
         dev: int | None = 0
         prompt0 = arm.prompt.to_dict()
@@ -230,41 +235,50 @@ class Driver:
             if forced and len(ids) < forced + n_new + followup:
                 raise MboltError(f"prompt {p}: {len(ids)} tokens; teacher forcing needs {forced} + {n_new}"
                                  f"{f' + {followup}' if followup else ''} (give a longer text or fewer --new-tokens)")
-            self.forget(0)
-            first = list(ids[:forced] if forced else ids)
-            logits, dt, d = self.prompt(first)
-            run.prefill_s += dt
-            run.prompt_tokens += len(first)
-            pdev = None if (pdev is None or d is None) else pdev + d
-            out = []
+        for g in range(0, len(prompts), parallel):
+            group = prompts[g:g + parallel]
+            for s in range(len(group)):
+                self.forget(s)
+            logits = []
+            for s, ids in enumerate(group):
+                first = list(ids[:forced] if forced else ids)
+                lg, dt, d = self.prompt(first, seq=s)
+                logits.append(lg)
+                run.prefill_s += dt
+                run.prompt_tokens += len(first)
+                pdev = None if (pdev is None or d is None) else pdev + d
+            outs = [[] for _ in group]
             c0, d0 = self._counts(), proc_read_bytes()
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
             for i in range(n_new):
-                pred = int(np.argmax(logits))
-                out.append(pred)
-                tok = int(ids[forced + i]) if forced else pred
+                feeds = []
+                for s, ids in enumerate(group):
+                    pred = int(np.argmax(logits[s]))
+                    outs[s].append(pred)
+                    feeds.append((s, int(ids[forced + i]) if forced else pred))
                 t0, a0 = time.perf_counter(), arm.after_step_s
-                logits = self.step([(0, tok)])[0]
+                logits = self.step(feeds)
                 run.decode_s += time.perf_counter() - t0 - (arm.after_step_s - a0)
-                run.decode_tokens += 1
+                run.decode_tokens += len(feeds)
                 if arm.record:
                     run.routing.append(dict(arm.step_routing))
                 if on_token:
-                    on_token(i, tok)
+                    on_token(i, feeds[0][1])
             run.major_faults += resource.getrusage(resource.RUSAGE_SELF).ru_majflt - f0
             acc += self._counts() - c0
             d1 = proc_read_bytes()
             dev = None if (dev is None or d0 is None or d1 is None) else dev + d1 - d0
-            if followup:
-                turn = [int(t) for t in ids[forced + n_new: forced + n_new + followup]]
-                b0 = arm.prompt.bytes
-                logits, dt, d = self.prompt(turn)
-                run.followup_bytes += arm.prompt.bytes - b0
-                run.followup_s += dt
-                run.followup_tokens += len(turn)
-                pdev = None if (pdev is None or d is None) else pdev + d
-                out.append(int(np.argmax(logits)))
-            run.generated.append(out)
+            for s, ids in enumerate(group):
+                if followup:
+                    turn = [int(t) for t in ids[forced + n_new: forced + n_new + followup]]
+                    b0 = arm.prompt.bytes
+                    lg, dt, d = self.prompt(turn, seq=s)
+                    run.followup_bytes += arm.prompt.bytes - b0
+                    run.followup_s += dt
+                    run.followup_tokens += len(turn)
+                    pdev = None if (pdev is None or d is None) else pdev + d
+                    outs[s].append(int(np.argmax(lg)))
+                run.generated.append(outs[s])
         run.device_bytes = dev
         run.prompt_device_bytes = pdev
         run.prompt_major_faults = self.prompt_major_faults
