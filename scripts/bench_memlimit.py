@@ -23,7 +23,11 @@ Workloads:
              mbolt-512     the runtime asked for llama.cpp's 512-token passes (its default was 512 until
                            2026-12-05, 2048 since: what the larger pass buys; runs before then had mbolt-2048)
              + plain-512 (A/A)
-           and, without a limit and with the file in memory, warm-512 and warm-2048 (the compute alone).
+           and, without a limit and with the file in memory, warm-512 and warm-2048 (the compute alone;
+           "the warm compute" is the faster of the two). With the peer built, ik_llama.cpp's time to
+           first token on the same prompt (bench.peer_prompt: llama-cli, -ub 512 (+ A/A) and 2048, and
+           --prefetch-experts at 2048) at 128 KiB and at plain's best window for TTFT, the same budget,
+           after the mbolt arms, and warm at both pass sizes.
   decode   a 64-token prompt, then 256 fed tokens (steady decoding), --ctx-size 4096. With the peer built
            (`prepare` builds ik_llama.cpp from ../shared/peers/, cached in $MBOLT_BENCH/peers), its arms run
            after the mbolt arms at plain tuned's readahead and the same budget (bench.peers): ik mapped (+ A/A) and
@@ -73,7 +77,7 @@ sys.path.insert(0, str(ROOT))
 from mbolt.bench.ab import load_prompt_ids, run_ab  # noqa: E402
 from mbolt.bench.ab_llama import ORDINARY_UID  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench import peers  # noqa: E402
+from mbolt.bench import peer_prompt, peers  # noqa: E402
 from mbolt.bench.predict import law_holds, law_predicts_no_change, layout_read_ratios, throttled_layout_law  # noqa: E402
 from mbolt.bench.prereg import BenchPrereg, check_rerun, finish_record, keep_earlier, load_bench_prereg  # noqa: E402
 from mbolt.bench.prereg import open_bench_prereg, run_record  # noqa: E402
@@ -281,9 +285,12 @@ def session(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: in
             lim = run_ab_config(name, session_arms(name), w, rounds, ram, seed, aa=True)
             drive1 = sequential_read(p["stock"])
         configs[ra] = {"readahead_kb": held, "drive": {"before": drive0, "after": drive1}, "limited": lim}
+    peer_ttft = peer_prompts(name, w, rounds, ram, seed, sorted({AS_SHIPPED_KB, tuned["ttft"]}, reverse=True), configs,
+                             min(row(warm, a)["ttft_s"] for a in ("warm-512", "warm-2048")))
     shipped = configs[AS_SHIPPED_KB]["limited"]
     bw = max(max(c["drive"]["before"]["bytes_per_s"], c["drive"]["after"]["bytes_per_s"]) for c in configs.values())
-    m, wm = row(shipped, "mbolt"), row(warm, "warm-512")
+    m = row(shipped, "mbolt")
+    wm = min((row(warm, a) for a in ("warm-512", "warm-2048")), key=lambda r: r["ttft_s"])  # the warm compute
     plains = ("plain-512", "plain-2048")
 
     def best_plain(d: dict, metric: str) -> str:
@@ -295,7 +302,8 @@ def session(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: in
     headline_ttft = pair_stats(ttft_cfg, "mbolt", ttft_arm, key=ttft_of)
     mrounds = [r for r in shipped["rounds"] if r["arm"] == "mbolt" and not r["rejected"]]
     follow_bytes = float(np.median([r["followup_bytes"] for r in mrounds]))
-    follow_bound = max(wm["followup_ttft_s"], follow_bytes / bw)
+    follow_warm = min(row(warm, a)["followup_ttft_s"] for a in ("warm-512", "warm-2048"))
+    follow_bound = max(follow_warm, follow_bytes / bw)
     user = pair_ratio(shipped, "mbolt-user", "mbolt")
     aa_plain = aa_row(shipped["summary"])
     out = {
@@ -309,13 +317,15 @@ def session(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: in
         "over_plain_as_shipped": {
             "decode": pair_stats(shipped, "mbolt", best_plain(shipped, "decode_tokens_per_s")),
             "ttft": pair_stats(shipped, "mbolt", best_plain(shipped, "ttft_s"), key=ttft_of)},
-        "ttft_s": {"mbolt": m["ttft_s"], "warm_512": wm["ttft_s"], "warm_2048": row(warm, "warm-2048")["ttft_s"],
+        "ttft_s": {"mbolt": m["ttft_s"], "warm_512": row(warm, "warm-512")["ttft_s"],
+                   "warm_2048": row(warm, "warm-2048")["ttft_s"], "warm": wm["ttft_s"],
                    **{f"{a}@{ra}": row(c["limited"], a)["ttft_s"] for ra, c in configs.items() for a in plains}},
         "ttft_over_warm": m["ttft_s"] / wm["ttft_s"],
-        "ttft_over_warm_definition": "ratio of medians: the warm arms run apart (no limit), not in the same rounds",
+        "ttft_over_warm_definition": "ratio of medians over the faster warm arm: the warm arms run apart (no limit), "
+                                     "not in the same rounds",
         "decode_tokens_per_s": {ra: {r["arm"]: r.get("decode_tokens_per_s") for r in c["limited"]["summary"]}
                                 for ra, c in configs.items()},
-        "followup_ttft_s": {"mbolt": m["followup_ttft_s"], "warm_512": wm["followup_ttft_s"],
+        "followup_ttft_s": {"mbolt": m["followup_ttft_s"], "warm": follow_warm,
                             **{a: row(shipped, a)["followup_ttft_s"] for a in plains}},
         "followup_read_bytes": follow_bytes, "followup_bound_s": follow_bound,
         "followup_over_bound": m["followup_ttft_s"] / follow_bound,
@@ -326,7 +336,7 @@ def session(name: str, rounds: int, pr: BenchPrereg, frac: float = 0.4, seed: in
                "mbolt": pair_ratio(shipped, "mbolt (A/A)", "mbolt")},
         "peak_after_load_bytes": {r["arm"]: r.get("peak_after_load_bytes_max") for r in shipped["summary"]},
         "tokens_identical": tokens_identical(warm, *(c["limited"] for c in configs.values())),
-        "warm": warm, "configs": {str(ra): c for ra, c in configs.items()},
+        "peers_ttft": peer_ttft, "warm": warm, "configs": {str(ra): c for ra, c in configs.items()},
         "sweep_runs": {str(ra): v["ab"] for ra, v in swept.items()},
     }
     g = pr.goal
@@ -388,6 +398,36 @@ def peer_arms(name: str, w: Workload, rounds: int, ram: int, seed: int, warm: bo
                              progress=lambda d, t, r: log(f"  {d}/{t} {r['arm']} r{r['round']}: "
                                                           f"{r['decode_tokens_per_s']:.2f} tok/s"))
 
+
+
+def peer_prompts(name: str, w: Workload, rounds: int, ram: int, seed: int, windows: list[int], configs: dict,
+                 llama_warm_ttft_s: float) -> dict | None:
+    """ik_llama.cpp's time to first token on the session's prompt (bench.peer_prompt): warm once,
+    then under the limit at each readahead the mbolt arms ran at, each beside mbolt's TTFT there;
+    None (said in the log) without the build `prepare` makes."""
+    build = peers.find_ik(PEERS)
+    if build is None:
+        log(f"  peers: no ik_llama.cpp build in {PEERS} (`prepare` builds it): no peer TTFT")
+        return None
+    p = paths(name)
+    text = p["dir"] / "peer_prompt.txt"
+    text.write_text(peer_prompt.prompt_text(p["stock"], w.prompt, w.new, w.followup))
+    report = lambda d, t, r: log(f"  {d}/{t} {r['arm']} r{r['round']}: ttft {r['ttft_s']:.2f} s "  # noqa: E731
+                                 f"({r['prompt_tokens']} tokens)")
+    with readahead(p["stock"], AS_SHIPPED_KB):
+        log("  peers: ik_llama.cpp's TTFT warm (no limit, the file in memory)")
+        warm = peer_prompt.run_prompt_peers(build, peer_prompt.warm_prompt_arms(), p["stock"], text, rounds=rounds,
+                                            ram=0, seed=seed, progress=report)
+    out = {"warm": warm, "limited": {}, "beside": {}}
+    for ra in windows:
+        with readahead(p["stock"], ra) as held:
+            log(f"  peers: ik_llama.cpp's TTFT under the limit, readahead {held} KiB")
+            lim = peer_prompt.run_prompt_peers(build, peer_prompt.prompt_arms(), p["stock"], text, rounds=rounds,
+                                               ram=ram, seed=seed, progress=report)
+        out["limited"][ra] = lim
+        out["beside"][ra] = peer_prompt.ttft_beside(row(configs[ra]["limited"], "mbolt")["ttft_s"], llama_warm_ttft_s,
+                                                    lim, warm)
+    return out
 
 _ROUTING: dict = {}
 

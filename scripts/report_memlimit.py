@@ -85,7 +85,7 @@ def session_tuned(d: dict) -> tuple[str, list[str]]:
     t, tuned = d["ttft_s"], d["plain_tuned_readahead_kb"]
     dec = d["decode_tokens_per_s"]
     shipped = dec.get(str(d["as_shipped_readahead_kb"])) or dec.get(d["as_shipped_readahead_kb"])
-    line = (f"| {model_name(d)} | **{fmt(t['mbolt'], '.1f')}** / {fmt(t['warm_512'], '.1f')} "
+    line = (f"| {model_name(d)} | **{fmt(t['mbolt'], '.1f')}** / {fmt(t.get('warm', t['warm_512']), '.1f')} "
             f"({fmt(d['ttft_over_warm'])}x warm) | TTFT {paired(d['ttft_over_plain_tuned'])} of "
             f"{d['best_plain_ttft_arm']} at {tuned['ttft']} KiB; decode **{paired(d['decode_over_plain_tuned'])}** "
             f"{d['best_plain_decode_arm']} at {tuned['decode']} KiB | decode mbolt {fmt(shipped['mbolt'])} tok/s; "
@@ -94,7 +94,13 @@ def session_tuned(d: dict) -> tuple[str, list[str]]:
             f"{fmt(d['user_over_root'])} | {fmt(d['aa']['plain'], '.3f')}, {fmt(d['aa']['mbolt'], '.3f')} |")
     sweep = "; ".join(f"{ra} KiB " + ", ".join(f"{a} {fmt(v['decode_tokens_per_s'])} tok/s {fmt(v['ttft_s'], '.1f')} s"
                                                 for a, v in arms.items()) for ra, arms in d["sweep"]["plain"].items())
-    return line, [f"- {d['model']}: plain's readahead sweep: {sweep}."]
+    notes = [f"- {d['model']}: plain's readahead sweep: {sweep}."]
+    for ra, b in ((d.get("peers_ttft") or {}).get("beside") or {}).items():
+        notes.append(f"- {d['model']} at {ra} KiB: ik_llama.cpp's best TTFT {fmt(b['best_peer_ttft_s'], '.1f')} s "
+                     f"({b['best_peer_arm']}; warm {fmt(b['ik_warm_ttft_s'], '.1f')} s, {fmt(b['best_peer_over_its_warm'])}x "
+                     f"its warm); mbolt {fmt(b['mbolt_ttft_s'], '.1f')} s, {fmt(b['mbolt_over_best_peer'])}x the peer's "
+                     f"time ({fmt(b['mbolt_over_llama_cpp_warm'])}x llama.cpp warm).")
+    return line, notes
 
 
 def session() -> str:

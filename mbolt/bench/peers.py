@@ -309,8 +309,8 @@ EVAL_MARK = "tokenizing the input"
 PEER_TIMEOUT_S = 3600
 
 
-def _run_to_end(proc: subprocess.Popen, at_mark, timeout: float) -> str:
-    """proc's merged output; at_mark() runs once, with proc stopped (SIGSTOP), when the mark appears."""
+def _run_to_end(proc: subprocess.Popen, at_mark, timeout: float, mark: str = EVAL_MARK) -> str:
+    """proc's merged output; at_mark() runs once, with proc stopped (SIGSTOP), when `mark` appears."""
     import signal
     import threading
 
@@ -320,7 +320,7 @@ def _run_to_end(proc: subprocess.Popen, at_mark, timeout: float) -> str:
     try:
         for line in proc.stdout:
             lines.append(line)
-            if at_mark is not None and EVAL_MARK in line:
+            if at_mark is not None and mark in line:
                 proc.send_signal(signal.SIGSTOP)
                 try:
                     at_mark()
@@ -333,15 +333,16 @@ def _run_to_end(proc: subprocess.Popen, at_mark, timeout: float) -> str:
     return "".join(lines)
 
 
-def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, ram: int, n_ctx: int, chunks: int,
-                   threads: int = 2, threshold: float = 0.01, timeout: float = PEER_TIMEOUT_S) -> dict:
-    """One arm-round, a fresh llama-perplexity process, started as bench.ab_llama starts the mbolt
-    arms: the device idle, the file dropped and proven cold (mincore), the process inside a memory
-    cgroup of `ram` bytes (0: none). The mbolt arms drop the experts again once the model has
-    loaded (runtime.streamer.make_cold); ik's --defer-experts maps none of them (perplexity_argv),
-    and here the process is also stopped (SIGSTOP) once it has loaded, the expert tensors' pages
-    its load's reads brought into the page cache are dropped and their resident share recorded
-    (above the threshold: the round is rejected, as a round not proven cold is), and it continues."""
+def run_cold(arm: PeerArm, model: Path, argv: list[str], *, ram: int, mark: str, tool: str,
+             threshold: float = 0.01, timeout: float = PEER_TIMEOUT_S) -> tuple[str, dict]:
+    """One peer process, started as bench.ab_llama starts the mbolt arms: the device idle, the
+    file dropped and proven cold (mincore), the process inside a memory cgroup of `ram` bytes (0:
+    none). The mbolt arms drop the experts again once the model has loaded
+    (runtime.streamer.make_cold); ik's --defer-experts maps none of them, and here the process is
+    also stopped (SIGSTOP) when it prints `mark` (loaded, not yet computing), the expert tensors'
+    pages its load's reads brought into the page cache are dropped and their resident share
+    recorded (above the threshold: the round is rejected, as a round not proven cold is), and it
+    continues. A warm arm reads the file into memory first. (its output, the round's record)"""
     from mbolt.bench.env import wait_quiet
     from mbolt.core.memlimit import MemoryGroup
     from mbolt.core.moe_map import moe_map
@@ -349,7 +350,6 @@ def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, r
 
     if arm.warm and ram:
         raise MboltError(f"arm {arm.name}: a warm arm runs without a limit (the file in memory): give ram=0")
-    model, text = Path(model).resolve(), Path(text).resolve()  # ik runs in a directory of its own
     quiet = wait_quiet(model)
     at_eval: dict = {}
     if arm.warm:
@@ -362,7 +362,6 @@ def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, r
         def at_mark():
             at_eval["experts_resident_loaded"], at_eval["experts_resident_at_eval"] = drop_experts(mm)
 
-    argv = perplexity_argv(build, arm, model, text, n_ctx, chunks, threads)
     # ik's tools write llama.log into their working directory: keep it out of the caller's
     logdir = tempfile.mkdtemp(prefix="mbolt-ik-")
     popen = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace", cwd=logdir)
@@ -371,30 +370,42 @@ def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, r
         if ram:
             with MemoryGroup(ram) as group:
                 proc = group.popen(argv, **popen)
-                out = _run_to_end(proc, at_mark, timeout)
+                out = _run_to_end(proc, at_mark, timeout, mark)
                 peak, kills = group.peak(), group.oom_kills()
         else:
             proc = subprocess.Popen(argv, **popen)
-            out = _run_to_end(proc, at_mark, timeout)
+            out = _run_to_end(proc, at_mark, timeout, mark)
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
     if proc.returncode != 0:
         if kills:
-            raise MboltError(f"arm {arm.name}: the kernel OOM-killed llama-perplexity inside a {ram} B memory cgroup "
+            raise MboltError(f"arm {arm.name}: the kernel OOM-killed {tool} inside a {ram} B memory cgroup "
                              f"(peak {peak} B): the budget is below what it needs")
         last = next((l for l in reversed(out.strip().splitlines()) if l.strip()), "no output")
         why = f"killed (no result after {timeout:.0f} s?)" if proc.returncode == -9 else f"exit {proc.returncode}"
-        raise MboltError(f"arm {arm.name}: llama-perplexity failed ({why}): {last.strip()}")
+        raise MboltError(f"arm {arm.name}: {tool} failed ({why}): {last.strip()}")
+    return out, {"arm": arm.name, "control_of": arm.control_of, "warm": arm.warm, "argv": argv, "budget_bytes": ram,
+                 "resident_before": ev.resident_before if ev else None,
+                 "resident_after": ev.resident_after if ev else None, "proven_cold": ev.proven if ev else False,
+                 **at_eval,
+                 "rejected": bool(ev is not None and ((not ev.proven and ev.resident_after == ev.resident_after)
+                                                      or at_eval.get("experts_resident_at_eval", 0.0) > threshold)),
+                 "inflight_at_start": quiet.get("inflight_at_start"), "quiet_waited_s": quiet["waited_s"],
+                 "peak_bytes_with_load": peak, "oom_kills": kills}
+
+
+def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, ram: int, n_ctx: int, chunks: int,
+                   threads: int = 2, threshold: float = 0.01, timeout: float = PEER_TIMEOUT_S) -> dict:
+    """One arm-round of teacher-forced decoding: a fresh llama-perplexity process (run_cold)."""
+    model, text = Path(model).resolve(), Path(text).resolve()  # ik runs in a directory of its own
+    if arm.warm and ram:
+        raise MboltError(f"arm {arm.name}: a warm arm runs without a limit (the file in memory): give ram=0")
+    argv = perplexity_argv(build, arm, model, text, n_ctx, chunks, threads)
+    out, row = run_cold(arm, model, argv, ram=ram, mark=EVAL_MARK, tool="llama-perplexity", threshold=threshold,
+                        timeout=timeout)
     run = parse_perplexity(out, f"arm {arm.name}")
-    return {"arm": arm.name, "control_of": arm.control_of, "warm": arm.warm, "argv": argv, "budget_bytes": ram,
-            "tokens": run.tokens, "decode_s": run.decode_s, "decode_tokens_per_s": run.tokens_per_s,
-            "load_s": run.load_s, "ppl": run.ppl, "flash_attn": run.flash_attn, "prefetch": run.prefetch,
-            "resident_before": ev.resident_before if ev else None, "resident_after": ev.resident_after if ev else None,
-            "proven_cold": ev.proven if ev else False, **at_eval,
-            "rejected": bool(ev is not None and ((not ev.proven and ev.resident_after == ev.resident_after)
-                                                 or at_eval.get("experts_resident_at_eval", 0.0) > threshold)),
-            "inflight_at_start": quiet.get("inflight_at_start"), "quiet_waited_s": quiet["waited_s"],
-            "peak_bytes_with_load": peak, "oom_kills": kills}
+    return {**row, "tokens": run.tokens, "decode_s": run.decode_s, "decode_tokens_per_s": run.tokens_per_s,
+            "load_s": run.load_s, "ppl": run.ppl, "flash_attn": run.flash_attn, "prefetch": run.prefetch}
 
 
 def run_peers(build: PeerBuild, arms: list[PeerArm], model: Path, text: Path, *, rounds: int, ram: int, n_ctx: int,
