@@ -402,3 +402,29 @@ def test_arm_rounds_under_a_drive_profile(model):
     plain = next(r for r in res.rounds if r.arm == "plain")
     assert plain.drive_decode_reads > 0  # experts came back from the disk through faults
     assert {p.name for p in root.iterdir() if p.name.startswith("mbolt-io-")} == before
+
+
+def test_the_default_slots_are_those_whose_working_sets_the_cache_holds(model):
+    """serve's default -np: the most slots (up to 4) whose KV caches take at most an eighth of the
+    budget and whose working sets the decode cache holds (results/batch_*.json: 4 interleaved
+    conversations on q864 at 40% decoded 0.95x one, 2 gained 1.11x). Over a scan of budgets: more
+    memory never gives fewer slots, and where llama.cpp's KV cache of 4 slots takes less than an
+    eighth (its own sizes, llama_context) the cache rule still gives fewer on tighter budgets; the
+    runtime loaded with the default holds its slots' steps."""
+    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.memory import simulate
+    from mbolt.serve.model import KV_SHARE, auto_parallel
+
+    path, mm = str(model["stock"]), model["mm"]
+    assert auto_parallel(path, 256, 512, None) == 1
+    assert auto_parallel(path, 256, 512, 1 << 40) == 4
+    budgets = [mib << 20 for mib in range(150, 1200, 25)]
+    chosen = [auto_parallel(path, 256, 512, b) for b in budgets]
+    assert chosen == sorted(chosen) and chosen[-1] == 4, chosen
+    kv4 = simulate(path, 256, 256, n_seq=4).kv_bytes
+    held_back = [(b, n) for b, n in zip(budgets, chosen) if n < 4 and kv4 * KV_SHARE <= b]
+    assert held_back, list(zip(budgets, chosen))  # the cache rule, not the KV rule, keeps these below 4
+    b, n = held_back[-1]
+    with LlamaStream(path, budget=b, qd=2, mm=mm, n_ctx=256, n_seq=n) as s:
+        s.make_cold()
+        assert s.decode_slots >= n * mm.n_used  # at least a step of every slot, cached

@@ -24,7 +24,8 @@ _PLAIN = typer.Option(False, "--plain", help="Plain llama.cpp instead of the run
 
 _PARALLEL = typer.Option(None, "--parallel", "-np", min=1, help="Conversations decoded together (llama-server's "
                          "slots), each with its own KV cache of --ctx-size tokens. Default: from the budget (up to 4 "
-                         "whose KV caches take at most an eighth of it; 1 when only one fits).")
+                         "whose KV caches take at most an eighth of it and whose experts of two steps each the "
+                         "cache holds; 1 when only one fits).")
 
 
 def _load(model: Path, ram, ctx_size, ubatch, threads, plain, parallel=None, watchers=()):

@@ -243,6 +243,10 @@ class ExpertPages:
     def _virtual(self, name: str) -> list[tuple[int, int]]:
         return [(vaddr(f, a), vaddr(f, b)) for f, fp in enumerate(self.files) for a, b in getattr(fp, name)]
 
+    def dense_bytes(self) -> int:
+        """Bytes of the pages that hold a dense weight (what the runtime keeps resident)."""
+        return sum(b - a for fp in self.files for a, b in fp.dense_pages)
+
     def _by_file(self, spans) -> dict[int, list[tuple[int, int]]]:
         out: dict[int, list[tuple[int, int]]] = {}
         for a, b in spans:

@@ -171,7 +171,7 @@ class StreamRuntime:
 
     def dense_bytes(self) -> int:
         """Bytes of the pages that hold a dense weight (what is kept resident)."""
-        return sum(b - a for fp in self.pages.files for a, b in fp.dense_pages)
+        return self.pages.dense_bytes()
 
     # ---- the steps (called by the driver around each llama_decode) ----
 

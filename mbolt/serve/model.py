@@ -6,7 +6,11 @@ dense weights, the KV cache of every slot's context and one step's experts is on
 loads, then holds the dense weights and sizes the expert cache. `plain=True` is the same server
 over plain llama.cpp (mapped, no repacking, no callback): what the runtime is measured against.
 Without `parallel`, the budget chooses: the most slots up to 4 whose KV caches take at most an
-eighth of it, 1 when only one fits.
+eighth of it and whose working sets the expert cache holds (WORKING_SETS x n x k slots per layer,
+as the plan expects them once loaded), 1 when only one fits. The second rule is from
+results/batch_*.json: on q864 at 40% (29-34 slots of 128, k=8) four interleaved conversations cut
+the hit rate from 0.83 to 0.60 and decoded 0.95x one conversation's total rate, where two gained
+1.11x; on q72 (126-134 slots of 512, k=10) four gained 1.44x. The rule picks 2 and 4 there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from mbolt.runtime.memory import DEFAULT_UBATCH
 
 MAX_AUTO_PARALLEL = 4
 KV_SHARE = 8  # automatic slots: their KV caches take at most 1/KV_SHARE of the budget
+WORKING_SETS = 2  # automatic slots: the decode cache holds this many steps' experts of every slot
 
 
 @dataclass
@@ -41,18 +46,29 @@ class Loaded:
         self.driver.close()
 
 
-def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None) -> int:
+def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None, mm=None) -> int:
     """The slots a budget affords by default (see the module docstring)."""
     if not budget:
         return 1
-    from mbolt.runtime.memory import simulate
+    from mbolt.core.moe_map import moe_map
+    from mbolt.runtime.budget import expected_decode_slots, plan_budget
+    from mbolt.runtime.pages import ExpertPages
+    from mbolt.runtime.streamer import ENGINE_EXTRA, own_bytes
 
+    mm = mm or moe_map(model_path)
+    pages = ExpertPages(model_path, mm)
+    try:
+        dense = pages.dense_bytes()
+    finally:
+        pages.close()
     for n in range(MAX_AUTO_PARALLEL, 1, -1):
         try:
-            kv = simulate(model_path, n_ctx, min(n_ubatch, n_ctx), n_seq=n).kv_bytes
+            plan = plan_budget(model_path, mm, budget, n_ctx=n_ctx, n_ubatch=n_ubatch, dense_bytes=dense,
+                               engine_bytes=own_bytes() + ENGINE_EXTRA, n_seq=n)
         except MboltError:
             continue
-        if kv * KV_SHARE <= budget:
+        if (plan.memory.kv_bytes * KV_SHARE <= budget
+                and expected_decode_slots(plan, mm) >= WORKING_SETS * n * mm.n_used):
             return n
     return 1
 
@@ -73,7 +89,7 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     mm = moe_map(path)
     limit, where = (None, "") if plain else find_budget(ram)
     ctx, _ = resolve_ctx(n_ctx, mm)
-    n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch or DEFAULT_UBATCH, limit)
+    n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch or DEFAULT_UBATCH, limit, mm)
     if n_seq < 1:
         raise MboltError(f"--parallel must be at least 1, got {n_seq}")
     if plain:
