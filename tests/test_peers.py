@@ -252,6 +252,7 @@ def test_fed_tokens_are_whole_chunks(tmp_path):
 
 
 def test_a_warm_arm_under_a_limit_is_refused(tmp_path):
+    build = peers.PeerBuild(tmp_path, tmp_path / "llama-perplexity", tmp_path / "llama-cli", {})
     with pytest.raises(MboltError, match="a warm arm runs without a limit"):
-        peers.run_peer_round(None, peers.IK_WARM, tmp_path / "m.gguf", tmp_path / "t.txt", ram=1 << 30, n_ctx=128,
+        peers.run_peer_round(build, peers.IK_WARM, tmp_path / "m.gguf", tmp_path / "t.txt", ram=1 << 30, n_ctx=128,
                              chunks=2)

@@ -69,3 +69,19 @@ def order_blocks(n_arms: int, seed: int = 0):
 def design_block(n_arms: int) -> int:
     """Rounds per balanced block of `arm_orders`."""
     return len(williams_rows(n_arms)) if n_arms >= 3 else 1
+
+
+def run_rounds(arms: list, rounds: int, seed: int, one_round, progress=None) -> tuple[list[dict], list[list[str]]]:
+    """Every arm once per round, in the orders of `arm_orders`: `one_round(arm)` gives each
+    arm-round's row (a dict; its round and position added here). (rows, each round's arm names);
+    `progress(done, total, row)` after each."""
+    rows: list[dict] = []
+    orders = arm_orders(len(arms), rounds, seed)
+    for rnd, order in enumerate(orders):
+        for position, i in enumerate(order):
+            r = one_round(arms[i])
+            r.update(round=rnd, position=position)
+            rows.append(r)
+            if progress:
+                progress(len(rows), len(orders) * len(arms), r)
+    return rows, [[arms[i].name for i in o] for o in orders]

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from mbolt.bench.peers import PeerArm, PeerBuild, run_cold
+from mbolt.bench.peers import PeerArm, PeerBuild, aa_of, run_cold
 from mbolt.core.errors import MboltError
 
 # main prints it once the model is loaded (and warmed up, where it warms up), before the prompt
@@ -121,18 +121,10 @@ def run_prompt_peers(build: PeerBuild, arms: list[PromptArm], model: Path, promp
     its rounds that were cold (a warm arm's rounds all count)."""
     import numpy as np
 
-    from mbolt.bench.design import arm_orders
+    from mbolt.bench.design import run_rounds
 
-    rows = []
-    orders = arm_orders(len(arms), rounds, seed)
-    for rnd, order in enumerate(orders):
-        for position, i in enumerate(order):
-            a = arms[i]
-            r = run_prompt_round(build, a, model, prompt, ram=0 if a.peer.warm else ram, threads=threads)
-            r.update(round=rnd, position=position)
-            rows.append(r)
-            if progress:
-                progress(len(rows), len(orders) * len(arms), r)
+    rows, orders = run_rounds(arms, rounds, seed, progress=progress, one_round=lambda a: run_prompt_round(
+        build, a, model, prompt, ram=0 if a.peer.warm else ram, threads=threads))
     summary = []
     for a in arms:
         xs = [r["ttft_s"] for r in rows if r["arm"] == a.name and not r["rejected"]]
@@ -141,14 +133,11 @@ def run_prompt_peers(build: PeerBuild, arms: list[PromptArm], model: Path, promp
                         "ttft_s_rounds": xs})
     limited = [s for s in summary if s["ttft_s"] is not None and not s["control_of"] and not s["warm"]]
     best = min(limited, key=lambda s: s["ttft_s"], default=None)
-    by = {s["arm"]: s["ttft_s"] for s in summary}
     tokens = sorted({r["prompt_tokens"] for r in rows})
     return {"engine": "ik_llama.cpp", "commit": build.stamp.get("commit"), "threads": threads, "budget_bytes": ram,
             "fed": FED.format(tokens=tokens, batch=2048), "prompt_tokens": tokens,
-            "orders": [[arms[i].name for i in o] for o in orders], "rounds": rows, "summary": summary,
-            "best_arm": best and best["arm"], "best_ttft_s": best and best["ttft_s"],
-            "aa": {s["arm"]: (by[s["arm"]] / by[s["control_of"]] if by[s["arm"]] and by.get(s["control_of"]) else None)
-                   for s in summary if s["control_of"]}}
+            "orders": orders, "rounds": rows, "summary": summary,
+            "best_arm": best and best["arm"], "best_ttft_s": best and best["ttft_s"], "aa": aa_of(summary, "ttft_s")}
 
 
 def ttft_beside(mbolt_ttft_s: float | None, llama_warm_ttft_s: float | None, limited: dict, warm: dict) -> dict:

@@ -398,8 +398,6 @@ def run_peer_round(build: PeerBuild, arm: PeerArm, model: Path, text: Path, *, r
                    threads: int = 2, threshold: float = 0.01, timeout: float = PEER_TIMEOUT_S) -> dict:
     """One arm-round of teacher-forced decoding: a fresh llama-perplexity process (run_cold)."""
     model, text = Path(model).resolve(), Path(text).resolve()  # ik runs in a directory of its own
-    if arm.warm and ram:
-        raise MboltError(f"arm {arm.name}: a warm arm runs without a limit (the file in memory): give ram=0")
     argv = perplexity_argv(build, arm, model, text, n_ctx, chunks, threads)
     out, row = run_cold(arm, model, argv, ram=ram, mark=EVAL_MARK, tool="llama-perplexity", threshold=threshold,
                         timeout=timeout)
@@ -414,17 +412,10 @@ def run_peers(build: PeerBuild, arms: list[PeerArm], model: Path, text: Path, *,
     orders the mbolt arms); per arm the median decode tok/s over its rounds that were cold."""
     import numpy as np
 
-    from mbolt.bench.design import arm_orders
+    from mbolt.bench.design import run_rounds
 
-    rows = []
-    orders = arm_orders(len(arms), rounds, seed)
-    for rnd, order in enumerate(orders):
-        for position, i in enumerate(order):
-            r = run_peer_round(build, arms[i], model, text, ram=ram, n_ctx=n_ctx, chunks=chunks, threads=threads)
-            r.update(round=rnd, position=position)
-            rows.append(r)
-            if progress:
-                progress(len(rows), len(orders) * len(arms), r)
+    rows, orders = run_rounds(arms, rounds, seed, progress=progress, one_round=lambda a: run_peer_round(
+        build, a, model, text, ram=ram, n_ctx=n_ctx, chunks=chunks, threads=threads))
     summary = []
     for a in arms:
         xs = [r["decode_tokens_per_s"] for r in rows if r["arm"] == a.name and not r["rejected"]]
@@ -434,17 +425,16 @@ def run_peers(build: PeerBuild, arms: list[PeerArm], model: Path, text: Path, *,
     best = max(measured, key=lambda s: s["decode_tokens_per_s"], default=None)
     return {"engine": "ik_llama.cpp", "commit": build.stamp.get("commit"), "tarball_sha256": build.stamp.get("tarball_sha256"),
             "cmake_flags": build.stamp.get("cmake_flags"), "fed": FED.format(chunks=chunks, n_ctx=n_ctx),
-            "threads": threads, "budget_bytes": ram, "orders": [[arms[i].name for i in o] for o in orders],
+            "threads": threads, "budget_bytes": ram, "orders": orders,
             "rounds": rows, "summary": summary, "best_arm": best and best["arm"],
             "best_decode_tokens_per_s": best and best["decode_tokens_per_s"],
-            "aa": _aa(summary)}
+            "aa": aa_of(summary)}
 
 
-def _aa(summary: list[dict]) -> dict:
-    """Each A/A control's median over its arm's (1.0: the same configuration measured the same)."""
-    by = {s["arm"]: s["decode_tokens_per_s"] for s in summary}
-    return {s["arm"]: (s["decode_tokens_per_s"] / by[s["control_of"]]
-                       if s["decode_tokens_per_s"] and by.get(s["control_of"]) else None)
+def aa_of(summary: list[dict], key: str = "decode_tokens_per_s") -> dict:
+    """Each A/A control's median (`key`) over its arm's (1.0: the same configuration measured the same)."""
+    by = {s["arm"]: s[key] for s in summary}
+    return {s["arm"]: (s[key] / by[s["control_of"]] if s[key] and by.get(s["control_of"]) else None)
             for s in summary if s["control_of"]}
 
 
