@@ -10,8 +10,10 @@ These tests run in CI, as root on a machine with memory cgroups.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -50,9 +52,10 @@ def model(tmp_path_factory):
     return {"stock": stock, "reorder": reordered, "mm": moe_map(stock)}
 
 
-def _llama_predictions(path, prompts, forced, n_new, n_ctx=256):
+def _llama_predictions(path, prompts, forced, n_new, n_ctx=256, followup=0):
     """llama.cpp's own greedy prediction at each teacher-forced step, through llama-cpp-python's
-    high-level API (file mapped, default KV cache): the oracle mbolt's arms must match."""
+    high-level API (file mapped, default KV cache): the oracle mbolt's arms must match. `followup`:
+    then the next tokens as one more turn, and its prediction."""
     import llama_cpp
 
     llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, use_mmap=True, verbose=False)
@@ -70,6 +73,9 @@ def _llama_predictions(path, prompts, forced, n_new, n_ctx=256):
             for i in range(n_new):
                 preds.append(int(np.argmax(last_logits())))
                 llm.eval([int(ids[forced + i])])
+            if followup:
+                llm.eval([int(t) for t in ids[forced + n_new: forced + n_new + followup]])
+                preds.append(int(np.argmax(last_logits())))
             out.append(preds)
     finally:
         llm.close()
@@ -428,3 +434,105 @@ def test_the_default_slots_are_those_whose_working_sets_the_cache_holds(model):
     with LlamaStream(path, budget=b, qd=2, mm=mm, n_ctx=256, n_seq=n) as s:
         s.make_cold()
         assert s.decode_slots >= n * mm.n_used  # at least a step of every slot, cached
+
+
+def _backing(addr: int) -> str:
+    """What backs this address in this process: the mapped file's path, or '' (anonymous memory)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(None, 5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= addr < hi:
+                return parts[5].strip() if len(parts) == 6 else ""
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+class _LaidOver:
+    """A watcher of the steps: at each prompt pass's expert selection, what backs the first and last
+    page of that layer's expert tensors in llama.cpp's mapping (the kernel's /proc/self/maps), and
+    whether every byte there is the file's (read apart, by pread)."""
+
+    def __init__(self):
+        self.rt, self.phase, self.seen, self.differ = None, None, [], []
+
+    def begin(self, phase, n_rows):
+        self.phase = phase
+
+    def end(self):
+        pass
+
+    def on_topk(self, layer, rows):
+        from mbolt.runtime.runner import Phase
+
+        if self.phase is Phase.PROMPT:
+            lo, _, off = self.rt.pages.files[0].maps[0]
+            spans = self.rt.pages.expert_spans_of(layer, range(self.rt.mm.n_experts))
+            self.seen.append((layer, _backing(lo + spans[0][0] - off), _backing(lo + spans[-1][1] - 1 - off)))
+            fd = self.rt.pages.files[0].fd
+            for a, b in spans:
+                mapped = np.ctypeslib.as_array((ctypes.c_ubyte * (b - a)).from_address(lo + a - off))
+                if not np.array_equal(mapped, np.frombuffer(os.pread(fd, b - a, a), np.uint8)):
+                    self.differ.append((layer, a))
+
+
+def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypatch):
+    """Where the budget holds two layers and the cache less than half a layer, each layer of a prompt
+    pass is laid over with anonymous memory (huge pages) that O_DIRECT fills, and the file is mapped
+    back once the layer is done. The predictions are llama.cpp's own on the file (its high-level
+    API) through a prompt of two passes, decode steps and a follow-up turn; the kernel shows the
+    layer anonymous when its matmuls run and the file mapped again over every expert afterwards.
+    A filesystem that refuses the O_DIRECT reads gets buffered ones into the same memory."""
+    import errno
+
+    from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes
+    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.prefill import huge_pages, open_direct
+    from mbolt.runtime.streamer import own_bytes
+
+    mm, path = model["mm"], str(model["stock"])
+    ids = [65 + (i * 7) % 180 for i in range(700)]
+    forced, n_new, followup = 600, 6, 40
+    want = _llama_predictions(path, [ids], forced, n_new, n_ctx=1024, followup=followup)
+    fds = open_direct([path])
+    for fd in fds or ():
+        os.close(fd)
+    available = huge_pages() and fds is not None
+    real_preadv = os.preadv
+    for refuse in (False, True):
+        w = _LaidOver()
+        with LlamaStream(path, budget=1 << 40, qd=2, mm=mm, n_ubatch=512, n_ctx=1024, asynchronous=True,
+                         watchers=[w]) as s:
+            w.rt = s.arm
+            assert s.plan.prefetch and (s.arm.overlay is not None) == available
+            dense = sum(b - a for a, b in s.pages.dense_tensors)
+            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer_bytes(mm)
+                              + 20 * expert_bytes_all_layers(mm))
+            s.make_cold()
+            assert s.prefill_slots < mm.n_experts // 2
+            if refuse and available:
+                direct = set(s.arm.overlay.direct)
+
+                def preadv(fd, bufs, off):
+                    if fd in direct:
+                        raise OSError(errno.EINVAL, "Invalid argument")
+                    return real_preadv(fd, bufs, off)
+
+                monkeypatch.setattr(os, "preadv", preadv)
+            run = s.generate([ids], n_new, forced=forced, followup=followup)
+            monkeypatch.setattr(os, "preadv", real_preadv)
+            assert run.generated == want
+            assert run.prompt_passes == 3  # 600 tokens in two passes of 512, the follow-up in one
+            mine = str(model["stock"].resolve())
+            if available:
+                layers = len(mm.moe_layers)
+                assert all(first == last for _, first, last in w.seen), w.seen  # a layer is laid over whole
+                assert not w.differ  # what the matmuls read is the file's bytes
+                laid = [layer for layer, first, _ in w.seen if first == ""]
+                # every layer of the two passes of the prompt; the follow-up's 40 tokens may leave a
+                # layer more than half cached (the cache's way then)
+                assert s.arm.overlay.layers_laid == len(laid) >= 2 * layers
+                assert (s.arm.overlay.direct is None) == refuse
+            for layer in (l.index for l in mm.moe_layers):  # the file under every expert again
+                lo, _, off = s.pages.files[0].maps[0]
+                for a, b in s.pages.expert_spans_of(layer, range(mm.n_experts)):
+                    assert _backing(lo + a - off) == _backing(lo + b - 1 - off) == mine

@@ -311,6 +311,12 @@ class Driver:
 
     def close(self) -> None:
         if getattr(self, "runner", None) is not None:
+            settle = getattr(self.arm, "settle", None)
+            if settle is not None:
+                try:
+                    settle()  # no layer laid over (or being) when llama.cpp unmaps the model
+                except MboltError:
+                    pass  # a failed read under way: nothing left to read it for
             self.runner.close()
             self.runner = None
         self.arm.close()

@@ -142,6 +142,14 @@ class TopkFilter:
         u.perm, u.cached, u.stamp, u.clock, u.seen = (a.ctypes.data for a in (perm, cached, stamp, clock, self.seen))
         self._arrays = (perm, cached, stamp, clock, self.seen)  # alive as long as C may read them
 
+    def share_store_reads(self, store, pages, drop_behind: bool = True) -> None:
+        """`share_reads` with a runtime.store.ExpertStore's LRU, descriptors and merge, and a
+        runtime.pages.ExpertPages' slices and mappings (each file mapped once)."""
+        self.share_reads(ranges=pages.slice_table(store.lru_cached.shape[0]), fds=store.fds, maps=pages.single_maps(),
+                         ra_steps=store.willneed_steps, merge_gap=store.merge_gap, count=store.lru_count,
+                         read_mark=store.read_mark, visible=[fp.residency_visible for fp in pages.files],
+                         drop_behind=drop_behind)
+
     def share_reads(self, *, ranges: np.ndarray, fds: list[int], maps: list[tuple[int, int, int]],
                     ra_steps: list[int], merge_gap: int, count: np.ndarray, read_mark: np.ndarray,
                     visible: list[bool] | None = None, drop_behind: bool = True) -> None:

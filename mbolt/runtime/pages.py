@@ -18,7 +18,8 @@ from mbolt.core.pagecache import (MADV_DONTNEED, MADV_RANDOM, PAGE, expert_spans
 from mbolt.core.routemap import expert_ranges
 
 RESET_CHUNK = 8 << 20  # bytes per read when the dense tensors are brought back
-MREMAP_MAYMOVE, MREMAP_FIXED = 1, 2  # <linux/mman.h>
+MREMAP_MAYMOVE, MREMAP_FIXED, MREMAP_DONTUNMAP = 1, 2, 4  # <linux/mman.h>
+MAP_FIXED, MADV_HUGEPAGE, MADV_POPULATE_WRITE = 0x10, 14, 23
 
 
 def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]], file: int = 0) -> list[tuple[int, int]]:
@@ -32,6 +33,45 @@ def _dense_spans(mm: MoeMap, experts: list[tuple[int, int]], file: int = 0) -> l
         if not any(a <= s[0] and s[1] <= b for a, b in inside):
             out.append(s)
     return out
+
+
+def anonymous(size: int, huge: bool = True) -> int:
+    """The address of `size` bytes of new anonymous memory, read-write, advised MADV_HUGEPAGE and
+    populated (its pages allocated and zeroed now, not at first touch)."""
+    lib = libc()
+    addr = lib.mmap(None, size, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr in (None, ctypes.c_void_p(-1).value):
+        raise MboltError(f"no anonymous memory for {size} B (errno {ctypes.get_errno()})")
+    if huge:
+        lib.madvise(ctypes.c_void_p(addr), size, MADV_HUGEPAGE)  # refused without THP: small pages then
+    lib.madvise(ctypes.c_void_p(addr), size, MADV_POPULATE_WRITE)  # refused before Linux 5.14: faulted in later
+    return addr
+
+
+def move_pages(src: int, dst: int, size: int) -> None:
+    """Move the anonymous pages of [src, src + size) over dst (mremap: page tables move, no byte is
+    copied; what was mapped at dst goes). Neither range is ever unmapped (MREMAP_DONTUNMAP leaves src
+    mapped, empty): a hole could be taken by any allocation of another thread and then clobbered."""
+    lib = libc()
+    flags = MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP
+    if lib.mremap(ctypes.c_void_p(src), size, size, flags, ctypes.c_void_p(dst)) != dst:
+        raise MboltError(f"could not move {size} B of memory to {dst:#x} (errno {ctypes.get_errno()})")
+
+
+def can_move_pages() -> bool:
+    """Whether this kernel moves pages with MREMAP_DONTUNMAP (Linux 5.7)."""
+    try:
+        a, b = anonymous(PAGE, huge=False), anonymous(PAGE, huge=False)
+    except MboltError:
+        return False
+    try:
+        move_pages(a, b, PAGE)
+        return True
+    except MboltError:
+        return False
+    finally:
+        libc().munmap(ctypes.c_void_p(a), PAGE)
+        libc().munmap(ctypes.c_void_p(b), PAGE)
 
 
 class FilePages:
@@ -61,15 +101,16 @@ class FilePages:
             raise MboltError(f"{self.path}: the engine did not map the file (llama.cpp: load mode mmap expected)")
 
     def _addresses(self, a: int, b: int):
+        """(address, bytes, file offset) of each mapped piece of the file span [a, b)."""
         for lo, hi, off in self.maps:
             x, y = max(a, off), min(b, off + hi - lo)
             if y > x:
-                yield lo + x - off, y - x
+                yield lo + x - off, y - x, x
 
     def drop(self, spans=None) -> None:
         """Unmap the pages from every mapping of the file, then drop them from the page cache."""
         for a, b in self.spans if spans is None else spans:
-            for addr, n in self._addresses(a, b):
+            for addr, n, _ in self._addresses(a, b):
                 if self.lib.madvise(ctypes.c_void_p(addr), n, MADV_DONTNEED) != 0:
                     raise MboltError(f"{self.path}: madvise(MADV_DONTNEED) failed (errno {ctypes.get_errno()})")
             os.posix_fadvise(self.fd, a, b - a, os.POSIX_FADV_DONTNEED)
@@ -113,7 +154,7 @@ class FilePages:
         (whole 2 MiB blocks) can take a dense page the engine has not used yet."""
         sink = 0
         for a, b in self.dense_pages:
-            for addr, n in self._addresses(a, b):
+            for addr, n, _ in self._addresses(a, b):
                 sink += int(np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(addr))[::PAGE].sum())
 
     def hold_dense(self, lockable: int | None) -> tuple[int, int]:
@@ -128,7 +169,7 @@ class FilePages:
         MADV_DONTNEED again (it would read back as zeros). Returns (bytes locked, bytes copied)."""
         locked = copied = 0
         for a, b in self.dense_pages:
-            for addr, size in self._addresses(a, b):
+            for addr, size, _ in self._addresses(a, b):
                 n = size if lockable is None else max(0, min(size, lockable - locked)) // PAGE * PAGE
                 if n and self.lib.mlock(ctypes.c_void_p(addr), n) == 0:
                     locked += n
@@ -156,11 +197,22 @@ class FilePages:
         self.overlaid.append((lo, lo + size))
         os.posix_fadvise(self.fd, lo, size, os.POSIX_FADV_DONTNEED)  # the file's copy is no longer mapped
 
+    def map_file(self, a: int, b: int) -> None:
+        """The file back in the mappings over [a, b) (after anonymous pages were moved over it and
+        away again: `move_pages`), as llama.cpp maps it (read-only, shared) and advised MADV_RANDOM
+        like every expert span under a budget."""
+        lib = self.lib
+        for addr, n, off in self._addresses(a, b):
+            got = lib.mmap(ctypes.c_void_p(addr), n, mmap.PROT_READ, MAP_FIXED | mmap.MAP_SHARED, self.fd, off)
+            if got != addr or lib.madvise(ctypes.c_void_p(addr), n, MADV_RANDOM) != 0:
+                raise MboltError(f"{self.path}: could not map the file back over the mapping at byte {off} "
+                                 f"(errno {ctypes.get_errno()})")
+
     def advise_experts(self, advice: int = MADV_RANDOM) -> None:
         """madvise the expert spans of the engine's mappings (MADV_RANDOM: a fault reads its one page,
         not the device's readahead window around it)."""
         for a, b in self.spans:
-            for addr, n in self._addresses(a, b):
+            for addr, n, _ in self._addresses(a, b):
                 if self.lib.madvise(ctypes.c_void_p(addr), n, advice) != 0:
                     raise MboltError(f"{self.path}: madvise({advice}) failed (errno {ctypes.get_errno()})")
 
@@ -177,7 +229,7 @@ class FilePages:
         present = total = 0
         with open("/proc/self/pagemap", "rb") as f:
             for a, b in spans:
-                for addr, n in self._addresses(a, b):
+                for addr, n, _ in self._addresses(a, b):
                     f.seek(addr // PAGE * 8)
                     v = np.frombuffer(f.read(n // PAGE * 8), dtype=np.uint64)
                     present += int(((v >> np.uint64(63)) & np.uint64(1)).sum())
@@ -278,6 +330,14 @@ class ExpertPages:
             locked, copied = locked + a, copied + b
         return locked, copied
 
+    def mapped_pieces(self, spans) -> list[tuple[int, int, int, int]]:
+        """(file, address, bytes, file offset) of each mapped piece of these virtual spans."""
+        return [(f, *piece) for f, sp in self._by_file(spans).items() for a, b in sp
+                for piece in self.files[f]._addresses(a, b)]
+
+    def map_file(self, f: int, a: int, b: int) -> None:
+        self.files[f].map_file(a, b)
+
     def advise_experts(self, advice: int = MADV_RANDOM) -> None:
         for fp in self.files:
             fp.advise_experts(advice)
@@ -288,6 +348,22 @@ class ExpertPages:
         if R is None:
             R = self._ranges[layer] = expert_ranges(self.mm, layer)
         return R
+
+    def slice_table(self, n_layers: int) -> np.ndarray:
+        """int64 [layers, E, roles, 3]: (file, offset, length) of every expert slice (the C filter's reads)."""
+        roles = max((len(l.weights) for l in self.mm.moe_layers), default=0)
+        out = np.zeros((n_layers, self.mm.n_experts, roles, 3), np.int64)
+        for l in self.mm.moe_layers:
+            R = self.layer_ranges(l.index)  # [E, roles, 2] virtual offsets
+            out[l.index, :, : R.shape[1], 0], out[l.index, :, : R.shape[1], 1] = split_vaddr(R[..., 0])
+            out[l.index, :, : R.shape[1], 2] = R[..., 1]
+        return out
+
+    def single_maps(self) -> list[tuple[int, int, int]] | None:
+        """(address, file offset, length) of each file's one mapping; None when a file is mapped more than once."""
+        if any(len(fp.maps) != 1 for fp in self.files):
+            return None
+        return [(lo, off, hi - lo) for fp in self.files for lo, hi, off in fp.maps]
 
     def expert_resident(self, layer: int, expert: int) -> bool:
         """Every page of one expert's slices (original id) is in the page cache."""

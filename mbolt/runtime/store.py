@@ -212,6 +212,14 @@ class ExpertStore:
             raise MboltError(f"{self.path}: layer {layer}: {len(experts)} pins leave no LRU slot of {self.cache_slots}")
         self._lru[layer].pinned = set(experts)
 
+    def pin_hottest(self, n: int) -> int:
+        """Pin each layer's `n` hottest experts by the route map's heat (per position; pins name
+        original experts); returns n."""
+        rm = self.mm.route_map
+        for l in self.mm.moe_layers:
+            self.pin(l.index, rm.perm[l.index][np.argsort(-rm.heat[l.index], kind="stable")[:n]])
+        return n
+
     def forget(self, layer: int, expert: int) -> None:
         """Take an expert out of the slot cache without calling on_evict (its bytes are gone
         already, e.g. reclaimed by the kernel): the next request reads it again."""

@@ -11,11 +11,11 @@ is done (`end`, and `end_prompt` after a prompt's last pass): the phases are exp
 `on_topk` is the one place that decides what a layer reads and drops.
 - LOAD: before the first step; `make_cold` drops every expert page, holds the dense weights and
   sizes the cache (the budget: runtime.budget.Budget).
-- PROMPT (a pass of up to n_ubatch tokens of one sequence): the union of the pass's experts, most
-  of the layer when the pass is hundreds of tokens, is read with long merged reads in use order
-  (runtime.prefill), and when two layers fit the budget the next layer's uncached experts are read
-  in the background while this one computes; what that read brought and the layer did not select
-  is dropped at once, and the layer's victims go when the next layer starts (its matmuls are done).
+- PROMPT (a pass of up to n_ubatch tokens of one sequence): when two layers fit the budget, a layer
+  whose selection misses most of it is laid over whole with huge pages that O_DIRECT fills, the next
+  one while it computes, the file mapped back once it is done (runtime.prefill.PassOverlay); else the
+  pass's union is read through the page cache in long merged reads in use order (LayerReader), and
+  the layer's victims go when the next layer starts (its matmuls are done).
 - DECODE (one token of each live sequence: one row, or several in a batched step): the union of
   the rows' experts not in the per-layer LRU slot cache is read (`ExpertStore.read`: merged ranges;
   asynchronous by default: posix_fadvise WILLNEED, and llama.cpp's page faults wait for pages in
@@ -41,15 +41,14 @@ import warnings
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.core.gguf_set import split_vaddr
 from mbolt.core.lru import by_last_use
 from mbolt.core.moe_map import MoeMap, moe_map
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
-from mbolt.runtime.budget import PREFETCH_SHARE, Budget
+from mbolt.runtime.budget import PREFETCH_SHARE, Budget, layer_bytes
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, give_back, resolve_ctx
-from mbolt.runtime.pages import ExpertPages
-from mbolt.runtime.prefill import LayerReader
+from mbolt.runtime.pages import ExpertPages, can_move_pages
+from mbolt.runtime.prefill import LayerReader, PassOverlay, huge_pages, open_direct
 from mbolt.runtime.runner import Phase
 from mbolt.runtime.store import ExpertStore
 
@@ -69,12 +68,11 @@ class StreamRuntime:
     record: keep each decode step's selections (`step_routing`; the C fast path is then off).
     evict: False keeps whatever the kernel keeps (a warm control: nothing dropped after a step).
     n_seq: the sequences the driver decodes together (their KV caches and steps are budgeted).
-    native_misses: under a budget, decode layers with misses are answered in C too (the same rule;
-      False keeps them in Python: the A/B of the two paths).
-    drop_behind: those layers' victims are dropped by the C filter's thread while llama.cpp
-      computes (False: at once, on the path to the matmuls; the A/B).
-    give_back_compute: under a budget, the compute buffer's pages go back after each prompt and
-      decode steps count only their own part of it (False: it stays, and so does its budget; the A/B).
+    The A/B switches (True by default; False is the other path): native_misses, decode layers with
+    misses answered in C (else Python); drop_behind, their victims dropped by the C filter's thread
+    while llama.cpp computes (else at once); give_back_compute, the compute buffer's pages given
+    back after each prompt (else kept, and budgeted); overlay, prompt passes laid over with huge
+    pages filled by O_DIRECT where two layers fit (runtime.prefill.PassOverlay; else the page cache).
     """
 
     uses_callback = True
@@ -83,7 +81,7 @@ class StreamRuntime:
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True,
-                 drop_behind: bool = True, give_back_compute: bool = True):
+                 drop_behind: bool = True, give_back_compute: bool = True, overlay: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -113,7 +111,6 @@ class StreamRuntime:
         self.perm = self.mm.route_map.perm  # position in the file -> original expert id
         self.model_path = str(open_model_header(self.path).path)  # llama.cpp opens a split set from shard 1
         self.phase = Phase.LOAD
-        self._rows = 0  # rows of the step under way
         self._evicted: list[tuple[int, int]] = []  # left the cache while the read under way needed them
         self._victims: list[tuple[int, int]] = []  # left the cache in the call under way: dropped after it
         self._calling: set[int] = set()  # the experts of the read under way (llama.cpp needs them next)
@@ -125,7 +122,8 @@ class StreamRuntime:
         self.fast_layers = 0  # decode layers the C filter answered (every expert cached)
         self.native_layers = 0  # decode layers with misses the C filter answered (reads and drops)
         self.step_clock = 0  # the LRU's clock when the last decode step began
-        self.store = self.reader = self.filter = None
+        self.store = self.reader = self.filter = self.overlay = None
+        self._lay = False  # this prompt pass lays every layer over (PassOverlay)
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
         self._computed = False  # no graph ran since the compute buffer's pages were last given back (or ever)
         self.tap = None  # the eval callback (it knows the compute buffer once a graph ran)
@@ -143,7 +141,7 @@ class StreamRuntime:
         try:
             if budget:
                 self.budget = Budget.planned(budget, self.mm, self.model_path, n_ctx=self.n_ctx,
-                                             n_ubatch=self.n_ubatch, dense_bytes=self.dense_bytes(),
+                                             n_ubatch=self.n_ubatch, dense_bytes=self.pages.dense_bytes(),
                                              engine_bytes=own_bytes() + ENGINE_EXTRA, flash_attn=self.flash_attn,
                                              f32_kv=f32_kv, n_seq=n_seq)
                 self.n_ubatch = self.budget.plan.n_ubatch
@@ -151,6 +149,11 @@ class StreamRuntime:
                                      drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous)
             if self.budget:
                 self.reader = LayerReader(self.mm, self.store.fds, [willneed_bytes(f) for f in self.mm.paths])
+                # two whole layers, what a reserve with read-ahead holds (one, read as it starts, lost: q864 TTFT 1.04x)
+                fds = (open_direct(self.mm.paths) if (overlay and self.plan.prefill_reserve >= 2 * layer_bytes(self.mm)
+                                                      and huge_pages() and can_move_pages()) else None)
+                if fds is not None:
+                    self.overlay = PassOverlay(self.pages, self.reader, fds)
         except BaseException:
             self.close()
             raise
@@ -169,10 +172,6 @@ class StreamRuntime:
     def decode_slots(self) -> int | None:
         return self.budget.decode_slots if self.budget else None
 
-    def dense_bytes(self) -> int:
-        """Bytes of the pages that hold a dense weight (what is kept resident)."""
-        return self.pages.dense_bytes()
-
     # ---- the steps (called by the driver around each llama_decode) ----
 
     def begin(self, phase: Phase, n_rows: int) -> None:
@@ -180,15 +179,20 @@ class StreamRuntime:
         each live sequence)."""
         if self.filter is not None:
             self.filter.flush_drops()  # a llama_decode stopped half-way (abort) left drops queued
-        self._rows = n_rows
         self._seen = set()
         self.step_routing = {}
         if phase is Phase.PROMPT:
-            if self.phase is not Phase.PROMPT and self.budget:
+            was, self.phase = self.phase, phase  # the shrink's victims go on the reader's thread, before its reads
+            if was is not Phase.PROMPT and self.budget:
                 self._resize_cache(self.budget.prefill_slots)
-            self.phase = phase
             self.prompt.passes += 1
             self.prompt.tokens += n_rows
+            # a pass that selects at least half the experts of each layer, and a cache that holds less than
+            # half of one (laid over, a layer's reads leave no expert cached): every layer laid over
+            share = PREFETCH_SHARE * self.mm.n_experts
+            self._lay = self.overlay is not None and n_rows * self.mm.n_used >= share and self.store.cache_slots < share
+            if self._lay:
+                self.overlay.ahead(min(self.moe_layers))  # laid over while llama.cpp computes up to its selection
         else:
             if self.phase is Phase.PROMPT:
                 self.end_prompt()
@@ -258,7 +262,7 @@ class StreamRuntime:
             return
         self.phase = Phase.DECODE  # drops from here on are done at once
         if self.reader is not None:
-            self.reader.wait()
+            self.settle()
             c = self.reader.counters
             self.prompt.bytes, self.prompt.reads, self.prompt.read_s = c.bytes, c.reads, c.busy_s
         for layer, es in self._spec.items():
@@ -283,13 +287,21 @@ class StreamRuntime:
     # ---- a layer's reads and drops ----
 
     def _prompt_layer(self, layer: int, ids: np.ndarray) -> None:
-        """One layer of a prompt pass: its union's reads queued in use order (llama.cpp starts at
+        """One layer of a prompt pass: laid over whole and the next layer behind it (PassOverlay),
+        or through the page cache: its union's reads queued in use order (llama.cpp starts at
         once; its matmuls wait on pages in flight), the next layer's queued behind them when the
         budget holds two layers."""
         if self._evicted:
             self.drop_experts()  # the previous layer's victims go (its matmuls are done)
-        spec = self._spec.pop(layer, set())
         sel = [int(e) for e in ids]
+        share = PREFETCH_SHARE * self.mm.n_experts
+        if self._lay:
+            self.overlay.start(layer)
+            self.prompt.misses += len(sel)  # read whole: the cache's copies are not used
+            if self._next_moe.get(layer) is not None:
+                self.overlay.ahead(self._next_moe[layer])
+            return
+        spec = self._spec.pop(layer, set())
         unused = spec.difference(sel)
         if unused:  # read ahead, not selected: out before anything else is read
             self._unused_read_ahead(layer, unused)
@@ -312,15 +324,14 @@ class StreamRuntime:
             self.reader.wait()
         nxt = self._next_moe.get(layer)
         if (prefetch and nxt is not None and nxt != self._last_moe
-                and len(sel) >= PREFETCH_SHARE * self.mm.n_experts):
+                and len(sel) >= share):
             ahead = set(range(self.mm.n_experts)).difference(self.store.cached(nxt))
             self._spec[nxt] = ahead
             self.reader.submit(nxt, ahead)
 
     def _unused_read_ahead(self, layer: int, experts) -> None:
-        """Experts read ahead for a layer that did not select them: dropped, unless every expert
-        fits (their bytes are in memory: dropped, decode read them back from the drive, 7 MB a
-        token at 48 layers with the file in memory), then cached."""
+        """Experts read ahead for a layer that did not select them: dropped, or cached when every
+        expert fits (dropped, decode read them back: 7 MB a token at 48 layers)."""
         if self.store.cache_slots >= self.mm.n_experts:
             self.store.admit(layer, sorted(experts), count=False)
         else:
@@ -343,10 +354,9 @@ class StreamRuntime:
                 self.reclaimed += 1
 
     def _on_evict(self, layer: int, e: int) -> None:
-        """An expert left the slot cache. Under a budget its pages go at once (with the other
-        victims of the same call, `_drop_victims`), so the group never holds more than the cache;
-        one the running read still needs (a pass's union can exceed the slots) goes when the next
-        layer starts."""
+        """An expert left the slot cache. Under a budget its pages go at once (with the call's other
+        victims), so the group never holds more than the cache; one the running read still needs (a
+        pass's union can exceed the slots) goes when the next layer starts."""
         if self.budget and e not in self._calling:
             self._victims.append((layer, e))
         else:
@@ -405,28 +415,22 @@ class StreamRuntime:
         """Under a budget with asynchronous reads, the C filter answers decode layers with misses
         too (runtime.native: the same LRU, merge and drops as `on_topk`'s path, without Python):
         it needs each file mapped once by llama.cpp, and no pins (their rule stays in Python)."""
-        st, pages = self.store, self.pages
-        maps = [fp.maps for fp in pages.files]
-        if (not self.native_misses or not self.budget or not st.asynchronous or self.pins
-                or any(len(m) != 1 for m in maps) or st.lru_cached.shape != self.perm.shape):
-            return
-        L, E = self.perm.shape
-        roles = max((len(l.weights) for l in self.mm.moe_layers), default=0)
-        ranges = np.zeros((L, E, roles, 3), np.int64)
-        for l in self.mm.moe_layers:
-            R = pages.layer_ranges(l.index)  # [E, roles, 2] virtual offsets
-            ranges[l.index, :, : R.shape[1], 0], ranges[l.index, :, : R.shape[1], 1] = split_vaddr(R[..., 0])
-            ranges[l.index, :, : R.shape[1], 2] = R[..., 1]
-        self.filter.share_reads(ranges=ranges, fds=st.fds, maps=[(lo, off, hi - lo) for (lo, hi, off), in maps],
-                                ra_steps=st.willneed_steps, merge_gap=st.merge_gap, count=st.lru_count,
-                                read_mark=st.read_mark, visible=[fp.residency_visible for fp in pages.files],
-                                drop_behind=self.drop_behind)
+        st = self.store
+        if (self.native_misses and self.budget and st.asynchronous and not self.pins
+                and self.pages.single_maps() is not None and st.lru_cached.shape == self.perm.shape):
+            self.filter.share_store_reads(st, self.pages, self.drop_behind)
+
+    def settle(self) -> None:
+        """No read in flight and no layer laid over (before llama.cpp unmaps the model too)."""
+        if self.overlay is not None:
+            self.overlay.finish()
+        if self.reader is not None:
+            self.reader.wait()
 
     def make_cold(self) -> None:
         """Before a run: no expert page resident (the slot cache starts empty too); the dense
         weights resident (and, with a budget, held; the cache sized from what is left)."""
-        if self.reader is not None:
-            self.reader.wait()
+        self.settle()
         self.store.clear_cache()
         self._evicted.clear()
         self.phase = Phase.LOAD
@@ -464,13 +468,8 @@ class StreamRuntime:
     def pin_hottest(self) -> None:
         """Pin PIN_SHARE of each layer's slots to its hottest experts (route map heat is per
         position; pins name original experts), leaving at least k slots to the LRU."""
-        rm = self.mm.route_map
         slots = self.prefill_slots or self.cache_slots  # pins stay through a prompt's smaller cache
-        n = max(0, min(int(PIN_SHARE * slots), slots - self.mm.n_used))
-        for layer in self.moe_layers:
-            hottest = np.argsort(-rm.heat[layer], kind="stable")[:n]  # positions
-            self.store.pin(layer, rm.perm[layer][hottest])
-        self.pinned_per_layer = n
+        self.pinned_per_layer = self.store.pin_hottest(max(0, min(int(PIN_SHARE * slots), slots - self.mm.n_used)))
 
     def describe_budget(self) -> str:
         """One line: where the budget goes."""
@@ -483,6 +482,9 @@ class StreamRuntime:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        if self.overlay is not None:
+            self.overlay.close()
+            self.overlay = None
         if self.store is not None:
             self.store.close()
             self.store = None
