@@ -480,8 +480,10 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
     pass is laid over with anonymous memory (huge pages) that O_DIRECT fills, and the file is mapped
     back once the layer is done. The predictions are llama.cpp's own on the file (its high-level
     API) through a prompt of two passes, decode steps and a follow-up turn; the kernel shows the
-    layer anonymous when its matmuls run and the file mapped again over every expert afterwards.
-    A filesystem that refuses the O_DIRECT reads gets buffered ones into the same memory."""
+    layer anonymous when its matmuls run and the file mapped again over every expert afterwards;
+    the follow-up's logits are bit for bit those of the page cache's way (on this model llama.cpp's
+    greedy predictions do not change even with every expert weight zero: the logits do). A
+    filesystem that refuses the O_DIRECT reads gets buffered ones into the same memory."""
     import errno
 
     from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes
@@ -498,12 +500,13 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
         os.close(fd)
     available = huge_pages() and fds is not None
     real_preadv = os.preadv
-    for refuse in (False, True):
+    logits = []
+    for overlay, refuse in ((True, False), (True, True), (False, False)):
         w = _LaidOver()
         with LlamaStream(path, budget=1 << 40, qd=2, mm=mm, n_ubatch=512, n_ctx=1024, asynchronous=True,
-                         watchers=[w]) as s:
+                         watchers=[w], overlay=overlay) as s:
             w.rt = s.arm
-            assert s.plan.prefetch and (s.arm.overlay is not None) == available
+            assert s.plan.prefetch and (s.arm.overlay is not None) == (available and overlay)
             dense = sum(b - a for a, b in s.pages.dense_tensors)
             s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer_bytes(mm)
                               + 20 * expert_bytes_all_layers(mm))
@@ -520,10 +523,11 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
                 monkeypatch.setattr(os, "preadv", preadv)
             run = s.generate([ids], n_new, forced=forced, followup=followup)
             monkeypatch.setattr(os, "preadv", real_preadv)
+            logits.append(s.runner._logits(-1))  # the follow-up's
             assert run.generated == want
             assert run.prompt_passes == 3  # 600 tokens in two passes of 512, the follow-up in one
             mine = str(model["stock"].resolve())
-            if available:
+            if available and overlay:
                 layers = len(mm.moe_layers)
                 assert all(first == last for _, first, last in w.seen), w.seen  # a layer is laid over whole
                 assert not w.differ  # what the matmuls read is the file's bytes
@@ -536,3 +540,4 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
                 lo, _, off = s.pages.files[0].maps[0]
                 for a, b in s.pages.expert_spans_of(layer, range(mm.n_experts)):
                     assert _backing(lo + a - off) == _backing(lo + b - 1 - off) == mine
+    assert all(np.array_equal(logits[0], x) for x in logits[1:])
