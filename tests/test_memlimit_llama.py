@@ -507,6 +507,7 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
                          watchers=[w], overlay=overlay) as s:
             w.rt = s.arm
             assert s.plan.prefetch and (s.arm.overlay is not None) == (available and overlay)
+            assert ("laid over: huge pages" in s.arm.describe_budget()) == (available and overlay)  # said to users
             dense = sum(b - a for a, b in s.pages.dense_tensors)
             s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer_bytes(mm)
                               + 20 * expert_bytes_all_layers(mm))

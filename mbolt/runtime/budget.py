@@ -248,8 +248,9 @@ class Budget:
         self.given_back += n
         return True
 
-    def describe(self, memory, locked_bytes: int, copied_bytes: int, pinned: int) -> str:
-        """One line: where the budget goes (`memory`: what llama.cpp logged, else the plan's)."""
+    def describe(self, memory, locked_bytes: int, copied_bytes: int, pinned: int, laid_over: bool = False) -> str:
+        """One line: where the budget goes (`memory`: what llama.cpp logged, else the plan's;
+        `laid_over`: prompt passes are laid over with huge pages, runtime.prefill.PassOverlay)."""
         p, mib = self.plan, 2**20
         mem = memory or p.memory
         held = f"{locked_bytes / 1e6:.0f} MB of dense weights locked"
@@ -259,5 +260,6 @@ class Budget:
         return (f"{held}; context {mem.n_ctx} tokens (KV cache {mem.kv_bytes / mib:.0f} MiB); prompt passes of "
                 f"{p.n_ubatch} tokens (compute buffer {mem.compute_bytes / mib:.0f} MiB, given back after a prompt; "
                 f"a decode step's {p.decode_compute_bytes / mib:.1f} MiB: {lost} decode slot{'s' if lost != 1 else ''}"
-                f"{', next layer read ahead' if p.prefetch else ''}); "
+                f"{', next layer read ahead' if p.prefetch else ''}"
+                f"{' (layers laid over: huge pages filled by O_DIRECT)' if laid_over else ''}); "
                 f"{self.decode_slots} expert slots per layer ({self.prefill_slots} during a prompt, {pinned} pinned)")

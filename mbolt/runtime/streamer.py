@@ -473,7 +473,7 @@ class StreamRuntime:
 
     def describe_budget(self) -> str:
         """One line: where the budget goes."""
-        return self.budget.describe(self.memory, self.locked_bytes, self.copied_bytes, self.pinned_per_layer)
+        return self.budget.describe(self.memory, self.locked_bytes, self.copied_bytes, self.pinned_per_layer, bool(self.overlay))
 
     def close(self) -> None:
         if self.filter is not None:
