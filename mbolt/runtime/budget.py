@@ -155,7 +155,6 @@ def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int
     raise MboltError(f"{path}: a budget of {budget / mib:.0f} MiB cannot hold {parts}: {need / mib:.0f} MiB; {hint}")
 
 
-
 def expected_decode_slots(plan: BudgetPlan, mm: MoeMap) -> int:
     """The decode cache's slots per layer a plan leaves once loaded: the budget less the dense
     weights, this process, the KV cache, the output buffer, a decode step's part of the compute
@@ -164,6 +163,7 @@ def expected_decode_slots(plan: BudgetPlan, mm: MoeMap) -> int:
     used = (plan.dense_bytes + plan.engine_bytes + plan.memory.kv_bytes + plan.memory.output_bytes
             + plan.decode_compute_bytes)
     return slots_for(mm, plan.budget, used, plan.step_reserve)
+
 
 class Budget:
     """The one object that plans and enforces a run's memory budget (bytes `limit`).

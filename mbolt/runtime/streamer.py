@@ -132,7 +132,7 @@ class StreamRuntime:
         moe = sorted(l.index for l in self.mm.moe_layers)
         self.moe_layers = set(moe)
         self._next_moe = dict(zip(moe, moe[1:]))
-        self._last_moe = moe[-1]
+        self._half = PREFETCH_SHARE * self.mm.n_experts  # a pass this big reads ahead (or lays every layer over)
         self.pages = ExpertPages(self.path, self.mm)
         for hidden in self.pages.residency_hidden:  # a split set's shard at fault, by its own name
             warnings.warn(f"{hidden}: not this user's file and not writable by it: the kernel hides its page-cache "
@@ -187,10 +187,8 @@ class StreamRuntime:
                 self._resize_cache(self.budget.prefill_slots)
             self.prompt.passes += 1
             self.prompt.tokens += n_rows
-            # a pass that selects at least half the experts of each layer, and a cache that holds less than
-            # half of one (laid over, a layer's reads leave no expert cached): every layer laid over
-            share = PREFETCH_SHARE * self.mm.n_experts
-            self._lay = self.overlay is not None and n_rows * self.mm.n_used >= share and self.store.cache_slots < share
+            # a pass selecting half of each layer, a cache under half of one (laid over, nothing is cached): all laid over
+            self._lay = self.overlay is not None and n_rows * self.mm.n_used >= self._half > self.store.cache_slots
             if self._lay:
                 self.overlay.ahead(min(self.moe_layers))  # laid over while llama.cpp computes up to its selection
         else:
@@ -294,12 +292,11 @@ class StreamRuntime:
         if self._evicted:
             self.drop_experts()  # the previous layer's victims go (its matmuls are done)
         sel = [int(e) for e in ids]
-        share = PREFETCH_SHARE * self.mm.n_experts
         if self._lay:
             self.overlay.start(layer)
             self.prompt.misses += len(sel)  # read whole: the cache's copies are not used
-            if self._next_moe.get(layer) is not None:
-                self.overlay.ahead(self._next_moe[layer])
+            if (nxt := self._next_moe.get(layer)) is not None:
+                self.overlay.ahead(nxt)
             return
         spec = self._spec.pop(layer, set())
         unused = spec.difference(sel)
@@ -323,8 +320,8 @@ class StreamRuntime:
             # turn of q72); the one layer per pass is read before it computes
             self.reader.wait()
         nxt = self._next_moe.get(layer)
-        if (prefetch and nxt is not None and nxt != self._last_moe
-                and len(sel) >= share):
+        if (prefetch and nxt is not None and nxt in self._next_moe  # not the last MoE layer
+                and len(sel) >= self._half):
             ahead = set(range(self.mm.n_experts)).difference(self.store.cached(nxt))
             self._spec[nxt] = ahead
             self.reader.submit(nxt, ahead)
@@ -405,6 +402,9 @@ class StreamRuntime:
         self.memory = memory
         self.tap = tap
         self.pages.attach()
+        if self.overlay is not None and self.pages.single_maps() is None:  # a slot lies over one mapping
+            self.overlay.close()
+            self.overlay = None
         f = tap.filter if tap is not None else None
         if f is not None:
             f.share_cache(self.perm, self.store.lru_cached, self.store.lru_stamp, self.store.lru_clock)
