@@ -15,13 +15,19 @@ import json
 import numpy as np
 import pytest
 
-from conftest import needs_llama
+from conftest import EXPERT_GAIN, needs_llama
 from mbolt.core.errors import MboltError
 from mbolt.gguf.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 
 PROMPTS = [[104, 101, 108, 108, 111, 32, 116, 104], [200, 201, 65, 66, 10, 33]]
+
+
+# 64 KiB F32 slices, 4 planted groups
+MODEL = SynthConfig(arch="qwen3moe", n_layers=4, n_experts=32, n_used=4, hidden=128, expert_ff=128, n_heads=4,
+                    n_kv_heads=2, head_dim=32, expert_type="F32", seed=0, structure="planted",
+                    expert_gain=EXPERT_GAIN)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +44,7 @@ def files(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("llama_stream")
     stock = d / "model.gguf"
-    # 64 KiB F32 slices, 4 planted groups
-    write_synth(stock, SynthConfig(arch="qwen3moe", n_layers=4, n_experts=32, n_used=4, hidden=128, expert_ff=128,
-                                   n_heads=4, n_kv_heads=2, head_dim=32, expert_type="F32", seed=0,
-                                   structure="planted"))
+    write_synth(stock, MODEL)
     trace_prompts(stock, [_as_prompt(p) for p in demo_prompts(12)], d / "train.mbtrace", max_new_tokens=8,
                   engine="llama.cpp")
     mm = moe_map(stock)

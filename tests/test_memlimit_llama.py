@@ -20,12 +20,16 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import needs_llama
+from conftest import EXPERT_GAIN, needs_llama
 from mbolt.core.errors import MboltError
 from mbolt.gguf.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 
+# 6 layers x 64 Q4_0 experts of 144 KiB slices
+MODEL = SynthConfig(arch="qwen3moe", n_layers=6, n_experts=64, n_used=4, hidden=1024, expert_ff=256, n_heads=4,
+                    n_kv_heads=2, head_dim=32, dense_ff=256, expert_type="Q4_0", fast_random=True,
+                    structure="planted", seed=3, expert_gain=EXPERT_GAIN)
 LIMIT = 130 << 20  # below the model's size, above what the engine itself takes (~35 MB) plus dense and margin
 N_NEW = 6
 
@@ -37,9 +41,7 @@ def model(tmp_path_factory):
 
     d = tmp_path_factory.mktemp("memlimit")
     stock = d / "model.gguf"
-    write_synth(stock, SynthConfig(arch="qwen3moe", n_layers=6, n_experts=64, n_used=4, hidden=1024, expert_ff=256,
-                                   n_heads=4, n_kv_heads=2, head_dim=32, dense_ff=256, expert_type="Q4_0",
-                                   fast_random=True, structure="planted", seed=3))
+    write_synth(stock, MODEL)
     # a permuted file: every expert elsewhere (a reversed order), so its reads and faults differ
     from mbolt.core.plan import Plan, save_plan
 
@@ -54,11 +56,12 @@ def model(tmp_path_factory):
 
 def _llama_predictions(path, prompts, forced, n_new, n_ctx=256, followup=0):
     """llama.cpp's own greedy prediction at each teacher-forced step, through llama-cpp-python's
-    high-level API (file mapped, default KV cache): the oracle mbolt's arms must match. `followup`:
+    high-level API (file mapped, default KV cache, flash attention on as in every mbolt context: off,
+    the last bits differ and a near-tie can flip): the oracle mbolt's arms must match. `followup`:
     then the next tokens as one more turn, and its prediction."""
     import llama_cpp
 
-    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, use_mmap=True, verbose=False)
+    llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, flash_attn=True, use_mmap=True, verbose=False)
     n_vocab = llm.n_vocab()
 
     def last_logits():

@@ -13,7 +13,7 @@ import random
 import numpy as np
 import pytest
 
-from conftest import needs_llama
+from conftest import EXPERT_GAIN, needs_llama
 from mbolt.core.lru import ArrayLru, SlotLru
 from mbolt.gguf.synth import SynthConfig, write_synth
 
@@ -37,11 +37,14 @@ def test_array_lru_keeps_slot_lrus_rule():
                 b.discard(k)
 
 
+TOY = SynthConfig(arch="qwen3moe", n_layers=4, n_experts=16, n_used=4, hidden=64, expert_ff=64, n_heads=4,
+                  n_kv_heads=2, head_dim=16, expert_type="F32", dense_type="F32", seed=3, expert_gain=EXPERT_GAIN)
+
+
 @pytest.fixture(scope="module")
 def toy(tmp_path_factory):
     path = tmp_path_factory.mktemp("hot") / "toy.gguf"
-    write_synth(path, SynthConfig(arch="qwen3moe", n_layers=4, n_experts=16, n_used=4, hidden=64, expert_ff=64,
-                                  n_heads=4, n_kv_heads=2, head_dim=16, expert_type="F32", dense_type="F32", seed=3))
+    write_synth(path, TOY)
     return path
 
 

@@ -11,6 +11,7 @@ real headless Chromium for the page.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IN_CI, needs_llama
+from conftest import EXPERT_GAIN, IN_CI, needs_llama
 from mbolt.gguf.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
@@ -47,11 +48,14 @@ def model(tmp_path_factory):
     return write_chat_model(tmp_path_factory.mktemp("serve") / "chat.gguf", VOCAB)
 
 
+CHAT_MODEL = SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4, hidden=64, expert_ff=64, n_heads=4,
+                         n_kv_heads=2, head_dim=16, expert_type="Q8_0", dense_type="F16", seed=7,
+                         expert_gain=EXPERT_GAIN)
+
+
 def write_chat_model(path: Path, vocab: Path) -> Path:
     """A tiny random-weight qwen3moe with a real vocabulary (and the chat template it carries)."""
-    write_synth(path, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4, hidden=64, expert_ff=64,
-                                  n_heads=4, n_kv_heads=2, head_dim=16, expert_type="Q8_0", dense_type="F16",
-                                  vocab=str(vocab), seed=7))
+    write_synth(path, dataclasses.replace(CHAT_MODEL, vocab=str(vocab)))
     return path
 
 

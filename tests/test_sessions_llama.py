@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from conftest import needs_llama
+from test_memlimit_llama import MODEL as MEMLIMIT_MODEL
 from mbolt.gguf.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
@@ -34,9 +35,7 @@ def model(tmp_path_factory):
     ordinary user may lock)."""
     d = tmp_path_factory.mktemp("sessions")
     path = d / "model.gguf"
-    write_synth(path, SynthConfig(arch="qwen3moe", n_layers=6, n_experts=64, n_used=4, hidden=1024, expert_ff=256,
-                                  n_heads=4, n_kv_heads=2, head_dim=32, dense_ff=256, expert_type="Q4_0",
-                                  fast_random=True, structure="planted", seed=3))
+    write_synth(path, MEMLIMIT_MODEL)
     assert path.stat().st_size > LIMIT
     return path
 

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from _split_util import split_with_gguf_py
-from conftest import needs_llama
+from conftest import EXPERT_GAIN, needs_llama
 from mbolt.cli import app
 from mbolt.core.errors import MboltError
 from mbolt.core.mbtrace import read_trace, write_trace
@@ -36,11 +36,15 @@ def ok(*args):
     return res
 
 
+# llama.cpp: no dense qwen3moe layers
+MODEL = SynthConfig(arch="qwen3moe", n_layers=4, n_experts=8, n_used=2, expert_type="Q8_0", seed=5,
+                    expert_gain=EXPERT_GAIN)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     d = tmp_path_factory.mktemp("pipe")
-    src = write_synth(d / "m.gguf", SynthConfig(arch="qwen3moe", n_layers=4, n_experts=8, n_used=2,
-                                                expert_type="Q8_0", seed=5))  # llama.cpp: no dense qwen3moe layers
+    src = write_synth(d / "m.gguf", MODEL)
     shards = split_with_gguf_py(src, d / "set.gguf", max_tensors=16)
     prompts = d / "p.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in PROMPTS))

@@ -141,6 +141,10 @@ class SynthConfig:
     q_lora_rank: int = 32  # deepseek2 MLA (0 = plain attn_q, as DeepSeek-V2-Lite)
     kv_lora_rank: int = 32  # deepseek2 MLA
     v_head_dim: int = 0  # deepseek2 MLA value head size (0 = head_dim)
+    # scale of the routed experts' output (ffn_down_exps) over the default: at 1 a wrong expert
+    # byte barely moves the logits (experts are ~5% of them); tests that compare predictions use
+    # more, so their predictions depend on every expert byte
+    expert_gain: float = 1.0
     weights_scale: float = 1.0  # glm4moe / deepseek2 expert_weights_scale (routed_scaling_factor)
     sliding_window: int = 128  # gpt-oss
     ssm_conv: int = 4  # qwen3next gated delta net: conv kernel

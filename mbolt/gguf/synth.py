@@ -262,7 +262,8 @@ class _Model:
         else:
             self._add(p + "ffn_gate_exps.weight", (H, ff, E), types["gate"], GAIN / math.sqrt(H), experts=E)
             self._add(p + "ffn_up_exps.weight", (H, ff, E), types["up"], GAIN / math.sqrt(H), experts=E)
-        self._add(p + "ffn_down_exps.weight", (ff, H, E), types["down"], GAIN * out_scale / math.sqrt(ff), experts=E)
+        self._add(p + "ffn_down_exps.weight", (ff, H, E), types["down"],
+                  GAIN * cfg.expert_gain * out_scale / math.sqrt(ff), experts=E)
         if cfg.expert_bias or cfg.arch == "gpt-oss":
             for proj, width in (("gate", ff), ("up", ff), ("down", H)):
                 self._small(p + f"ffn_{proj}_exps.bias", (E, width), 0.01)
@@ -382,6 +383,8 @@ class _Model:
         ]
         if cfg.preset:
             kvs.append(encode_kv("mbolt.synth.preset", STR, cfg.preset))
+        if cfg.expert_gain != 1.0:  # only then: the benchmarks' files keep their bytes
+            kvs.append(encode_kv("mbolt.synth.expert_gain", F32, cfg.expert_gain))
         kvs += self.plant.kv() if cfg.routing_like is not None else []
         return kvs
 
