@@ -26,9 +26,15 @@ Not run here, and said so in the result: plain's readahead sweep (128 KiB was pl
 on q864 and q4km, whose experts are this model's), the session workload, the reorder file (no
 training trace at this size), ik's --prefetch-experts at 1, 3 and 4 workers.
 
+  tuned    plain at its best at this depth (issue 33): plain's readahead swept over bench_memlimit's
+           windows (4 KiB-1 MiB, 2 rounds of the workload's 32 tokens each, plain only), then at
+           plain's best window the limited stage's arms (plain, the runtime, their A/A twins) and
+           ik_llama.cpp's (mapped with its A/A, --prefetch-experts 2); no warm stage
+
     python scripts/bench_deep.py prepare                                # $MBOLT_BENCH/memlimit/q48
     python scripts/bench_deep.py run --prereg prereg/memlimit_deep.toml [--rounds 3] [--dry-run]
     python scripts/bench_deep.py warm --prereg PREREG [--rounds 5]   # the warm stage alone -> deep_q48_warm.json
+    python scripts/bench_deep.py tuned --prereg PREREG [--rounds 3]  # plain tuned -> deep_q48_tuned.json
     python scripts/bench_deep.py smoke    # one round on bench_memlimit's smoke model: checks the script
 
 The pre-registration binds as bench_memlimit.py's do (committed, locked, a clean tree, its goals
@@ -51,7 +57,7 @@ import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.paired import pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
+from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
 from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, load_bench_prereg, open_bench_prereg  # noqa: E402
 from mbolt.bench.prereg import run_record  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
@@ -72,6 +78,8 @@ PEER_HOW = dict(n_ctx=64, new_tokens=128, prefetch_threads=(2,))
 RESULT = ml.RESULTS / f"deep_{NAME}.json"
 WARM_GOALS = ("warm_over_plain_warm_min", "aa_within")
 WARM_RESULT = ml.RESULTS / f"deep_{NAME}_warm.json"
+TUNED_GOALS = ("over_plain_tuned_min", "aa_within")
+TUNED_RESULT = ml.RESULTS / f"deep_{NAME}_tuned.json"
 NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, whose experts are this model's)",
            "the session workload", "the reorder file (no training trace at this size)",
            "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers (on q864 every count ran below ik mapped)")
@@ -167,6 +175,56 @@ def run_warm(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     return out
 
 
+def run_tuned(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
+    """plain at its best at full depth: its readahead swept, then at its best window plain, the
+    runtime and their twins (same-round ratios), ik_llama.cpp's arms after them."""
+    p = ml.paths(name)
+    size = p["stock"].stat().st_size
+    ram = int(size * (4.0 if name == "smoke" else 0.4))
+    stock = str(p["stock"])
+    plain, mbolt = Arm("plain-stock", stock, mode="os"), Arm("mbolt-stock", stock, io_threads=4, asynchronous=True)
+    ml.log(f"{name}: plain's readahead swept under the limit ({ram / 2**30:.2f} GiB)")
+    swept = ml.sweep_plain(name, [plain], WORKLOAD, ram, seed, tokens=WORKLOAD.new)
+    tuned = best_window(swept)
+    with readahead(p["stock"], tuned) as held:
+        drive0 = sequential_read(p["stock"])
+        ml.log(f"{name}: readahead {held} KiB (plain tuned): drive {drive0['bytes_per_s'] / 1e6:.0f} MB/s sequential")
+        lim = ml.run_ab_config(name, [plain, mbolt, replace(mbolt, name="mbolt-stock (A/A)", control_of="mbolt-stock")],
+                               WORKLOAD, rounds, ram, seed, aa=True)  # aa: plain's twin too
+        peer = ml.peer_arms(name, WORKLOAD, rounds, ram, seed, **PEER_HOW)
+        drive1 = sequential_read(p["stock"])
+    m = row(lim, "mbolt-stock")
+    out = {"model": name, "synth": SPEC, "routing_like": str(PROFILE.name), "workload": vars(WORKLOAD),
+           "file_bytes": size, "budget_bytes": ram, "rounds": rounds, "plain_tuned_readahead_kb": held,
+           "sweep": ml.sweep_summary(swept, WORKLOAD.new),
+           "drive": {"before": drive0, "after": drive1,
+                     "sequential_bytes_per_s": max(drive0["bytes_per_s"], drive1["bytes_per_s"])},
+           "ratio_definition": "per round: an arm / its baseline of the same round; the median of those",
+           "decode_tokens_per_s": {r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]},
+           "over_plain_tuned": pair_stats(lim, "mbolt-stock", "plain-stock"),
+           "aa": {a: pair_ratio(lim, f"{a} (A/A)", a) for a in ("plain-stock", "mbolt-stock")},
+           "tokens_identical": tokens_identical(lim), "limited": ml._compact(lim),
+           "sweep_runs": {str(ra): v["ab"] for ra, v in swept.items()},
+           "not_run": ["a warm stage (results/deep_q48.json and deep_q48_warm.json have it)",
+                       "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers"]}
+    if peer:
+        out["peer_limited"] = peer
+        out["peers"] = peers.peers_beside(m["decode_tokens_per_s"], None, peer, None)
+    g, over = pr.goal, out["over_plain_tuned"]["median"]
+    spread = max((abs(v - 1) for v in out["aa"].values() if v is not None), default=None)
+    out["goals"] = [
+        {"goal": f"mbolt-stock >= {g('over_plain_tuned_min')}x plain tuned ({held} KiB)", "value": over,
+         "met": over is not None and over >= g("over_plain_tuned_min")},
+        {"goal": f"A/A within {g('aa_within'):.0%} (two twins)", "value": spread,
+         "met": spread is not None and spread <= g("aa_within")},
+        {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]}]
+    if peer and PEER_GOAL in pr.goals:
+        vs = out["peers"]["mbolt_over_best_peer"]
+        out["goals"].append({"goal": f"mbolt-stock >= {g(PEER_GOAL)}x the best peer arm", "value": vs,
+                             "met": vs is not None and vs >= g(PEER_GOAL)})
+    return out
+
+
 def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     from mbolt.core.moe_map import moe_map
 
@@ -239,7 +297,7 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "run", "warm", "smoke"])
+    ap.add_argument("stage", choices=["prepare", "run", "warm", "tuned", "smoke"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prereg", type=Path, default=ml.ROOT / "prereg" / "memlimit_deep.toml",
                     help="the run's pre-registration, committed and locked")
@@ -250,22 +308,23 @@ def main() -> None:
         return
     if a.stage == "smoke":  # checks the script, not a figure: the goals are read, nothing is gated
         ml.prepare("smoke")
-        res = run(1, load_bench_prereg(a.prereg), "smoke")
-        for g in res["goals"]:
-            ml.log(f"  smoke: {g['goal']}: {g['value']}")
+        for fn in (run, run_tuned):
+            for g in fn(1, load_bench_prereg(a.prereg), "smoke")["goals"]:
+                ml.log(f"  smoke: {g['goal']}: {g['value']}")
         return
     try:
         pr, lock = open_bench_prereg(a.prereg, ml.ROOT, count_run=not a.dry_run)
-        warm_only = a.stage == "warm"
-        fn, result = (run_warm, WARM_RESULT) if warm_only else (run, RESULT)
-        pr.require_goals(list(WARM_GOALS) if warm_only else
-                         list(GOALS) + ([PEER_GOAL] if peers.find_ik(ml.PEERS) else []))
+        fn, result, goals = {"warm": (run_warm, WARM_RESULT, WARM_GOALS), "tuned": (run_tuned, TUNED_RESULT, TUNED_GOALS),
+                             "run": (run, RESULT, GOALS)}[a.stage]
+        pr.require_goals(list(goals) + ([PEER_GOAL] if a.stage != "warm" and peers.find_ik(ml.PEERS) else []))
         check_rerun(pr, result)
         if not ml.paths(NAME)["stock"].exists():
             raise SystemExit(f"{ml.paths(NAME)['stock']}: run `prepare` first")
         if a.dry_run:
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
-                  f"{a.rounds} rounds of: warm plain-warm, mbolt-warm (+ A/A twins)" + ("" if warm_only else
+                  f"{a.rounds} rounds of: " + ("plain's readahead swept, then plain-stock, mbolt-stock (+ A/A twins)"
+                                                if a.stage == "tuned" else "warm plain-warm, mbolt-warm (+ A/A twins)")
+                  + ("" if a.stage != "run" else
                   "; limited plain-stock, mbolt-stock (+ A/A twins)" + (
                       "; ik_llama.cpp warm, mapped (+ A/A), --prefetch-experts 2" if peers.find_ik(ml.PEERS)
                       else "; no ik_llama.cpp build: no peers")))

@@ -242,22 +242,23 @@ def run_ab_config(name: str, arms: list[Arm], w: Workload, rounds: int, ram: int
     return _compact(res.to_dict())
 
 
-def sweep_plain(name: str, arms: list[Arm], w: Workload, ram: int, seed: int, drive: str = "") -> dict:
-    """plain llama.cpp's readahead swept (READAHEADS; a short run per window, plain arms only: it
-    only picks the window that suits plain best). {window KiB: {"arms": {arm: decode tok/s, ttft},
-    "ab": the run}}."""
+def sweep_plain(name: str, arms: list[Arm], w: Workload, ram: int, seed: int, drive: str = "",
+                tokens: int = SWEEP_TOKENS) -> dict:
+    """plain llama.cpp's readahead swept (READAHEADS; a short run of `tokens` per window, plain arms
+    only: it only picks the window that suits plain best). {window KiB: {"arms": {arm: decode tok/s,
+    ttft}, "ab": the run}}."""
     out = {}
     for ra in READAHEADS:
         with readahead(paths(name)["stock"], ra) as held:
             log(f"  sweep: plain at readahead {held} KiB" + (f" ({drive})" if drive else ""))
-            d = run_ab_config(name, arms, replace(w, new=SWEEP_TOKENS), SWEEP_ROUNDS, ram, seed, aa=False, drive=drive)
+            d = run_ab_config(name, arms, replace(w, new=tokens), SWEEP_ROUNDS, ram, seed, aa=False, drive=drive)
         out[held] = {"arms": {a.name: {"decode_tokens_per_s": row(d, a.name)["decode_tokens_per_s"],
                                        "ttft_s": row(d, a.name)["ttft_s"]} for a in arms}, "ab": d}
     return out
 
 
-def sweep_summary(swept: dict) -> dict:
-    return {"windows_kb": list(swept), "tokens": SWEEP_TOKENS, "rounds": SWEEP_ROUNDS,
+def sweep_summary(swept: dict, tokens: int = SWEEP_TOKENS) -> dict:
+    return {"windows_kb": list(swept), "tokens": tokens, "rounds": SWEEP_ROUNDS,
             "plain": {str(ra): v["arms"] for ra, v in swept.items()}}
 
 
