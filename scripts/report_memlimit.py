@@ -32,7 +32,7 @@ def load(prefix: str) -> list[dict]:
         d = json.loads(p.read_text())
         if prefix == "serve" and p.name.startswith("serve_concurrency_"):  # its own table (concurrency())
             continue
-        if prefix == "deep" and p.name.endswith("_warm.json"):  # the warm stage alone: deep()'s notes
+        if prefix == "deep" and p.name.endswith(("_warm.json", "_tuned.json")):  # deep()'s notes, deep_tuned()
             continue
         if prefix != "memlimit" or "headline" in d:  # the steady-decode format (issue 28)
             out.append(d)
@@ -272,7 +272,45 @@ def deep() -> str:
                   f", {fmt(d['warm_beyond_plain_us_per_moe_layer'], '.0f')} us per MoE layer beyond plain; A/A "
                   f"{fmt(aa['plain-warm'], '.3f')}, {fmt(aa['mbolt-warm'], '.3f')}; goals: {met(d['goals'])}.",
                   run_line(d)]
-    return "\n".join(out + [""] + [n for n in notes if n])
+    return "\n".join(out + [""] + [n for n in notes if n] + ["", deep_tuned()])
+
+
+def deep_tuned() -> str:
+    """bench_deep.py's tuned stage, with the warm stage's compute beside it (its own run: the bound
+    is the compute when the runtime's own bytes at the drive's rate take less time, and MIN reads
+    no more than the runtime)."""
+    out = ["| model | plain's sweep (decode tok/s by readahead) | plain tuned | mbolt | over plain tuned | best peer | "
+           "over best peer | warm compute (its run) | reads then compute (share) | bound (share) | A/A plain, mbolt, ik |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    notes = []
+    for p in sorted(RESULTS.glob("deep_*_tuned.json")):
+        d = json.loads(p.read_text())
+        t, aa, pe, ra = d["decode_tokens_per_s"], d["aa"], d.get("peers") or {}, d["plain_tuned_readahead_kb"]
+        sweep = ", ".join(f"{k}: {fmt(v['plain-stock']['decode_tokens_per_s'])}" for k, v in d["sweep"]["plain"].items())
+        warm_p = RESULTS / p.name.replace("_tuned.json", "_warm.json")
+        warm = json.loads(warm_p.read_text()) if warm_p.exists() else None
+        compute = warm and warm["decode_tokens_per_s"]["plain-warm"]
+        m = next(r for r in d["limited"]["summary"] if r["arm"] == "mbolt-stock")
+        bw = d["drive"]["sequential_bytes_per_s"]
+        own = bw / m["device_bytes_per_token"] if m.get("device_bytes_per_token") else None
+        rtc = 1 / (1 / own + 1 / compute) if own and compute else None
+        bound = compute if compute and own and own >= compute else None
+        ik_aa = (d.get("peer_limited") or {}).get("aa", {}).get("ik-mapped (A/A)")
+        out.append(f"| {model_name(d)} | {sweep} | {fmt(t['plain-stock'])} ({ra} KiB) | **{fmt(t['mbolt-stock'])}** | "
+                   f"**{paired(d['over_plain_tuned'])}** | {fmt(pe.get('best_peer_tokens_per_s'))} "
+                   f"({pe.get('best_peer_arm', 'n/a')}) | **{fmt(pe.get('mbolt_over_best_peer'))}x** | {fmt(compute)} tok/s | "
+                   f"{fmt(rtc)} tok/s ({fmt(rtc and t['mbolt-stock'] / rtc)}) | "
+                   f"{fmt(bound)} tok/s, compute ({fmt(bound and t['mbolt-stock'] / bound)}) | "
+                   f"{fmt(aa['plain-stock'], '.3f')}, {fmt(aa['mbolt-stock'], '.3f')}, {fmt(ik_aa, '.3f')} |")
+        notes += [f"- {d['model']} (`{p.name}`): budget {d['budget_bytes'] / 2**30:.2f} GiB, {d['workload']['prompt']}-token "
+                  f"prompt, {d['workload']['new']} fed tokens, {d['rounds']} rounds; the sweep {d['sweep']['rounds']} rounds "
+                  f"of {d['sweep']['tokens']} tokens; the drive {bw / 1e6:.0f} MB/s sequential (the better of two probes); "
+                  f"mbolt {m['device_bytes_per_token'] / 1e6:.0f} MB a token from the drive, TTFT {fmt(m.get('ttft_s'), '.1f')} s "
+                  f"(plain {fmt(next(r for r in d['limited']['summary'] if r['arm'] == 'plain-stock').get('ttft_s'), '.1f')} s); "
+                  f"not run: {'; '.join(d['not_run'])}.", f"- {d['model']} goals: {met(d['goals'])}.", run_line(d)]
+        if warm:
+            notes.append(f"- the warm compute: `{warm_p.name}`, " + run_line(warm).lstrip("- "))
+    return "\n".join(out + [""] + notes)
 
 
 def main() -> None:
