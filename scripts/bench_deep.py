@@ -32,6 +32,7 @@ training trace at this size), ik's --prefetch-experts at 1, 3 and 4 workers.
            ik_llama.cpp's (mapped with its A/A, --prefetch-experts 2); no warm stage
 
     python scripts/bench_deep.py prepare                                # $MBOLT_BENCH/memlimit/q48
+    python scripts/bench_deep.py prepare --tensor-order converter       # .../q48c: down, gate, up per block
     python scripts/bench_deep.py run --prereg prereg/memlimit_deep.toml [--rounds 3] [--dry-run]
     python scripts/bench_deep.py warm --prereg PREREG [--rounds 5]   # the warm stage alone -> deep_q48_warm.json
     python scripts/bench_deep.py tuned --prereg PREREG [--rounds 3]  # plain tuned -> deep_q48_tuned.json
@@ -85,22 +86,24 @@ NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, who
            "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers (on q864 every count ran below ik mapped)")
 
 
-def prepare() -> None:
+def prepare(name: str = NAME, tensor_order: str = "use") -> None:
+    """The model under $MBOLT_BENCH/memlimit/NAME; tensor_order "converter": each block's routed
+    tensors in the order llama.cpp's converter writes real models (down, gate, up), as q48c."""
     from mbolt.gguf.synth import SynthConfig, write_synth
     from mbolt.layout.stats import routing_target
 
-    p = ml.paths(NAME)
+    p = ml.paths(name)
     if p["stock"].exists():
         ml.log(f"{p['stock']}: there already ({p['stock'].stat().st_size} bytes)")
         return
     if not PROFILE.exists():
         raise SystemExit(f"{PROFILE}: the 48-layer routing profile is missing (../shared/data/mbolt)")
     p["dir"].mkdir(parents=True, exist_ok=True)
-    ml.log(NAME, "synth (48 layers, about 19 GB)")
+    ml.log(name, "synth (48 layers, about 19 GB)")
     write_synth(p["stock"], SynthConfig.from_preset(SPEC["preset"], **{k: v for k, v in SPEC.items() if k != "preset"},
-                                                      routing_like=routing_target(PROFILE)))
+                                                      routing_like=routing_target(PROFILE), tensor_order=tensor_order))
     ml.give_to_ordinary_user(p)
-    ml.log(NAME, "ready:", p["stock"].stat().st_size, "bytes")
+    ml.log(name, "ready:", p["stock"].stat().st_size, "bytes")
 
 
 def cache_file(path: Path) -> None:
@@ -298,13 +301,16 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("stage", choices=["prepare", "run", "warm", "tuned", "smoke"])
+    ap.add_argument("--tensor-order", choices=["use", "converter"], default="use",
+                    help="prepare: each block's routed tensors as llama.cpp uses them (q48) or as its converter "
+                         "writes real models: down, gate, up (q48c)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prereg", type=Path, default=ml.ROOT / "prereg" / "memlimit_deep.toml",
                     help="the run's pre-registration, committed and locked")
     ap.add_argument("--dry-run", action="store_true", help="check the pre-registration, the tree and the goals")
     a = ap.parse_args()
     if a.stage == "prepare":
-        prepare()
+        prepare(NAME + ("c" if a.tensor_order == "converter" else ""), a.tensor_order)
         return
     if a.stage == "smoke":  # checks the script, not a figure: the goals are read, nothing is gated
         ml.prepare("smoke")

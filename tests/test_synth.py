@@ -99,6 +99,23 @@ def test_same_seed_same_bytes(tmp_path):
     assert sha(fa) == sha(fb)
 
 
+def test_converter_order_is_the_same_model_in_another_order(tmp_path):
+    """--tensor-order converter: each block holds ffn_down_exps before gate and up (as llama.cpp's
+    converter writes real models), every tensor's bytes those of the default file (gguf-py)."""
+    r = CliRunner().invoke(app, ["synth", str(tmp_path / "c.gguf"), "--layers", "2", "--tensor-order", "converter"])
+    assert r.exit_code == 0, r.output
+    write_synth(tmp_path / "u.gguf", SynthConfig(n_layers=2))
+    use, conv = GGUFReader(tmp_path / "u.gguf"), GGUFReader(tmp_path / "c.gguf")
+    names = [t.name for t in conv.tensors if "_exps." in t.name and t.name.startswith("blk.0.")]
+    assert names == ["blk.0.ffn_down_exps.weight", "blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight"]
+    assert [t.name for t in use.tensors if "_exps." in t.name and t.name.startswith("blk.0.")] == \
+        ["blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight"]
+    by_name = {t.name: bytes(t.data.tobytes()) for t in use.tensors}
+    assert sorted(by_name) == sorted(t.name for t in conv.tensors)
+    assert all(by_name[t.name] == bytes(t.data.tobytes()) for t in conv.tensors)
+    assert [t.role for t in moe_map(tmp_path / "c.gguf").moe_layers[0].weights] == ["down", "gate", "up"]
+
+
 @pytest.mark.parametrize("qtype", list(BLOCK))
 @pytest.mark.parametrize("fast", [False, True])
 def test_expert_types_slices(tmp_path, qtype, fast):
@@ -223,6 +240,7 @@ def test_preset_geometry(name):
     (dict(arch="qwen2moe", head_dim=32), "heads x head_dim == hidden"),
     (dict(structure="random"), "structure"),
     (dict(strength=1.5), "strength"),
+    (dict(tensor_order="alphabetical"), "tensor order"),
 ])
 def test_bad_config(tmp_path, bad, msg):
     with pytest.raises(MboltError, match=msg):

@@ -247,7 +247,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                          pins=arm.pins, n_ctx=job.n_ctx, n_ubatch=arm.n_ubatch or job.n_ubatch,
                          native_misses=not arm.py_misses, drop_behind=not arm.drops_now,
                          give_back_compute=not arm.keep_compute, n_seq=arm.parallel,
-                         overlay=not arm.page_cache_passes)
+                         overlay=not arm.page_cache_passes, use_order=not arm.file_order)
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()

@@ -33,6 +33,7 @@ class Arm:
     keep_compute: bool = False  # --ram: llama.cpp's compute buffer stays resident after a prompt (and budgeted)
     parallel: int = 1  # --engine llama.cpp: prompts decoded this many at a time, one token of each per step
     page_cache_passes: bool = False  # --ram: prompt passes read through the page cache (not laid over with O_DIRECT)
+    file_order: bool = False  # --engine llama.cpp: decode misses read in the file's tensor order, not llama.cpp's
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -42,20 +43,21 @@ class Arm:
 ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool, "mode": str,
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
             "callback": bool, "async": bool, "pins": bool, "ubatch": int, "user": bool,
-            "pymisses": bool, "dropsnow": bool, "keepcompute": bool, "parallel": int, "passcache": bool}
+            "pymisses": bool, "dropsnow": bool, "keepcompute": bool, "parallel": int, "passcache": bool,
+            "fileorder": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
     frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins, ubatch, user, pymisses,
-    dropsnow, keepcompute, parallel, passcache."""
+    dropsnow, keepcompute, parallel, passcache, fileorder."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
             raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, "
-                             "async, pins, ubatch, user, pymisses, dropsnow, keepcompute, parallel, passcache)")
+                             "async, pins, ubatch, user, pymisses, dropsnow, keepcompute, parallel, passcache, fileorder)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
@@ -63,7 +65,7 @@ def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
             raise MboltError(f"arm {spec!r}: {k} needs a {typ.__name__}, got {v!r}") from None
         k = {"qd": "io_threads", "cache": "cache_slots", "frac": "resident_frac", "async": "asynchronous",
              "ubatch": "n_ubatch", "pymisses": "py_misses", "dropsnow": "drops_now",
-             "keepcompute": "keep_compute", "passcache": "page_cache_passes"}.get(k, k)
+             "keepcompute": "keep_compute", "passcache": "page_cache_passes", "fileorder": "file_order"}.get(k, k)
         if k == "os":
             k, val = "mode", "os" if val else "read"
         kw[k] = val

@@ -78,6 +78,9 @@ def synth_cmd(
                                      "llama.cpp refuses them elsewhere)."),
     vocab: Path = typer.Option(None, "--vocab", help="Take the tokenizer of this GGUF (every tokenizer.* key, e.g. "
                                "llama.cpp's models/ggml-vocab-*.gguf): the model tokenizes as the real one does."),
+    tensor_order: str = typer.Option(None, "--tensor-order", help="The routed tensors' order in each block: use "
+                                     "(default: gate, up, down, the order llama.cpp's matmuls use them) or converter "
+                                     "(down, gate, up: as llama.cpp's convert_hf_to_gguf writes real models)."),
     force: bool = typer.Option(False, "--force", help="Overwrite the output."),
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
@@ -95,7 +98,7 @@ def synth_cmd(
                  down_type=down_type, layer_types=layer_types, fused_gate_up=fused_gate_up or None,
                  structure=structure, n_groups=groups, strength=strength, heat_skew=heat_skew, context=context,
                  dense_layers=dense_layers, fast_random=fast_random or None, probs_bias=probs_bias or None,
-                 expert_bias=expert_bias or None, vocab=str(vocab) if vocab else None)
+                 expert_bias=expert_bias or None, vocab=str(vocab) if vocab else None, tensor_order=tensor_order)
     if routing_like:
         from mbolt.layout.stats import routing_target
 

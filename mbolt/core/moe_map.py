@@ -38,6 +38,9 @@ ROLES = {
     "ffn_exps_packed": "packed",  # packed layout: one I8 blob per layer (see core/packed.py)
 }
 WEIGHT_ROLES = ("gate", "up", "down", "gate_up")  # the big slices an engine streams
+# llama.cpp's order of the expert matmuls (swiglu(gate, up) puts the gate's first, then down). Reads
+# are issued in this order whatever the file's: llama.cpp's converter writes down before gate and up
+USE_ORDER = {"gate": 0, "gate_up": 0, "up": 1, "down": 2}
 
 
 @dataclass
@@ -74,6 +77,17 @@ class MoeLayer:
     def weights(self) -> list[ExpertTensor]:
         """The routed weight tensors in file order (what an engine reads per expert)."""
         return sorted((t for t in self.experts if t.role in WEIGHT_ROLES), key=lambda t: (t.file, t.data_offset))
+
+    def tensor_columns(self) -> list[list[int]]:
+        """The columns of `weights` that each tensor holds (a packed blob holds every role),
+        tensors in llama.cpp's use order (USE_ORDER)."""
+        groups: dict[str, list[int]] = {}
+        rank: dict[str, int] = {}
+        for i, t in enumerate(self.weights):
+            key = t.container or t.name
+            groups.setdefault(key, []).append(i)
+            rank[key] = min(rank.get(key, 9), USE_ORDER.get(t.role, 3))
+        return [groups[k] for k in sorted(groups, key=lambda k: rank[k])]
 
     @property
     def expert_bytes(self) -> int:

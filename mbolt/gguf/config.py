@@ -145,6 +145,9 @@ class SynthConfig:
     # byte barely moves the logits (experts are ~5% of them); tests that compare predictions use
     # more, so their predictions depend on every expert byte
     expert_gain: float = 1.0
+    # the routed tensors' order in each block: "use" gate, up, down (llama.cpp's matmul order);
+    # "converter" down, gate, up (llama.cpp's convert_hf_to_gguf merges them so: real files)
+    tensor_order: str = "use"
     weights_scale: float = 1.0  # glm4moe / deepseek2 expert_weights_scale (routed_scaling_factor)
     sliding_window: int = 128  # gpt-oss
     ssm_conv: int = 4  # qwen3next gated delta net: conv kernel
@@ -228,6 +231,8 @@ class SynthConfig:
             bad(f"dense type {self.dense_type} needs --fast-random (gguf-py has no quantizer for it)")
         if self.structure not in ("planted", "none"):
             bad(f"structure must be 'planted' or 'none', got {self.structure!r}")
+        if self.tensor_order not in ("use", "converter"):
+            bad(f"tensor order must be 'use' or 'converter', got {self.tensor_order!r}")
         for name in ("n_layers", "n_experts", "n_used", "hidden", "expert_ff", "n_heads",
                      "n_kv_heads", "head_dim", "shared_ff", "dense_ff", "context_length", "n_shared"):
             if getattr(self, name) < 1:

@@ -257,13 +257,19 @@ class _Model:
             self._small(p + "ffn_gate_inp.bias", (E,), 0.01)
         if cfg.probs_bias or cfg.arch in ("glm4moe", "deepseek2"):
             self._const(p + "exp_probs_b.bias", lambda i=i: self.plant.probs_bias(i), shape=(E,))
+        def down():
+            self._add(p + "ffn_down_exps.weight", (ff, H, E), types["down"],
+                      GAIN * cfg.expert_gain * out_scale / math.sqrt(ff), experts=E)
+
+        if cfg.tensor_order == "converter":  # llama.cpp's convert_hf_to_gguf merges down, gate, up
+            down()
         if cfg.fused_gate_up:  # gate rows then up rows of each expert (one mul_mat_id in llama.cpp)
             self._add_fused(p, (H, ff, E), types["gate"], GAIN / math.sqrt(H))
         else:
             self._add(p + "ffn_gate_exps.weight", (H, ff, E), types["gate"], GAIN / math.sqrt(H), experts=E)
             self._add(p + "ffn_up_exps.weight", (H, ff, E), types["up"], GAIN / math.sqrt(H), experts=E)
-        self._add(p + "ffn_down_exps.weight", (ff, H, E), types["down"],
-                  GAIN * cfg.expert_gain * out_scale / math.sqrt(ff), experts=E)
+        if cfg.tensor_order != "converter":
+            down()
         if cfg.expert_bias or cfg.arch == "gpt-oss":
             for proj, width in (("gate", ff), ("up", ff), ("down", H)):
                 self._small(p + f"ffn_{proj}_exps.bias", (E, width), 0.01)
@@ -385,6 +391,8 @@ class _Model:
             kvs.append(encode_kv("mbolt.synth.preset", STR, cfg.preset))
         if cfg.expert_gain != 1.0:  # only then: the benchmarks' files keep their bytes
             kvs.append(encode_kv("mbolt.synth.expert_gain", F32, cfg.expert_gain))
+        if cfg.tensor_order != "use":
+            kvs.append(encode_kv("mbolt.synth.tensor_order", STR, cfg.tensor_order))
         kvs += self.plant.kv() if cfg.routing_like is not None else []
         return kvs
 

@@ -77,8 +77,15 @@ static int cmp_run(const void * a, const void * b) {
     return 0;
 }
 
-/* the slices of these experts as runs (file, start, end, role), sorted by file and start */
-static int64_t slices(struct mbolt_filter * f, int layer, const int32_t * es, int64_t n) {
+/* by role (the roles come in llama.cpp's use order: gate, up, down), then file and start */
+static int cmp_use(const void * a, const void * b) {
+    const int64_t * x = a, * y = b;
+    return x[3] != y[3] ? (x[3] < y[3] ? -1 : 1) : cmp_run(a, b);
+}
+
+/* the slices of these experts as runs (file, start, end, role), sorted by file and start, or
+   (by_use) in the order llama.cpp's matmuls use them */
+static int64_t slices(struct mbolt_filter * f, int layer, const int32_t * es, int64_t n, bool by_use) {
     struct mbolt_misses * m = f->misses;
     int64_t nr = 0;
     for (int64_t i = 0; i < n; i++) {
@@ -93,7 +100,7 @@ static int64_t slices(struct mbolt_filter * f, int layer, const int32_t * es, in
             }
         }
     }
-    qsort(m->runs, nr, 4 * sizeof(int64_t), cmp_run);
+    qsort(m->runs, nr, 4 * sizeof(int64_t), by_use ? cmp_use : cmp_run);
     return nr;
 }
 
@@ -111,7 +118,7 @@ static int read_range(const struct mbolt_misses * m, int64_t file, int64_t a, in
    slices that touch are joined first, then shrunk to the pages inside (runtime.pages.expert_spans_of) */
 static void drop(struct mbolt_filter * f, int layer, const int32_t * es, int64_t n, bool behind) {
     struct mbolt_misses * m = f->misses;
-    const int64_t nr = slices(f, layer, es, n);
+    const int64_t nr = slices(f, layer, es, n, false);
     for (int64_t i = 0; i < nr;) {
         const int64_t file = m->runs[4 * i];
         int64_t a = m->runs[4 * i + 1], b = m->runs[4 * i + 2];
@@ -160,8 +167,8 @@ static bool resident(struct mbolt_filter * f, int layer, int32_t e) {
 /* a decode step's layer with a miss, under the slot cache's rule (core.lru.ArrayLru, the same
    arrays): cached experts the kernel reclaimed in part are read again (what is left of them
    dropped); the misses' slices merged per tensor (core.ranges.merge_ranges: a hole of at most
-   merge_gap joins) and submitted with WILLNEED in file order (llama.cpp's faults wait for pages in
-   flight); every selected expert stamped in row order; the least recently used beyond the slots
+   merge_gap joins) and submitted with WILLNEED tensor by tensor in llama.cpp's use order (use_order;
+   else in file order), each in file order (llama.cpp's faults wait for pages in flight); every selected expert stamped in row order; the least recently used beyond the slots
    leave the cache, mapping and page cache at once. Python (runtime.streamer) does the same when
    this is off, and whenever a step selects more experts than the cache holds. */
 static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
@@ -213,7 +220,7 @@ static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
     }
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    const int64_t nr = slices(f, layer, m->sel, nmiss);
+    const int64_t nr = slices(f, layer, m->sel, nmiss, m->use_order != 0);  /* the gate's pages first */
     for (int64_t i = 0; i < nr;) {
         const int64_t file = m->runs[4 * i], role = m->runs[4 * i + 3];
         const int64_t a = m->runs[4 * i + 1];

@@ -54,6 +54,7 @@ struct mbolt_misses {
     int64_t vec_pages;
     int64_t layers, experts, hits, misses, reads, bytes, useful, io_ns, reclaimed, victims, errors, drop_ns;
     int32_t drop_behind;     /* 1: victims are dropped by a thread of their own while llama.cpp computes */
+    int32_t use_order;       /* 1: misses read tensor by tensor in llama.cpp's use order (else in file order) */
     struct dropper * dropper;  /* that thread (created at its first drop; mbolt_drops_stop ends it) */
 };
 

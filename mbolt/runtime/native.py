@@ -75,7 +75,7 @@ class _Misses(ctypes.Structure):
                 + [("merge_gap", ctypes.c_int64)]
                 + [(k, ctypes.c_void_p) for k in ("count", "read_mark", "sel", "in_sel", "runs", "vec")]
                 + [("vec_pages", ctypes.c_int64)] + [(k, ctypes.c_int64) for k in MISS_COUNTS]
-                + [("drop_behind", ctypes.c_int32), ("dropper", ctypes.c_void_p)])
+                + [("drop_behind", ctypes.c_int32), ("use_order", ctypes.c_int32), ("dropper", ctypes.c_void_p)])
 
 
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: no compiler
@@ -148,18 +148,19 @@ class TopkFilter:
         self.share_reads(ranges=pages.slice_table(store.lru_cached.shape[0]), fds=store.fds, maps=pages.single_maps(),
                          ra_steps=store.willneed_steps, merge_gap=store.merge_gap, count=store.lru_count,
                          read_mark=store.read_mark, visible=[fp.residency_visible for fp in pages.files],
-                         drop_behind=drop_behind)
+                         drop_behind=drop_behind, use_order=store.use_order)
 
     def share_reads(self, *, ranges: np.ndarray, fds: list[int], maps: list[tuple[int, int, int]],
                     ra_steps: list[int], merge_gap: int, count: np.ndarray, read_mark: np.ndarray,
-                    visible: list[bool] | None = None, drop_behind: bool = True) -> None:
+                    visible: list[bool] | None = None, drop_behind: bool = True, use_order: bool = True) -> None:
         """Let the filter answer decode layers with misses too (`with_misses` in the C source):
         `ranges` int64 [L, E, roles, 3] (file, offset in it, length; length 0: no such role),
         per file its descriptor, llama.cpp's one mapping of it (address, file offset, length) and
         the most one WILLNEED reads and whether the kernel shows this user its residency (`visible`,
         default all: mincore is not asked where it would say every page is resident); the LRU's
         per-layer counts and the read marks (numpy, shared). `drop_behind`: the victims are dropped
-        by a thread of the filter's while llama.cpp computes (`flush_drops` waits for them)."""
+        by a thread of the filter's while llama.cpp computes (`flush_drops` waits for them). `use_order`:
+        misses read tensor by tensor in the roles' order of `ranges` (llama.cpp's use order), else by offset."""
         L, E, R, _ = ranges.shape
         n_files = len(fds)
         r_file = np.ascontiguousarray(ranges[..., 0], np.int32)
@@ -182,7 +183,7 @@ class TopkFilter:
                 raise ValueError(f"{name} must be a C-contiguous array of the model's layers")
         self.stop_drops()
         m = self.misses = _Misses(slots=0, n_roles=R, merge_gap=int(merge_gap), vec_pages=longest // PAGE + 2,
-                                  drop_behind=int(bool(drop_behind)), **{k: a.ctypes.data for k, a in arrays.items()})
+                                  drop_behind=int(bool(drop_behind)), use_order=int(bool(use_order)), **{k: a.ctypes.data for k, a in arrays.items()})
         self._miss_arrays = arrays  # alive as long as C may read them
         self.user.misses = ctypes.addressof(m)
 

@@ -350,11 +350,12 @@ class ExpertPages:
         return R
 
     def slice_table(self, n_layers: int) -> np.ndarray:
-        """int64 [layers, E, roles, 3]: (file, offset, length) of every expert slice (the C filter's reads)."""
+        """int64 [layers, E, roles, 3]: (file, offset, length) of every expert slice (the C filter's
+        reads), the roles in llama.cpp's use order (the filter reads them in that order)."""
         roles = max((len(l.weights) for l in self.mm.moe_layers), default=0)
         out = np.zeros((n_layers, self.mm.n_experts, roles, 3), np.int64)
         for l in self.mm.moe_layers:
-            R = self.layer_ranges(l.index)  # [E, roles, 2] virtual offsets
+            R = self.layer_ranges(l.index)[:, [c for cols in l.tensor_columns() for c in cols]]  # [E, roles, 2]
             out[l.index, :, : R.shape[1], 0], out[l.index, :, : R.shape[1], 1] = split_vaddr(R[..., 0])
             out[l.index, :, : R.shape[1], 2] = R[..., 1]
         return out

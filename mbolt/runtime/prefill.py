@@ -49,7 +49,6 @@ from mbolt.core.routemap import expert_ranges
 from mbolt.runtime.pages import anonymous, move_pages
 
 HUGE = 2 << 20  # a transparent huge page on x86-64
-USE_ORDER = {"gate": 0, "gate_up": 0, "up": 1, "down": 2}  # llama.cpp's order of the expert matmuls
 
 
 @dataclass
@@ -71,15 +70,7 @@ class LayerReader:
         self.steps = steps  # per file: the most one WILLNEED reads (core.pagecache.willneed_bytes)
         self._ranges = {l.index: expert_ranges(mm, l.index) for l in mm.moe_layers}
         # the columns of each tensor of a layer (a packed blob holds every role), tensors in use order
-        self._tensors: dict[int, list[list[int]]] = {}
-        for l in mm.moe_layers:
-            groups: dict[str, list[int]] = {}
-            rank: dict[str, int] = {}
-            for i, t in enumerate(l.weights):
-                key = t.container or t.name
-                groups.setdefault(key, []).append(i)
-                rank[key] = min(rank.get(key, 9), USE_ORDER.get(t.role, 3))
-            self._tensors[l.index] = [groups[k] for k in sorted(groups, key=lambda k: rank[k])]
+        self._tensors = {l.index: l.tensor_columns() for l in mm.moe_layers}
         self.counters = ReadCounters()
         self._queue: queue.Queue = queue.Queue()
         self._worker: threading.Thread | None = None

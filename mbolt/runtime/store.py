@@ -78,7 +78,8 @@ class StoreCounters:
 class ExpertStore:
     def __init__(self, path, *, gap: int = 0, io_threads: int = 1, direct: bool = False,
                  cache_slots: int = 0, resident_frac: float | None = None, mode: str = "read",
-                 drop_pages: bool = True, mm: MoeMap | None = None, on_evict=None, asynchronous: bool = False):
+                 drop_pages: bool = True, mm: MoeMap | None = None, on_evict=None, asynchronous: bool = False,
+                 use_order: bool = True):
         if mode not in ("read", "os"):
             raise MboltError(f"store mode must be 'read' or 'os', not {mode!r}")
         if mode == "os" and direct:
@@ -88,6 +89,7 @@ class ExpertStore:
         if gap < 0:
             raise MboltError(f"merge gap must be >= 0, got {gap}")
         self.path = str(path)
+        self.use_order = use_order  # misses read tensor by tensor in llama.cpp's use order (else by offset)
         self.mm = mm or moe_map(self.path)
         self.gap, self.io_threads, self.direct, self.mode = int(gap), int(io_threads), bool(direct), mode
         if asynchronous and (direct or mode == "os"):
@@ -102,13 +104,8 @@ class ExpertStore:
             cache_slots = int(round(resident_frac * E))
         self._ranges = {l.index: expert_ranges(self.mm, l.index) for l in self.mm.moe_layers}
         self._roles = {l.index: [t.role for t in l.weights] for l in self.mm.moe_layers}
-        # the role columns of each tensor of a layer (a packed blob holds every role)
-        self._tensor_cols = {}
-        for l in self.mm.moe_layers:
-            groups: dict[str, list[int]] = {}
-            for i, t in enumerate(l.weights):
-                groups.setdefault(t.container or t.name, []).append(i)
-            self._tensor_cols[l.index] = list(groups.values())
+        # the role columns of each tensor of a layer (a packed blob holds every role), in use order
+        self._tensor_cols = {l.index: l.tensor_columns() for l in self.mm.moe_layers}
         # the one slot cache rule (mbolt.core.lru), its state in arrays the runtime's C filter reads
         # and stamps (runtime.native: a decode step's layer whose experts are all cached is answered
         # there); the bytes of a cached expert (when kept) beside it
@@ -371,8 +368,11 @@ class ExpertStore:
         parts = [merge_ranges(R[:, cols, 0].reshape(-1), (R[:, cols, 0] + R[:, cols, 1]).reshape(-1), self.merge_gap)
                  for cols in self._tensor_cols[layer]]
         rs, re_ = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
-        order = np.argsort(rs, kind="stable")
-        rs, re_ = rs[order], re_[order]
+        if keep or not self.use_order:  # by offset (keep: each wanted slice is found in its read below)
+            order = np.argsort(rs, kind="stable")
+            rs, re_ = rs[order], re_[order]
+        # else tensor by tensor in llama.cpp's use order (parts come so, each by offset): the gate's
+        # pages arrive first, whichever tensor the file holds first
         if self.direct:
             a = rs - rs % ALIGN
             b = re_ + (-re_) % ALIGN

@@ -72,7 +72,8 @@ class StreamRuntime:
     misses answered in C (else Python); drop_behind, their victims dropped by the C filter's thread
     while llama.cpp computes (else at once); give_back_compute, the compute buffer's pages given
     back after each prompt (else kept, and budgeted); overlay, prompt passes laid over with huge
-    pages filled by O_DIRECT where two layers fit (runtime.prefill.PassOverlay; else the page cache).
+    pages filled by O_DIRECT where two layers fit (runtime.prefill.PassOverlay; else the page cache);
+    use_order, decode misses read tensor by tensor in llama.cpp's use order (else in file order).
     """
 
     uses_callback = True
@@ -81,7 +82,8 @@ class StreamRuntime:
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True,
-                 drop_behind: bool = True, give_back_compute: bool = True, overlay: bool = True):
+                 drop_behind: bool = True, give_back_compute: bool = True, overlay: bool = True,
+                 use_order: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -146,7 +148,8 @@ class StreamRuntime:
                                              f32_kv=f32_kv, n_seq=n_seq)
                 self.n_ubatch = self.budget.plan.n_ubatch
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
-                                     drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous)
+                                     drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous,
+                                     use_order=use_order)
             if self.budget:
                 self.reader = LayerReader(self.mm, self.store.fds, [willneed_bytes(f) for f in self.mm.paths])
                 # two whole layers, what a reserve with read-ahead holds (one, read as it starts, lost: q864 TTFT 1.04x)
