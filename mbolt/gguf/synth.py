@@ -7,10 +7,9 @@ requires. The routing is planted (gguf/routing.py) or fitted to a real model's p
 (gguf/routing_like.py); the bytes of each tensor come from gguf/blocks.py, their types from
 gguf/config.py and gguf/mixes.py. This module lays out the tensors and writes the file.
 
-Vocabulary: "gpt2" with GPT-2's pre-tokenizer; ids 0..255 are the bytes (token id == byte value),
-then one token per merge of gguf.vocabulary.BYTE_MERGES, then <|bos|> and <|eos|> (not added).
-Token topics and expert groups are recorded (`mbolt.synth.token_topic`; `mbolt.synth.groups`:
-int32 [n_layers*E], -1 for dense layers).
+Vocabulary: "gpt2" with GPT-2's pre-tokenizer; ids 0..255 are the bytes, then one token per merge of
+gguf.vocabulary.BYTE_MERGES, then <|bos|> and <|eos|> (not added). Token topics and expert groups
+are recorded (`mbolt.synth.token_topic`; `mbolt.synth.groups`: int32 [n_layers*E], -1 dense).
 
 Expert weights: real mode: Gaussian weights (std gain/sqrt(fan_in)) quantized with `gguf.quants.quantize`.
 `fast_random=True` writes random but valid blocks instead (the only way for K- and I-quants),
@@ -23,11 +22,8 @@ tensor (gate rows then up rows per expert, as llama.cpp's build_moe_ffn splits i
 
 Memory: streamed tensor by tensor, in chunks: a few pools of POOL_BYTES plus one chunk, whatever
 the model's size. Every byte derives from `seed` and the tensor name: same config, same bytes.
-
-What llama.cpp refuses: `probs_bias`, `expert_bias` and `dense_layers` on qwen3moe, olmoe,
-mixtral and qwen2moe add tensors (or drop experts from layers) their loaders do not accept; such
-files are for mbolt's own tools. glm4moe and deepseek2 have dense layers and exp_probs_b, gpt-oss
-its expert biases, natively: those files load.
+What llama.cpp refuses: `probs_bias`, `expert_bias` and `dense_layers` on qwen3moe, olmoe, mixtral
+and qwen2moe (files for mbolt's own tools); glm4moe, deepseek2 and gpt-oss have them natively.
 """
 
 from __future__ import annotations
@@ -257,19 +253,16 @@ class _Model:
             self._small(p + "ffn_gate_inp.bias", (E,), 0.01)
         if cfg.probs_bias or cfg.arch in ("glm4moe", "deepseek2"):
             self._const(p + "exp_probs_b.bias", lambda i=i: self.plant.probs_bias(i), shape=(E,))
-        def down():
-            self._add(p + "ffn_down_exps.weight", (ff, H, E), types["down"],
-                      GAIN * cfg.expert_gain * out_scale / math.sqrt(ff), experts=E)
-
+        down = (p + "ffn_down_exps.weight", (ff, H, E), types["down"], GAIN * cfg.expert_gain * out_scale / math.sqrt(ff))
         if cfg.tensor_order == "converter":  # llama.cpp's convert_hf_to_gguf merges down, gate, up
-            down()
+            self._add(*down, experts=E)
         if cfg.fused_gate_up:  # gate rows then up rows of each expert (one mul_mat_id in llama.cpp)
             self._add_fused(p, (H, ff, E), types["gate"], GAIN / math.sqrt(H))
         else:
             self._add(p + "ffn_gate_exps.weight", (H, ff, E), types["gate"], GAIN / math.sqrt(H), experts=E)
             self._add(p + "ffn_up_exps.weight", (H, ff, E), types["up"], GAIN / math.sqrt(H), experts=E)
         if cfg.tensor_order != "converter":
-            down()
+            self._add(*down, experts=E)
         if cfg.expert_bias or cfg.arch == "gpt-oss":
             for proj, width in (("gate", ff), ("up", ff), ("down", H)):
                 self._small(p + f"ffn_{proj}_exps.bias", (E, width), 0.01)
@@ -447,11 +440,8 @@ def synth_size(cfg: SynthConfig) -> int:
 def write_synth(path: str | os.PathLike, cfg: SynthConfig, *, force: bool = True,
                 progress: Callable[[int, int], None] | None = None) -> Path:
     """Write the synthetic model described by `cfg` to `path` (atomically); returns the path.
-
-    `progress(done_bytes, total_bytes)` is called after every chunk.
-    """
-    info = write_synth_info(path, cfg, force=force, progress=progress)
-    return Path(info.path)
+    `progress(done_bytes, total_bytes)` is called after every chunk."""
+    return Path(write_synth_info(path, cfg, force=force, progress=progress).path)
 
 
 def write_synth_info(path: str | os.PathLike, cfg: SynthConfig, *, force: bool = True,
@@ -500,8 +490,7 @@ def write_synth_info(path: str | os.PathLike, cfg: SynthConfig, *, force: bool =
     return SynthInfo(
         path=str(path), bytes=path.stat().st_size, arch=cfg.arch, gguf_arch=cfg.gguf_arch,
         preset=cfg.preset, geometry=geometry, expert_type=cfg.expert_type, structure=cfg.structure,
-        fast_random=cfg.fast_random, n_tensors=len(model.tensors), header_sha256=sha,
-        fingerprint=sha[:32],
+        fast_random=cfg.fast_random, n_tensors=len(model.tensors), header_sha256=sha, fingerprint=sha[:32],
         extra={"seed": cfg.seed, "strength": cfg.strength, "heat_skew": cfg.heat_skew, "context": cfg.context,
                "fused_gate_up": cfg.fused_gate_up, "down_type": cfg.down_type, "layer_types": cfg.layer_types,
                **({"note": cfg.note} if cfg.note else {}),

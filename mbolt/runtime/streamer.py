@@ -23,12 +23,11 @@ is done (`end`, and `end_prompt` after a prompt's last pass): the phases are exp
   reaches Python: the C filter (runtime.native) answers it and stamps the LRU's arrays.
 
 Under a budget the expert spans of llama.cpp's mapping get MADV_RANDOM (a stray fault reads one
-page), and an expert that leaves the LRU is dropped at once (mapping and page cache), so the group
-stays under its limit and the kernel never has to reclaim. The cache is smaller during a prompt
-pass (it reads up to a layer beyond it, and fills llama.cpp's compute buffer) and grows back for
-decode steps, the buffer's pages given back. Without a budget, the emulation: every expert page
-dropped after every decode step (or, with cache slots, when it leaves the LRU): the s = 1 bound
-of a model far larger than RAM.
+page), and an expert that leaves the LRU is dropped at once (mapping and page cache): the group
+stays under its limit, the kernel never reclaims. The cache is smaller during a prompt pass (it
+reads a layer ahead and fills the compute buffer) and grows back for decode steps, the buffer given
+back. Without a budget, the emulation: every expert page dropped after every decode step (or, with
+cache slots, when it leaves the LRU): the s = 1 bound of a model far larger than RAM.
 
 Plain llama.cpp is not this class: runtime.plain.
 """
@@ -70,10 +69,10 @@ class StreamRuntime:
     n_seq: the sequences the driver decodes together (their KV caches and steps are budgeted).
     The A/B switches (True by default; False is the other path): native_misses, decode layers with
     misses answered in C (else Python); drop_behind, their victims dropped by the C filter's thread
-    while llama.cpp computes (else at once); give_back_compute, the compute buffer's pages given
-    back after each prompt (else kept, and budgeted); overlay, prompt passes laid over with huge
-    pages filled by O_DIRECT where two layers fit (runtime.prefill.PassOverlay; else the page cache);
-    use_order, decode misses read tensor by tensor in llama.cpp's use order (else in file order).
+    while llama.cpp computes (else at once); give_back_compute, the compute buffer given back after
+    each prompt (else kept, budgeted); overlay, prompt passes laid over with huge pages filled by
+    O_DIRECT where two layers fit (prefill.PassOverlay; else the page cache); use_order, decode
+    misses read in llama.cpp's use order (else in file order).
     """
 
     uses_callback = True
@@ -82,8 +81,7 @@ class StreamRuntime:
                  n_ubatch: int = DEFAULT_UBATCH, mm: MoeMap | None = None, record: bool = False,
                  budget: int | None = None, f32_kv: bool = False, asynchronous: bool = False, pins: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, native_misses: bool = True,
-                 drop_behind: bool = True, give_back_compute: bool = True, overlay: bool = True,
-                 use_order: bool = True):
+                 drop_behind: bool = True, give_back_compute: bool = True, overlay: bool = True, use_order: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
         self.path = str(path)
@@ -148,8 +146,7 @@ class StreamRuntime:
                                              f32_kv=f32_kv, n_seq=n_seq)
                 self.n_ubatch = self.budget.plan.n_ubatch
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
-                                     drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous,
-                                     use_order=use_order)
+                                     drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous, use_order=use_order)
             if self.budget:
                 self.reader = LayerReader(self.mm, self.store.fds, [willneed_bytes(f) for f in self.mm.paths])
                 # two whole layers, what a reserve with read-ahead holds (one, read as it starts, lost: q864 TTFT 1.04x)
