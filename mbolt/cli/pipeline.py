@@ -276,7 +276,7 @@ def verify_cmd(
 @user_errors
 def ab_cmd(
     arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S] (llama.cpp also: "
-                                     "warm, callback, async, pins, ubatch=N, pymisses, dropsnow, keepcompute, passcache, "
+                                     "warm, callback, async, pins, ubatch=N, pymisses, dropsnow, keepcompute, passcache, fileorder, "
                                      "parallel=N: decode N prompts together, one token of each per step). The first is the baseline."),
     replay_trace: Path = typer.Option(None, "--replay", help="Held-out trace: read exactly what each token needs (I/O only)."),
     decode: bool = typer.Option(False, "--decode", help="Generate with the engine (compute + I/O)."),
