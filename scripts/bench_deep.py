@@ -147,6 +147,34 @@ def warm_figures(warm: dict, n_moe: int) -> dict:
             "aa": {a: pair_ratio(warm, f"{a} (A/A)", a) for a in ("plain-warm", "mbolt-warm")}}
 
 
+def budget_frac(name: str) -> float:
+    return 4.0 if name == "smoke" else 0.4  # smoke: the engine alone is larger than 40% of its file
+
+
+def deep_arms(stock: str, suffix: str = "") -> tuple[Arm, Arm]:
+    """plain llama.cpp (mapped) and the runtime as shipped (async reads, QD4)."""
+    return Arm(f"plain{suffix}", stock, mode="os"), Arm(f"mbolt{suffix}", stock, io_threads=4, asynchronous=True)
+
+
+def aa_goal(g, aa: dict, twins: str) -> dict:
+    spread = max((abs(v - 1) for v in aa.values() if v is not None), default=None)
+    return {"goal": f"A/A within {g('aa_within'):.0%} ({twins} twins)", "value": spread,
+            "met": spread is not None and spread <= g("aa_within")}
+
+
+def tokens_goal(out: dict) -> dict:
+    return {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]}
+
+
+def peer_goal(pr, out: dict, prefix: str = "") -> list[dict]:
+    """issue 35's ">= 2x the best peer arm", required of a real run when the peer's build is there."""
+    if "peers" not in out or PEER_GOAL not in pr.goals:
+        return []
+    vs = out["peers"]["mbolt_over_best_peer"]
+    return [{"goal": f"{prefix}mbolt-stock >= {pr.goal(PEER_GOAL)}x the best peer arm", "value": vs,
+             "met": vs is not None and vs >= pr.goal(PEER_GOAL)}]
+
+
 def warm_goal(g, value) -> dict:
     return {"goal": f"warm: the runtime >= {g('warm_over_plain_warm_min')}x plain warm (hot path at full depth)",
             "value": value, "met": value is not None and value >= g("warm_over_plain_warm_min")}
@@ -161,20 +189,14 @@ def run_warm(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     n_moe, warm_ram = len(moe_map(stock).moe_layers), warm_limit(size)
     with readahead(p["stock"], READAHEAD_KB):
         ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file read into memory first)")
-        warm = warm_stage(name, Arm("plain", stock, mode="os"), Arm("mbolt", stock, io_threads=4, asynchronous=True),
-                          rounds, warm_ram, seed)
+        warm = warm_stage(name, *deep_arms(stock), rounds, warm_ram, seed)
     g = pr.goal
     out = {"model": name, "synth": SPEC, "workload": vars(WORKLOAD), "file_bytes": size, "moe_layers": n_moe,
            "warm_limit_bytes": warm_ram, "rounds": rounds,
            "decode_tokens_per_s": {r_["arm"]: r_.get("decode_tokens_per_s") for r_ in warm["summary"]},
            "device_bytes_per_token": {r_["arm"]: r_.get("device_bytes_per_token") for r_ in warm["summary"]},
            **warm_figures(warm, n_moe), "tokens_identical": tokens_identical(warm), "warm": ml._compact(warm)}
-    spread = max((abs(v - 1) for v in out["aa"].values() if v is not None), default=None)
-    out["goals"] = [
-        warm_goal(g, out["warm_over_plain_warm"]["median"]),
-        {"goal": f"A/A within {g('aa_within'):.0%} (two twins)", "value": spread,
-         "met": spread is not None and spread <= g("aa_within")},
-        {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]}]
+    out["goals"] = [warm_goal(g, out["warm_over_plain_warm"]["median"]), aa_goal(g, out["aa"], "two"), tokens_goal(out)]
     return out
 
 
@@ -183,9 +205,8 @@ def run_tuned(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     runtime and their twins (same-round ratios), ik_llama.cpp's arms after them."""
     p = ml.paths(name)
     size = p["stock"].stat().st_size
-    ram = int(size * (4.0 if name == "smoke" else 0.4))
-    stock = str(p["stock"])
-    plain, mbolt = Arm("plain-stock", stock, mode="os"), Arm("mbolt-stock", stock, io_threads=4, asynchronous=True)
+    ram = int(size * budget_frac(name))
+    plain, mbolt = deep_arms(str(p["stock"]), "-stock")
     ml.log(f"{name}: plain's readahead swept under the limit ({ram / 2**30:.2f} GiB)")
     swept = ml.sweep_plain(name, [plain], WORKLOAD, ram, seed, tokens=WORKLOAD.new)
     tuned = best_window(swept)
@@ -214,17 +235,10 @@ def run_tuned(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
         out["peer_limited"] = peer
         out["peers"] = peers.peers_beside(m["decode_tokens_per_s"], None, peer, None)
     g, over = pr.goal, out["over_plain_tuned"]["median"]
-    spread = max((abs(v - 1) for v in out["aa"].values() if v is not None), default=None)
     out["goals"] = [
         {"goal": f"mbolt-stock >= {g('over_plain_tuned_min')}x plain tuned ({held} KiB)", "value": over,
          "met": over is not None and over >= g("over_plain_tuned_min")},
-        {"goal": f"A/A within {g('aa_within'):.0%} (two twins)", "value": spread,
-         "met": spread is not None and spread <= g("aa_within")},
-        {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]}]
-    if peer and PEER_GOAL in pr.goals:
-        vs = out["peers"]["mbolt_over_best_peer"]
-        out["goals"].append({"goal": f"mbolt-stock >= {g(PEER_GOAL)}x the best peer arm", "value": vs,
-                             "met": vs is not None and vs >= g(PEER_GOAL)})
+        aa_goal(g, out["aa"], "two"), tokens_goal(out), *peer_goal(pr, out)]
     return out
 
 
@@ -234,10 +248,9 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     p = ml.paths(name)
     stock, size = str(p["stock"]), p["stock"].stat().st_size
     n_moe = len(moe_map(stock).moe_layers)
-    frac = 4.0 if name == "smoke" else 0.4  # smoke: the engine alone is larger than 40% of its file
+    frac = budget_frac(name)
     ram, warm_ram = int(size * frac), warm_limit(size)
-    plain = Arm("plain", stock, mode="os")
-    mbolt = Arm("mbolt", stock, io_threads=4, asynchronous=True)
+    plain, mbolt = deep_arms(stock)
     with readahead(p["stock"], READAHEAD_KB) as held:
         ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file {size / 2**30:.1f} GiB "
                "read into memory first)")
@@ -280,21 +293,13 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     g = pr.goal
     warm_r, over = out["warm_over_plain_warm"]["median"], out["over_plain"]["median"]
     share = out.get("reads_then_compute", {}).get("share")
-    aa = [v for v in out["aa"].values() if v is not None]
     out["goals"] = [
         warm_goal(g, warm_r),
         {"goal": f"limited: mbolt-stock >= {g('reads_then_compute_share_min'):.0%} of reads then compute",
          "value": share, "met": share is not None and share >= g("reads_then_compute_share_min")},
         {"goal": f"limited: mbolt-stock >= {g('over_plain_tuned_min')}x plain (128 KiB)", "value": over,
          "met": over is not None and over >= g("over_plain_tuned_min")},
-        {"goal": f"A/A within {g('aa_within'):.0%} (four twins)", "value": max(abs(a - 1) for a in aa) if aa else None,
-         "met": bool(aa) and max(abs(a - 1) for a in aa) <= g("aa_within")},
-        {"goal": "the same tokens in every arm", "value": out["tokens_identical"], "met": out["tokens_identical"]},
-    ]
-    if peer and PEER_GOAL in pr.goals:  # required of a real run when the build is there (main)
-        vs = out["peers"]["mbolt_over_best_peer"]
-        out["goals"].append({"goal": f"limited: mbolt-stock >= {g(PEER_GOAL)}x the best peer arm", "value": vs,
-                             "met": vs is not None and vs >= g(PEER_GOAL)})
+        aa_goal(g, out["aa"], "four"), tokens_goal(out), *peer_goal(pr, out, "limited: ")]
     return out
 
 

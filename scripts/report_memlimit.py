@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+from mbolt.bench.paired import row
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "results"
 SLICE = {"q864": "864 KiB, Q4_0", "q72": "72 KiB, Q4_0", "q4km": "Q4_K_M-like", "q48": "48 layers, Q4_K_M-like"}
@@ -290,7 +292,7 @@ def deep_tuned() -> str:
         warm_p = RESULTS / p.name.replace("_tuned.json", "_warm.json")
         warm = json.loads(warm_p.read_text()) if warm_p.exists() else None
         compute = warm and warm["decode_tokens_per_s"]["plain-warm"]
-        m = next(r for r in d["limited"]["summary"] if r["arm"] == "mbolt-stock")
+        m = row(d["limited"], "mbolt-stock")
         bw = d["drive"]["sequential_bytes_per_s"]
         own = bw / m["device_bytes_per_token"] if m.get("device_bytes_per_token") else None
         rtc = 1 / (1 / own + 1 / compute) if own and compute else None
@@ -306,7 +308,7 @@ def deep_tuned() -> str:
                   f"prompt, {d['workload']['new']} fed tokens, {d['rounds']} rounds; the sweep {d['sweep']['rounds']} rounds "
                   f"of {d['sweep']['tokens']} tokens; the drive {bw / 1e6:.0f} MB/s sequential (the better of two probes); "
                   f"mbolt {m['device_bytes_per_token'] / 1e6:.0f} MB a token from the drive, TTFT {fmt(m.get('ttft_s'), '.1f')} s "
-                  f"(plain {fmt(next(r for r in d['limited']['summary'] if r['arm'] == 'plain-stock').get('ttft_s'), '.1f')} s); "
+                  f"(plain {fmt(row(d['limited'], 'plain-stock').get('ttft_s'), '.1f')} s); "
                   f"not run: {'; '.join(d['not_run'])}.", f"- {d['model']} goals: {met(d['goals'])}.", run_line(d)]
         if warm:
             notes.append(f"- the warm compute: `{warm_p.name}`, " + run_line(warm).lstrip("- "))

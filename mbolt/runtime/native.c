@@ -168,7 +168,8 @@ static bool resident(struct mbolt_filter * f, int layer, int32_t e) {
    arrays): cached experts the kernel reclaimed in part are read again (what is left of them
    dropped); the misses' slices merged per tensor (core.ranges.merge_ranges: a hole of at most
    merge_gap joins) and submitted with WILLNEED tensor by tensor in llama.cpp's use order (use_order;
-   else in file order), each in file order (llama.cpp's faults wait for pages in flight); every selected expert stamped in row order; the least recently used beyond the slots
+   else in file order), each in file order (llama.cpp's faults wait for pages in flight); every
+   selected expert stamped in row order; the least recently used beyond the slots
    leave the cache, mapping and page cache at once. Python (runtime.streamer) does the same when
    this is off, and whenever a step selects more experts than the cache holds. */
 static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
