@@ -1,7 +1,8 @@
 """`mbolt serve` under a real memory limit, through the official openai client -> results/serve_<model>.json.
 
 Each server is a fresh process inside a memory cgroup of 40% of the file (the page cache is charged
-to it), started after the model's pages were dropped, at 128 KiB readahead; the group's peak is
+to it), started after the model's pages were dropped, at --readahead KiB (default 128, llama.cpp as
+shipped; the pre-registration names plain's best window when it runs there); the group's peak is
 reset once the server has loaded. Arms:
   mbolt   `mbolt serve MODEL` (the streaming runtime, budget from the cgroup)
   plain   `mbolt serve MODEL --plain` (llama.cpp mapped, repacking off, no callback: the same server) at
@@ -325,20 +326,26 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8", help="concurrency: the client counts")
     ap.add_argument("--turns", type=int, default=TURNS, help="concurrency: turns per conversation")
     ap.add_argument("--reply", type=int, default=REPLY, help="concurrency: tokens per reply")
+    ap.add_argument("--readahead", type=int, default=128, metavar="KB",
+                    help="the drive's read_ahead_kb for every arm, restored after (default 128: as shipped; "
+                         "plain's best window from bench_memlimit.py's sweep when the pre-registration says so)")
     a = ap.parse_args()
+    if not 4 <= a.readahead <= 65536:
+        ap.error(f"--readahead {a.readahead}: give a window in KiB from 4 to 65536")
     if a.workload == "concurrency":
         return concurrency(a)
     dst = ROOT / "results" / f"serve_{a.model}.json"
     pr, lock = gate(a.prereg, GOAL_KEYS, dst, a.dry_run)
     if a.dry_run:
         print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {a.rounds} round(s) of "
-              f"{', '.join(ARMS)} ({TURNS} turns, {REPLY} tokens per reply, TTFT timed by the client)")
+              f"{', '.join(ARMS)} ({TURNS} turns, {REPLY} tokens per reply, TTFT timed by the client, "
+              f"readahead {a.readahead} KiB)")
         return
     model, size, ram = bench_model(a.model)
     rec = run_record(pr, lock, ROOT, model)
     ids = session_text_ids(model)
     rounds = []
-    with readahead(model, 128) as ra:
+    with readahead(model, a.readahead) as ra:
         for r in range(a.rounds):
             order = list(ARMS) if r % 2 == 0 else list(reversed(ARMS))
             arms = {}
@@ -405,7 +412,7 @@ def concurrency(a) -> None:
     ids = session_text_ids(model, tokens=sc.WINDOW * (max(clients) - 1) + need)
     sc.client_ids(ids, max(clients), need)  # every client's text is there before the first run, not after
     runs = []
-    with readahead(model, 128) as ra:
+    with readahead(model, a.readahead) as ra:
         for arm, c in plan:
             log(f"{arm}: {c} client(s)")
             runs.append(sc.run_clients(sys.modules[__name__], model, arm, c, max(clients), ram, ids, a.turns, a.reply))
