@@ -177,8 +177,9 @@ def decode() -> str:
 
 def drives() -> str:
     out = ["| model | drive | plain stock / reorder (tok/s) | mbolt stock / reorder (tok/s) | mbolt over plain | "
-           "layout gain plain: measured / law | layout gain mbolt: measured / law | bound (share) |",
-           "|---|---|---|---|---|---|---|---|"]
+           "MB read per token: plain / mbolt (MIN) | layout gain plain: measured / law | "
+           "layout gain mbolt: measured / law | bound (share) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     out_goals = []
     for d in load("drives"):
         for prof, pp in d["profiles"].items():
@@ -194,9 +195,16 @@ def drive_row(d: dict, where: str, p: dict) -> str:
     rows = {r["arm"]: r.get("decode_tokens_per_s") for r in p["ab"]["summary"]}
     lw = p["law"]
     over = p["over_plain"]["median"] if isinstance(p["over_plain"], dict) else p["over_plain"]
+
+    def mb(kind: str):  # the stock arm's decode bytes per token as the drive served them
+        st = (lw[kind].get("served_per_token") or {}).get("stock")
+        return st[1] / 1e6 if st else None
+
+    min_mb = (p.get("bound") or {}).get("min_miss_bytes_per_token")
     return (f"| {d['model']} | {where} | {fmt(rows.get('plain-stock'))} / {fmt(rows.get('plain-reorder'))} | "
             f"{fmt(rows.get('mbolt-stock'))} / {fmt(rows.get('mbolt-reorder'))} | "
-            f"**{fmt(over)}x** | {fmt(p['layout_gain']['plain'])} / "
+            f"**{fmt(over)}x** | {fmt(mb('plain'), '.1f')} / {fmt(mb('mbolt'), '.1f')} "
+            f"({fmt(min_mb and min_mb / 1e6, '.1f')}) | {fmt(p['layout_gain']['plain'])} / "
             f"{fmt(lw['plain']['predicted_gain'])} | {fmt(p['layout_gain']['mbolt'])} / "
             f"{fmt(lw['mbolt']['predicted_gain'])} | "
             + (f"{fmt(p['bound']['tokens_per_s'])} tok/s ({100 * p['share_of_bound']:.0f}%) |"
