@@ -15,8 +15,13 @@ from mbolt.rewrite.reorder import reorder
 
 # Stop the copy after its third range, say so, and wait there (on stdin, which the parent never
 # writes): the signal always lands mid-write, with no race against a timer.
+# SIGINT's default handler is set explicitly: a shell without job control starts background
+# commands with SIGINT ignored, and a child inherits that (a suite run with `&` saw the child
+# ignore the SIGINT case and hang)
 CHILD = textwrap.dedent("""
+    import signal
     import sys
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import numpy as np
     import mbolt.rewrite.copy as C
     import mbolt.rewrite.reorder as R
