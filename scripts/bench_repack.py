@@ -73,7 +73,10 @@ def worker(arm: str, path: str, prompt: int, new: int, n_batch: int) -> dict:
 def run_arm(arm: str, path: Path, p: dict) -> dict:
     cmd = [sys.executable, __file__, "--worker", arm, str(path), str(p["prompt_tokens"]), str(p["new_tokens"]),
            str(p["n_batch"])]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired:
+        raise MboltError(f"{path}: the {arm} arm took over 30 minutes: stopped") from None
     if r.returncode != 0:
         raise MboltError(f"{path}: the {arm} arm failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     return json.loads(r.stdout.strip().splitlines()[-1])
