@@ -1,0 +1,160 @@
+"""Exploratory probe (issue 35; no results file): experts held in llama.cpp's repacked layout,
+filled one expert at a time by the caller, as a streaming runtime would.
+
+llama.cpp's default load puts Q4_0/Q4_K/IQ4_NL weights in the CPU backend's repack buffer
+(anonymous memory, interleaved rows, faster kernels: `scripts/bench_repack.py`) and fills all of it
+at load. Here the load's progress callback drops that buffer's pages as they are written
+(MADV_DONTNEED: the load never holds more than one tensor), an eval callback finds the expert
+tensors at the first graph, and each expert is then written through `ggml_backend_tensor_set` on
+a view of its rows (the repack buffer repacks what it is given; an expert's rows keep their
+offset). The logits are compared with llama.cpp's own repacked load, bit for bit.
+
+    python scripts/probe_repack_fill.py $MBOLT_BENCH/memlimit/q864/stock.gguf
+
+Binding-specific (llama-cpp-python 0.3.36): the ggml_tensor layout of runtime.binding, libggml's
+public ggml_backend_tensor_set. Each mode runs in a process of its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MADV_DONTNEED = 4
+N_PROMPT, N_DECODE = 512, 128
+
+
+def anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("RssAnon:"))
+
+
+def big_anonymous_maps(min_bytes: int = 256 << 20) -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for ln in f:
+            parts = ln.split()
+            a, b = (int(x, 16) for x in parts[0].split("-"))
+            if b - a >= min_bytes and len(parts) < 6:  # no path: anonymous
+                out.append((a, b))
+    return out
+
+
+def run(path: str, mode: str) -> dict:
+    """mode "default": llama.cpp's own load (repacked at load); "filled": the buffer dropped at
+    load, then every expert written one by one."""
+    import llama_cpp as L
+    from gguf import GGUFReader
+
+    from mbolt.runtime.binding import GgmlTensor
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    base = ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml-base.so"))
+    base.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
+
+    @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
+    def drop_as_loaded(progress, user):
+        for a, b in big_anonymous_maps():
+            libc.madvise(a, b - a, MADV_DONTNEED)
+        return True
+
+    experts: dict[str, int] = {}
+    seen = [False]
+
+    @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+    def find_experts(t, ask, user):
+        if not ask or seen[0]:
+            return not ask
+        for s in GgmlTensor.from_address(t).src:
+            if s and GgmlTensor.from_address(s).name.endswith(b"_exps.weight"):
+                experts[GgmlTensor.from_address(s).name.decode()] = s
+        return False
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    if mode == "filled":
+        mp.progress_callback = drop_as_loaded
+    model = L.llama_model_load_from_file(path.encode(), mp)
+    anon_load = anon_bytes()
+    cp = L.llama_context_default_params()
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, N_PROMPT, N_PROMPT, 2, 2
+    cp.cb_eval = find_experts
+    ctx = L.llama_init_from_model(model, cp)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+
+    def decode(ids):
+        arr = (ctypes.c_int32 * len(ids))(*ids)
+        if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(ids))) != 0:
+            raise SystemExit("llama_decode failed")
+        return np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
+
+    decode([1])  # the first graph: find_experts sees every expert tensor
+    seen[0] = True
+    L.llama_memory_clear(L.llama_get_memory(ctx), True)
+    fill_s, n = 0.0, 0
+    if mode == "filled":
+        info = {t.name: int(t.data_offset) for t in GGUFReader(path).tensors}
+        raw = np.memmap(path, dtype=np.uint8, mode="r")
+        view = ctypes.create_string_buffer(512)
+        t0 = time.perf_counter()
+        for name, ptr in experts.items():
+            g = GgmlTensor.from_address(ptr)
+            e_bytes = int(g.nb[2])
+            for e in range(int(g.ne[2])):
+                ctypes.memmove(view, ptr, 400)  # the whole ggml_tensor (with extra: the repack traits)
+                v = GgmlTensor.from_buffer(view)
+                v.ne[2], v.nb[3], v.data = 1, e_bytes, g.data + e * e_bytes
+                src = raw[info[name] + e * e_bytes: info[name] + (e + 1) * e_bytes]
+                base.ggml_backend_tensor_set(ctypes.addressof(view), src.ctypes.data, 0, e_bytes)
+                n += 1
+        fill_s = time.perf_counter() - t0
+    ids = [3 + i % 240 for i in range(N_PROMPT + N_DECODE)]
+    t0 = time.perf_counter()
+    logits = [decode(ids[:N_PROMPT])]
+    t1 = time.perf_counter()
+    logits += [decode([t]) for t in ids[N_PROMPT:]]
+    t2 = time.perf_counter()
+    out = Path(f"/tmp/probe_repack_fill.{mode}.npy")
+    np.save(out, np.stack(logits))
+    return {"mode": mode, "anon_after_load_mb": anon_load >> 20, "experts_filled": n, "fill_s": fill_s,
+            "fill_mb": sum(int(GgmlTensor.from_address(p).nb[3]) for p in experts.values()) >> 20 if n else 0,
+            "prompt_tokens_per_s": N_PROMPT / (t1 - t0), "decode_tokens_per_s": N_DECODE / (t2 - t1),
+            "logits": str(out)}
+
+
+def main() -> int:
+    if len(sys.argv) == 4 and sys.argv[1] == "--mode":
+        print(json.dumps(run(sys.argv[3], sys.argv[2])))
+        return 0
+    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_file():
+        print("usage: python scripts/probe_repack_fill.py MODEL.gguf", file=sys.stderr)
+        return 2
+    res = {}
+    for mode in ("default", "filled"):
+        r = subprocess.run([sys.executable, __file__, "--mode", mode, sys.argv[1]], capture_output=True, text=True)
+        if r.returncode != 0:
+            print(f"error: the {mode} run failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}", file=sys.stderr)
+            return 2
+        res[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    a, b = (np.load(res[m]["logits"]) for m in ("default", "filled"))
+    for m, r in res.items():
+        print(f"{m}: anonymous memory after load {r['anon_after_load_mb']} MB; prompt {r['prompt_tokens_per_s']:.1f} "
+              f"tok/s, decode {r['decode_tokens_per_s']:.2f} tok/s"
+              + (f"; {r['experts_filled']} experts ({r['fill_mb']} MB) filled in {r['fill_s']:.2f} s" if r["fill_s"] else ""))
+    print(f"logits, {len(a)} positions: max |difference| {float(np.abs(a - b).max())}, "
+          f"{'identical' if np.array_equal(a, b) else 'DIFFERENT'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
