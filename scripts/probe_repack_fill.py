@@ -52,10 +52,11 @@ def big_anonymous_maps(min_bytes: int = 256 << 20) -> list[tuple[int, int]]:
 def run(path: str, mode: str) -> dict:
     """mode "default": llama.cpp's own load (repacked at load); "filled": the buffer dropped at
     load, then every expert written one by one."""
-    import llama_cpp as L
     from gguf import GGUFReader
 
-    from mbolt.runtime.binding import GgmlTensor
+    from mbolt.runtime.binding import GgmlTensor, lib
+
+    L = lib()  # refuses a llama-cpp-python other than the one whose ggml_tensor layout this reads
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
