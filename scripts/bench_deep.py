@@ -59,7 +59,7 @@ import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
-from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, load_bench_prereg, open_bench_prereg  # noqa: E402
+from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, load_bench_prereg  # noqa: E402
 from mbolt.bench.prereg import run_record  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
@@ -324,11 +324,10 @@ def main() -> None:
                 ml.log(f"  smoke: {g['goal']}: {g['value']}")
         return
     try:
-        pr, lock = open_bench_prereg(a.prereg, ml.ROOT, count_run=not a.dry_run)
         fn, result, goals = {"warm": (run_warm, WARM_RESULT, WARM_GOALS), "tuned": (run_tuned, TUNED_RESULT, TUNED_GOALS),
                              "run": (run, RESULT, GOALS)}[a.stage]
-        pr.require_goals(list(goals) + ([PEER_GOAL] if a.stage != "warm" and peers.find_ik(ml.PEERS) else []))
-        check_rerun(pr, result)
+        judged = list(goals) + ([PEER_GOAL] if a.stage != "warm" and peers.find_ik(ml.PEERS) else [])
+        pr, lock = gate_run(a.prereg, ml.ROOT, judged, result, count_run=not a.dry_run)
         if not ml.paths(NAME)["stock"].exists():
             raise SystemExit(f"{ml.paths(NAME)['stock']}: run `prepare` first")
         if a.dry_run:

@@ -105,14 +105,12 @@ def main() -> int:
     ap.add_argument("--prereg", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "hotpath.json")
     a = ap.parse_args()
-    from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, open_bench_prereg, run_record
+    from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, run_record
     from mbolt.core.atomic import write_text_atomic
     from mbolt.data import path as data_path
 
     try:
-        pr, lock = open_bench_prereg(a.prereg, ROOT)
-        pr.require_goals(["beyond_plain_us_per_layer_max", "aa_max"])
-        check_rerun(pr, a.out)
+        pr, lock = gate_run(a.prereg, ROOT, ["beyond_plain_us_per_layer_max", "aa_max"], a.out)
         rec = run_record(pr, lock, ROOT, BENCH)
         p = pr.raw
         from mbolt.runtime.runner import LlamaRunner

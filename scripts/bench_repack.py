@@ -122,13 +122,11 @@ def main() -> int:
     ap.add_argument("--prereg", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "repack.json")
     a = ap.parse_args()
-    from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, open_bench_prereg, run_record
+    from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, run_record
     from mbolt.core.atomic import write_text_atomic
 
     try:
-        pr, lock = open_bench_prereg(a.prereg, ROOT)
-        pr.require_goals(["prompt_gain_min", "decode_gain_min"])
-        check_rerun(pr, a.out)
+        pr, lock = gate_run(a.prereg, ROOT, ["prompt_gain_min", "decode_gain_min"], a.out)
         rec = run_record(pr, lock, ROOT, BENCH)
         p = pr.raw
         results = [measure(m, p) for m in p["models"]]

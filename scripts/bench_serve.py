@@ -50,7 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_memlimit import paths  # noqa: E402
-from mbolt.bench.prereg import check_rerun, finish_record, keep_earlier, open_bench_prereg, run_record  # noqa: E402
+from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, run_record  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import MemoryGroup, readahead  # noqa: E402
@@ -297,9 +297,7 @@ def reply_lengths(rounds: list[dict]) -> dict:
 def gate(prereg: Path, goal_keys, dst: Path, dry_run: bool):
     """The pre-registration checked (bench.prereg) before anything runs: one error line otherwise."""
     try:
-        pr, lock = open_bench_prereg(prereg, ROOT, count_run=not dry_run)
-        pr.require_goals(goal_keys)
-        check_rerun(pr, dst)
+        pr, lock = gate_run(prereg, ROOT, goal_keys, dst, count_run=not dry_run)
     except MboltError as e:
         raise SystemExit(f"error: {e}") from None
     return pr, lock

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from mbolt.bench.prereg import (check_rerun, finish_record, keep_earlier, load_bench_prereg, lock_bench, lock_path,
-                                open_bench_prereg, run_record)
+from mbolt.bench.prereg import (check_rerun, finish_record, gate_run, keep_earlier, load_bench_prereg, lock_bench,
+                                lock_path, open_bench_prereg, run_record)
 from mbolt.core.errors import MboltError
 
 PREREG = """script = "scripts/bench_x.py --rounds 3"
@@ -176,3 +176,17 @@ def test_lock_command(tmp_path):
     assert json.loads(lock_path(p).read_text())["runs"] == 0
     r = subprocess.run([sys.executable, "-m", "mbolt.bench.prereg", "lock", str(p)], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "already locked" in r.stderr
+
+
+def test_gate_run_refuses_a_missing_goal_and_a_rerun(repo):
+    lock_bench(repo / "prereg" / "x.toml")
+    commit(repo)
+    res = repo / "results" / "x.json"
+    with pytest.raises(MboltError, match=r"\[goals\] lacks q72_x"):
+        gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max", "q72_x"], res)
+    pr, lock = gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], res)
+    assert lock["runs"] == 1  # the refused start above was not counted
+    res.write_text(json.dumps({"prereg": pr.to_dict()}))
+    with pytest.raises(MboltError, match="measured under .* already"):
+        gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], res)
+    assert json.loads(lock_path(repo / "prereg" / "x.toml").read_text())["runs"] == 1

@@ -334,6 +334,17 @@ def check_rerun(pr: BenchPrereg, result_path: str | os.PathLike) -> None:
                          "[addendum] naming the miss")
 
 
+def gate_run(path: str | os.PathLike, root: str | os.PathLike, goal_keys, result_path: str | os.PathLike,
+             count_run: bool = True) -> tuple[BenchPrereg, dict]:
+    """A benchmark script's gate before it measures: `open_bench_prereg`, every goal the run will
+    judge present (`require_goals`), no result of this pre-registration yet (`check_rerun`); only
+    then is the run counted in the lock (`count_run`), so a refused start counts none."""
+    pr, lock = open_bench_prereg(path, root, count_run=False)
+    pr.require_goals(goal_keys)
+    check_rerun(pr, result_path)
+    return pr, (check_and_lock(pr) if count_run else lock)
+
+
 def keep_earlier(pr: BenchPrereg, result_path: str | os.PathLike, result: dict) -> dict:
     """Before a result replaces an earlier one: the earlier file stays beside it
     (`NAME.runK.json`) and the new result lists every earlier run (file, pre-registration, goals),
