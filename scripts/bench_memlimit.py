@@ -79,8 +79,8 @@ from mbolt.bench.ab_llama import ORDINARY_UID  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench import peer_prompt, peers  # noqa: E402
 from mbolt.bench.predict import law_holds, law_predicts_no_change, layout_read_ratios, throttled_layout_law  # noqa: E402
-from mbolt.bench.prereg import BenchPrereg, check_rerun, finish_record, keep_earlier, load_bench_prereg  # noqa: E402
-from mbolt.bench.prereg import open_bench_prereg, run_record  # noqa: E402
+from mbolt.bench.prereg import BenchPrereg, finish_record, gate_run, keep_earlier, load_bench_prereg  # noqa: E402
+from mbolt.bench.prereg import run_record  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical, ttft_of  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
 from mbolt.bench.stats import aa_row  # noqa: E402
@@ -671,20 +671,22 @@ BENCHMARKS = {"session": "sessions under a real memory limit (issues 26, 33)",
               "drives": "drive profiles under a real memory limit (issues 28, 33)"}
 
 
+def goal_keys(stage: str, models: list[str]) -> list[str]:
+    """The goals a run of `stage` on `models` judges: each must be in its pre-registration."""
+    return ([k.format(model=m) for m in models for k in STAGE_GOALS[stage]]
+            + ([f"{m}_over_best_peer_min" for m in models] if stage == "decode" and peers.find_ik(PEERS) else []))
+
+
 def run_stage(stage: str, models: list[str], rounds: int, pr: BenchPrereg, lock: dict | None, out_dir: Path,
               probe: Path) -> None:
-    """Run `stage` on each model under pre-registration `pr` (gated by the caller: open_bench_prereg;
-    `lock` None for the smoke run, which writes outside results/). Everything is checked before the
-    first model is measured: the models exist, every goal is in the pre-registration, no result was
-    measured under it already. Each result records the run (revision, machine, load before and
-    after) and keeps the runs it replaces (prereg.keep_earlier)."""
-    pr.require_goals([k.format(model=m) for m in models for k in STAGE_GOALS[stage]]
-                     + ([f"{m}_over_best_peer_min" for m in models] if stage == "decode" and peers.find_ik(PEERS)
-                        else []))
+    """Run `stage` on each model under pre-registration `pr`, gated by the caller (prereg.gate_run:
+    every goal present, no result measured under it already; `lock` None for the smoke run, which
+    writes outside results/). The models and the probe are checked before the first model is
+    measured. Each result records the run (revision, machine, load before and after) and keeps the
+    runs it replaces (prereg.keep_earlier)."""
     for name in models:
         if not paths(name)["reorder"].exists():
             raise SystemExit(f"{name}: run `prepare` first")
-        check_rerun(pr, out_dir / RESULT_NAMES[stage].format(model=name))
     if stage == "drives" and not probe.exists():
         raise SystemExit(f"{probe}: the law needs the drive's probe (`mbolt probe --out {probe}`)")
     for name in models:
@@ -747,6 +749,7 @@ def main() -> None:
         if a.stage == "smoke":  # checks the script, not a figure: the goals are read, nothing is gated
             global WORKLOADS
             pr, lock = load_bench_prereg(prereg), None
+            pr.require_goals(goal_keys("session", ["smoke"]))
             out = Path(os.environ.get("TMPDIR", "/tmp")) / "mbolt-memlimit-smoke"
             out.mkdir(exist_ok=True)
             (out / RESULT_NAMES["session"].format(model="smoke")).unlink(missing_ok=True)
@@ -757,11 +760,9 @@ def main() -> None:
             WORKLOADS = {**WORKLOADS, "session": Workload(300, 16, 40, 1024)}
             run_stage("session", ["smoke"], 1, pr, lock, out, a.probe)
             return
-        pr, lock = open_bench_prereg(prereg, ROOT, count_run=not a.dry_run)
+        pr, lock = gate_run(prereg, ROOT, goal_keys(stage, models),
+                            [RESULTS / RESULT_NAMES[stage].format(model=m) for m in models], count_run=not a.dry_run)
         if a.dry_run:
-            pr.require_goals([k.format(model=m) for m in models for k in STAGE_GOALS[stage]])
-            for name in models:
-                check_rerun(pr, RESULTS / RESULT_NAMES[stage].format(model=name))
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present"
                   + (f"; addendum to {pr.addendum['to']} after: {pr.addendum['miss']}" if pr.addendum else ""))
             print("\n".join(plan_of(stage, models, a.rounds)))

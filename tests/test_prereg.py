@@ -189,4 +189,6 @@ def test_gate_run_refuses_a_missing_goal_and_a_rerun(repo):
     res.write_text(json.dumps({"prereg": pr.to_dict()}))
     with pytest.raises(MboltError, match="measured under .* already"):
         gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], res)
+    with pytest.raises(MboltError, match="measured under .* already"):  # one result per model: any of them
+        gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], [repo / "results" / "y.json", res])
     assert json.loads(lock_path(repo / "prereg" / "x.toml").read_text())["runs"] == 1

@@ -334,14 +334,16 @@ def check_rerun(pr: BenchPrereg, result_path: str | os.PathLike) -> None:
                          "[addendum] naming the miss")
 
 
-def gate_run(path: str | os.PathLike, root: str | os.PathLike, goal_keys, result_path: str | os.PathLike,
+def gate_run(path: str | os.PathLike, root: str | os.PathLike, goal_keys, result_path,
              count_run: bool = True) -> tuple[BenchPrereg, dict]:
     """A benchmark script's gate before it measures: `open_bench_prereg`, every goal the run will
-    judge present (`require_goals`), no result of this pre-registration yet (`check_rerun`); only
-    then is the run counted in the lock (`count_run`), so a refused start counts none."""
+    judge present (`require_goals`), no result of this pre-registration yet in `result_path` (one
+    path, or a list: a script that writes one result per model) (`check_rerun`); only then is the
+    run counted in the lock (`count_run`), so a refused start counts none."""
     pr, lock = open_bench_prereg(path, root, count_run=False)
     pr.require_goals(goal_keys)
-    check_rerun(pr, result_path)
+    for p in ([result_path] if isinstance(result_path, (str, os.PathLike)) else result_path):
+        check_rerun(pr, p)
     return pr, (check_and_lock(pr) if count_run else lock)
 
 
