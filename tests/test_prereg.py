@@ -192,3 +192,8 @@ def test_gate_run_refuses_a_missing_goal_and_a_rerun(repo):
     with pytest.raises(MboltError, match="measured under .* already"):  # one result per model: any of them
         gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], [repo / "results" / "y.json", res])
     assert json.loads(lock_path(repo / "prereg" / "x.toml").read_text())["runs"] == 1
+    # the result replaced by a later run's: its pre-registration is still spent (kept as x.run1.json)
+    res.write_text(json.dumps({"prereg": {"sha256": "another"},
+                               "earlier_runs": [{"file": "x.run1.json", "prereg": pr.to_dict()}]}))
+    with pytest.raises(MboltError, match=r"x\.run1\.json was measured under .* already"):
+        gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], res)

@@ -321,7 +321,8 @@ def open_bench_prereg(path: str | os.PathLike, root: str | os.PathLike,
 
 
 def check_rerun(pr: BenchPrereg, result_path: str | os.PathLike) -> None:
-    """Refuse to measure what this pre-registration already measured: a re-run is an addendum."""
+    """Refuse to measure what this pre-registration already measured, in the result or in an earlier
+    run the result keeps (`keep_earlier`): a re-run is an addendum."""
     p = Path(result_path)
     if not p.exists():
         return
@@ -329,9 +330,13 @@ def check_rerun(pr: BenchPrereg, result_path: str | os.PathLike) -> None:
         old = json.loads(p.read_text())
     except ValueError:
         raise MboltError(f"{p}: an earlier result that is not JSON: move it aside by hand") from None
-    if (old.get("prereg") or {}).get("sha256") == pr.sha256:
-        raise MboltError(f"{p} was measured under {pr.path} already: a re-run is a new pre-registration with an "
-                         "[addendum] naming the miss")
+    runs = [(p.name, old)] + [(r.get("file") or "an earlier run", r) for r in old.get("earlier_runs") or []
+                              if isinstance(r, dict)]
+    for name, run in runs:
+        spent = run.get("prereg")
+        if isinstance(spent, dict) and spent.get("sha256") == pr.sha256:
+            raise MboltError(f"{p.parent / name} was measured under {pr.path} already: a re-run is a new "
+                             "pre-registration with an [addendum] naming the miss")
 
 
 def gate_run(path: str | os.PathLike, root: str | os.PathLike, goal_keys, result_path,
