@@ -45,7 +45,6 @@ read from the file).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -59,10 +58,8 @@ import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
-from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, load_bench_prereg  # noqa: E402
-from mbolt.bench.prereg import run_record  # noqa: E402
+from mbolt.bench.prereg import gate_run, load_bench_prereg, run_record, write_result  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
-from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402
 
@@ -341,10 +338,9 @@ def main() -> None:
             return
         rec = run_record(pr, lock, ml.ROOT, ml.paths(NAME)["stock"])
         res = fn(a.rounds, pr)
-        res.update(finish_record(rec))
         res.update({"benchmark": "the full-depth model under a real memory limit and warm (issue 35)",
                     "script": "scripts/bench_deep.py", "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
-        write_text_atomic(result, json.dumps(keep_earlier(pr, result, res), indent=1, default=ml._json) + "\n")
+        write_result(pr, rec, result, res, default=ml._json)
         ml.log("wrote", result)
         for g in res["goals"]:
             v = g["value"]

@@ -12,7 +12,6 @@ a rotated order each round. The figure: the runtime's time per token beyond plai
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -105,8 +104,7 @@ def main() -> int:
     ap.add_argument("--prereg", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "hotpath.json")
     a = ap.parse_args()
-    from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, run_record
-    from mbolt.core.atomic import write_text_atomic
+    from mbolt.bench.prereg import gate_run, run_record, write_result
     from mbolt.data import path as data_path
 
     try:
@@ -136,10 +134,9 @@ def main() -> int:
         goals[f"toy{res['layers']}_aa"] = {"goal": f"A/A within {aa:.0%}",
                                            "measured": [res["aa_judged"]["plain"], res["aa_judged"]["mbolt"]],
                                            "met": all(abs(res["aa_judged"][e] - 1) <= aa for e in ("plain", "mbolt"))}
-    out = keep_earlier(pr, a.out, {**finish_record(rec), "results": results, "goals": goals,
-                                   "workload": f"teacher-forced: {p['forced']}-token prompt, then {p['new_tokens']} "
-                                               "fed tokens; warm (every page resident, budget 4 GiB > the model)"})
-    write_text_atomic(a.out, json.dumps(out, indent=1) + "\n")
+    write_result(pr, rec, a.out, {"results": results, "goals": goals,
+                                  "workload": f"teacher-forced: {p['forced']}-token prompt, then {p['new_tokens']} "
+                                              "fed tokens; warm (every page resident, budget 4 GiB > the model)"})
     for res in results:
         print(f"toy{res['layers']}: plain {res['median_us_per_token']['plain']:.0f} us/token, mbolt "
               f"{res['median_us_per_token']['mbolt']:.0f}: {res['beyond_plain_us_per_layer']:.1f} us per layer beyond "

@@ -62,7 +62,6 @@ the new one), and records the revision, the machine and the load average before 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -79,12 +78,10 @@ from mbolt.bench.ab_llama import ORDINARY_UID  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench import peer_prompt, peers  # noqa: E402
 from mbolt.bench.predict import law_holds, law_predicts_no_change, layout_read_ratios, throttled_layout_law  # noqa: E402
-from mbolt.bench.prereg import BenchPrereg, finish_record, gate_run, keep_earlier, load_bench_prereg  # noqa: E402
-from mbolt.bench.prereg import run_record  # noqa: E402
+from mbolt.bench.prereg import BenchPrereg, gate_run, load_bench_prereg, run_record, write_result  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical, ttft_of  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
 from mbolt.bench.stats import aa_row  # noqa: E402
-from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402
 
@@ -697,11 +694,10 @@ def run_stage(stage: str, models: list[str], rounds: int, pr: BenchPrereg, lock:
             res = decode(name, rounds, pr)
         else:
             res = drives(name, rounds, pr, probe)
-        res.update(finish_record(rec))
         res.update({"benchmark": BENCHMARKS[stage], "script": "scripts/bench_memlimit.py", "synth": MODELS[name],
                     "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
         path = out_dir / RESULT_NAMES[stage].format(model=name)
-        write_text_atomic(path, json.dumps(keep_earlier(pr, path, res), indent=1, default=_json) + "\n")
+        write_result(pr, rec, path, res, default=_json)
         log("wrote", path)
         for g in res.get("goals", []):
             v = g["value"]

@@ -122,8 +122,7 @@ def main() -> int:
     ap.add_argument("--prereg", type=Path, required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "repack.json")
     a = ap.parse_args()
-    from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, run_record
-    from mbolt.core.atomic import write_text_atomic
+    from mbolt.bench.prereg import gate_run, run_record, write_result
 
     try:
         pr, lock = gate_run(a.prereg, ROOT, ["prompt_gain_min", "decode_gain_min"], a.out)
@@ -139,10 +138,9 @@ def main() -> int:
             v = res["repacked_over_mapped"][key]["median"]
             goals.append({"goal": f"{res['model']}: repacked >= {pr.goal(g)}x mapped, {key.split('_')[0]}",
                           "value": v, "met": v >= pr.goal(g)})
-    out = keep_earlier(pr, a.out, {**finish_record(rec), "results": results, "goals": goals,
-                                   "workload": f"warm, teacher-forced: a {p['prompt_tokens']}-token prompt in "
-                                               f"{p['n_batch']}-token passes, then {p['new_tokens']} fed tokens"})
-    write_text_atomic(a.out, json.dumps(out, indent=1) + "\n")
+    write_result(pr, rec, a.out, {"results": results, "goals": goals,
+                                  "workload": f"warm, teacher-forced: a {p['prompt_tokens']}-token prompt in "
+                                              f"{p['n_batch']}-token passes, then {p['new_tokens']} fed tokens"})
     for g in goals:
         print(f"  {g['goal']}: {g['value']:.3f} -> {'met' if g['met'] else 'MISSED'}")
     return 0

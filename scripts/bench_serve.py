@@ -50,8 +50,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_memlimit import paths  # noqa: E402
-from mbolt.bench.prereg import finish_record, gate_run, keep_earlier, run_record  # noqa: E402
-from mbolt.core.atomic import write_text_atomic  # noqa: E402
+from mbolt.bench.prereg import gate_run, run_record, write_result  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import MemoryGroup, readahead  # noqa: E402
 from mbolt.core.pagecache import evict  # noqa: E402
@@ -383,8 +382,7 @@ def main() -> None:
          and out["oom_kills"] == 0 and out["peak_after_load_bytes_max"] <= ram
          and not any(m["log_errors"] for m in mb)},
     ]
-    out.update(finish_record(rec))
-    write_text_atomic(dst, json.dumps(keep_earlier(pr, dst, out), indent=1, default=float) + "\n")
+    write_result(pr, rec, dst, out, default=float)
     log("wrote", dst)
     for goal in out["goals"]:
         log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
@@ -421,8 +419,7 @@ def concurrency(a) -> None:
                             "client_window_tokens": sc.WINDOW,
                             "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per client and turn"},
            **sc.summarize(runs, clients, pr, ram), "runs": runs}
-    out.update(finish_record(rec))
-    write_text_atomic(dst, json.dumps(keep_earlier(pr, dst, out), indent=1, default=float) + "\n")
+    write_result(pr, rec, dst, out, default=float)
     log("wrote", dst)
     for goal in out["goals"]:
         log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")

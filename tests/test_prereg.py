@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mbolt.bench.prereg import (check_rerun, finish_record, gate_run, keep_earlier, load_bench_prereg, lock_bench,
-                                lock_path, open_bench_prereg, run_record)
+                                lock_path, open_bench_prereg, run_record, write_result)
 from mbolt.core.errors import MboltError
 
 PREREG = """script = "scripts/bench_x.py --rounds 3"
@@ -166,6 +166,22 @@ def test_run_record_names_revision_machine_and_load(repo):
     assert m["cores"] >= 1 and m["memory_bytes"] > 0 and m["kernel"] and m["cpu"]
     assert "read_ahead_kb" in m and m["device"]
     assert len(rec["loadavg_before"]) == 3 and len(rec["loadavg_after"]) == 3
+
+
+def test_write_result_finishes_the_record_and_keeps_the_run_it_replaces(repo):
+    lock_bench(repo / "prereg" / "x.toml")
+    commit(repo)
+    pr, lock = open_bench_prereg(repo / "prereg" / "x.toml", repo)
+    res = repo / "results" / "x.json"
+    res.write_text(json.dumps({"prereg": {"sha256": "0" * 64}, "goals": []}))  # an earlier run's
+    written = write_result(pr, run_record(pr, lock, repo, repo / "code.py"), res, {"goals": [], "v": 1.5})
+    on_disk = json.loads(res.read_text())
+    assert on_disk == json.loads(json.dumps(written)) and on_disk["v"] == 1.5  # tuples come back as lists and on_disk["git"] and on_disk["finished"]
+    assert len(on_disk["loadavg_after"]) == 3
+    assert [e["file"] for e in on_disk["earlier_runs"]] == ["x.run1.json"]
+    assert json.loads((repo / "results" / "x.run1.json").read_text())["prereg"] == {"sha256": "0" * 64}
+    with pytest.raises(MboltError, match="measured under .* already"):
+        check_rerun(pr, res)
 
 
 def test_lock_command(tmp_path):

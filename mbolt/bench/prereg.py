@@ -410,6 +410,15 @@ def finish_record(rec: dict) -> dict:
     return rec
 
 
+def write_result(pr: BenchPrereg, rec: dict, path: str | os.PathLike, result: dict, default=None) -> dict:
+    """A pre-registered run's last write: its record finished (`finish_record`), the runs it replaces
+    kept beside it and listed (`keep_earlier`), the JSON written whole or not at all (`default`:
+    json.dumps's, for values it cannot write). Returns the result as written."""
+    result.update(finish_record(rec))
+    write_text_atomic(path, json.dumps(keep_earlier(pr, path, result), indent=1, default=default) + "\n")
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m mbolt.bench.prereg lock FILE`: lock a benchmark script's pre-registration."""
     import sys
