@@ -38,17 +38,10 @@ BENCH = Path(os.environ.get("MBOLT_BENCH", "/tmp/mbolt-bench"))
 ARMS = ("mapped", "repacked")
 
 
-def rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def worker(arm: str, path: str, prompt: int, new: int, n_batch: int) -> dict:
     """One arm-round in this process: load, a prompt of `prompt` tokens, then `new` fed tokens."""
     from mbolt.data import path as data_path
+    from mbolt.runtime.arm import own_bytes
     from mbolt.runtime.runner import LlamaRunner, Phase
 
     r = LlamaRunner(path, n_ctx=prompt + new + 16, f32_kv=False, capture=False, n_batch=n_batch,
@@ -57,7 +50,7 @@ def worker(arm: str, path: str, prompt: int, new: int, n_batch: int) -> dict:
         ids = r.tokenize(Path(data_path("kl_text.txt")).read_text(), add_special=True)
         if len(ids) < prompt + new:
             raise MboltError(f"kl_text.txt gives {len(ids)} tokens, fewer than {prompt + new}")
-        anon = rss_anon()
+        anon = own_bytes(("RssAnon:",))
         t0 = time.perf_counter()
         r.eval(ids[:prompt])
         t1 = time.perf_counter()

@@ -33,11 +33,6 @@ MADV_DONTNEED = 4
 N_PROMPT, N_DECODE = 512, 128
 
 
-def anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(ln.split()[1]) << 10 for ln in f if ln.startswith("RssAnon:"))
-
-
 def big_anonymous_maps(min_bytes: int = 256 << 20) -> list[tuple[int, int]]:
     out = []
     with open("/proc/self/maps") as f:
@@ -54,6 +49,7 @@ def run(path: str, mode: str) -> dict:
     load, then every expert written one by one."""
     from gguf import GGUFReader
 
+    from mbolt.runtime.arm import own_bytes
     from mbolt.runtime.binding import GgmlTensor, lib
 
     L = lib()  # refuses a llama-cpp-python other than the one whose ggml_tensor layout this reads
@@ -86,7 +82,7 @@ def run(path: str, mode: str) -> dict:
     if mode == "filled":
         mp.progress_callback = drop_as_loaded
     model = L.llama_model_load_from_file(path.encode(), mp)
-    anon_load = anon_bytes()
+    anon_load = own_bytes(("RssAnon:",))
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, N_PROMPT, N_PROMPT, 2, 2
     cp.cb_eval = find_experts

@@ -19,13 +19,14 @@ def check_llama_streamable(mm: MoeMap, path: str) -> None:
         raise MboltError(f"{path}: no routed expert tensors: nothing to stream")
 
 
-def own_bytes() -> int:
+def own_bytes(fields: tuple[str, ...] = ("RssAnon:", "RssShmem:")) -> int:
     """This process's own memory: anonymous (heap, KV cache, buffers, dense copies) and shared
-    anonymous resident pages, not the mapped file."""
+    anonymous resident pages, not the mapped file. `fields`: the lines of /proc/self/status summed
+    (("RssAnon:",): the anonymous pages alone)."""
     n = 0
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith(("RssAnon:", "RssShmem:")):
+            if line.startswith(fields):
                 n += int(line.split()[1]) * 1024
     return n
 
