@@ -1,0 +1,230 @@
+"""A kernel-layout file (`mbolt repack`) in llama.cpp: the weights go straight into llama.cpp's own
+buffers, the repacked ones into its repack buffer, with no repacking on the CPU.
+
+Stock llama.cpp refuses a kernel-layout file (its architecture is mbolt-kernel), and would repack
+what it reads anyway. So llama.cpp is given a stand-in: the file's own header with the real
+architecture (core.kernel_file.llama_header) over a data section of holes, in a memfd. It loads
+that with repacking on and the file read, not mapped: every weight gets its buffer (the repack
+buffer for Q4_0/Q4_K/IQ4_NL/MXFP4 matrices), filled with zeros. Those pages are given back while
+it loads (each progress callback drops the model buffers' pages), so
+the load never holds more than one tensor. The buffers are found at the first progress callback,
+when llama.cpp has allocated and not yet written them: the new anonymous memory whose pages are
+not resident. A first graph on a small context finds every weight's
+address; then `fill` reads a tensor, or one expert's rows, from the kernel-layout file into its
+place, and `drop` gives an expert's whole pages back. What lands there is what llama.cpp would
+have made of the stock file: the logits are identical, bit for bit (tests/test_kernel_layout.py).
+
+Binding-specific (llama-cpp-python 0.3.36): the ggml_tensor layout of runtime.binding; a loader
+that allocates every buffer before it writes the first tensor and calls the progress callback
+before each.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mbolt.core.errors import MboltError
+from mbolt.core.kernel_file import KernelFile, check_build, llama_header, read_kernel
+from mbolt.core.repack import Build, build_of
+from mbolt.runtime.binding import GgmlTensor, captured_log, lib, set_fields
+
+MADV_DONTNEED = 4
+PAGE = mmap.PAGESIZE
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+
+
+def _writable_anonymous() -> list[tuple[int, int]]:
+    out = []
+    with open("/proc/self/maps") as f:
+        for ln in f:
+            parts = ln.split()
+            if len(parts) < 6 and parts[1].startswith("rw"):  # no path: anonymous
+                a, b = (int(x, 16) for x in parts[0].split("-"))
+                out.append((a, b))
+    return out
+
+
+def _minus(spans: list[tuple[int, int]], old: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The parts of `spans` outside every interval of `old` (the kernel merges adjacent maps, so a
+    new buffer can share a line of /proc/self/maps with an older map)."""
+    out = []
+    for a, b in spans:
+        cuts = sorted((max(a, x), min(b, y)) for x, y in old if x < b and y > a)
+        for x, y in cuts:
+            if x > a:
+                out.append((a, x))
+            a = max(a, y)
+        if b > a:
+            out.append((a, b))
+    return out
+
+
+def _untouched_runs(spans: list[tuple[int, int]], least: int) -> list[tuple[int, int]]:
+    """The runs of at least `least` bytes of pages that are not resident (mincore): the model's
+    buffers before llama.cpp writes them. Its other new allocations (tensor metadata, the model's
+    structures) are written as soon as they are made, so they are never in a run."""
+    runs = []
+    for a, b in spans:
+        n = (b - a) // PAGE
+        vec = (ctypes.c_ubyte * n)()
+        if n < least // PAGE or _libc.mincore(ctypes.c_void_p(a), b - a, vec) != 0:
+            continue
+        res = np.frombuffer(vec, np.uint8) & 1
+        edges = np.flatnonzero(np.diff(np.concatenate([[1], res, [1]])))  # starts and ends of zero runs
+        for s, e in zip(edges[::2], edges[1::2]):
+            if (e - s) * PAGE >= least:
+                runs.append((a + int(s) * PAGE, a + int(e) * PAGE))
+    return runs
+
+
+class _LoadDrops:
+    """The progress callback of a kernel-layout load: at its first call (every buffer allocated,
+    none written) it finds the model's buffers; at every call it gives their pages back."""
+
+    def __init__(self, least: int):
+        self.before = _writable_anonymous()
+        self.least = least
+        self.runs: list[tuple[int, int]] | None = None
+        self.dropped = 0
+
+    def __call__(self, progress, user) -> bool:
+        if self.runs is None:
+            self.runs = _untouched_runs(_minus(_writable_anonymous(), self.before), self.least)
+        for a, b in self.runs:
+            _libc.madvise(a, b - a, MADV_DONTNEED)
+        self.dropped += 1
+        return True
+
+
+@dataclass
+class WeightPlace:
+    addr: int  # where llama.cpp holds the tensor
+    nbytes: int
+    offset: int  # where the kernel-layout file holds it
+
+
+@dataclass
+class KernelModel:
+    """A llama.cpp model over a kernel-layout file, its weights' places, and the file open for reads."""
+
+    L: object
+    model: int
+    kernel: KernelFile
+    places: dict[str, WeightPlace]
+    fd: int
+    timings: dict = field(default_factory=dict)
+
+    def fill(self, name: str, start: int = 0, n: int | None = None) -> int:
+        """Read bytes [start, start + n) of a tensor from the file into llama.cpp's copy of it."""
+        p = self.places[name]
+        n = p.nbytes - start if n is None else n
+        buf = (ctypes.c_char * n).from_address(p.addr + start)
+        got = os.preadv(self.fd, [memoryview(buf).cast("B")], p.offset + start)
+        if got != n:
+            raise MboltError(f"{self.kernel.header.path}: tensor {name}: read {got} of {n} bytes (truncated?)")
+        return n
+
+    def drop(self, name: str, start: int = 0, n: int | None = None) -> int:
+        """Give back the whole pages of bytes [start, start + n) of a tensor (they read as zeros after)."""
+        p = self.places[name]
+        n = p.nbytes - start if n is None else n
+        a = -(-(p.addr + start) // PAGE) * PAGE
+        b = (p.addr + start + n) // PAGE * PAGE
+        if b > a:
+            _libc.madvise(a, b - a, MADV_DONTNEED)
+        return max(0, b - a)
+
+    def fill_all(self, experts: bool = True) -> int:
+        return sum(self.fill(n) for n in self.places if experts or "_exps." not in n)
+
+    def close(self) -> None:
+        if self.model:
+            self.L.llama_model_free(self.model)
+            self.model = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _find_weights(L, model, names: set[str]) -> dict[str, int]:
+    """Each weight's address, from the sources of a first graph's nodes on a small context."""
+    found: dict[str, int] = {}
+
+    @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
+    def look(t, ask, user):
+        if ask:
+            for s in GgmlTensor.from_address(t).src:
+                if s:
+                    g = GgmlTensor.from_address(s)
+                    name = g.name.decode(errors="replace")
+                    if name in names and not g.view_src:
+                        found[name] = int(g.data)
+        return not ask
+
+    cp = L.llama_context_default_params()
+    # the thread count the contexts after it use (runner's default): a one-thread context first
+    # left OpenMP's team at one thread and later decodes 4-10x slower (seen on llama-cpp-python 0.3.36)
+    n = max(1, os.cpu_count() or 1)
+    set_fields(cp, n_ctx=64, n_batch=1, n_ubatch=1, n_threads=n, n_threads_batch=n, cb_eval=look)
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        raise MboltError("llama.cpp could not create a context to find the weights")
+    try:
+        tok = (ctypes.c_int32 * 1)(0)
+        if L.llama_decode(ctx, L.llama_batch_get_one(tok, 1)) != 0:
+            raise MboltError("llama.cpp could not run the graph that finds the weights")
+    finally:
+        L.llama_free(ctx)
+    return found
+
+
+def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) -> KernelModel:
+    """Load a kernel-layout file into llama.cpp (nothing filled yet: see `fill`/`fill_all`)."""
+    L = lib()
+    L.llama_backend_init()
+    k = read_kernel(path)
+    if build is None:
+        info = L.llama_print_system_info()
+        build = build_of(info.decode() if isinstance(info, bytes) else str(info))
+    check_build(k, build)
+    header = llama_header(k)
+    start = -(-len(header) // k.header.alignment) * k.header.alignment
+    shadow = os.memfd_create("mbolt-kernel-header")
+    t0, c0 = time.perf_counter(), time.process_time()
+    try:
+        os.write(shadow, header)
+        os.ftruncate(shadow, start + (k.header.file_size - k.header.data_offset))  # holes: read as zeros, no I/O
+        # a run this long is a model buffer (the smallest weight's size would do; 1 MiB leaves out
+        # the loader's 1 MiB staging buffers)
+        drops = _LoadDrops(least=2 << 20)
+        on_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(drops)
+        with captured_log(L) as lines:
+            mp = L.llama_model_default_params()
+            set_fields(mp, n_gpu_layers=0, load_mode=L.LLAMA_LOAD_MODE_NONE, use_extra_bufts=True,
+                       progress_callback=on_progress)
+            model = L.llama_model_load_from_file(f"/proc/self/fd/{shadow}".encode(), mp)
+            if not model:
+                tail = [ln for ln in lines if "error" in ln.lower()][-1:] or ["(no message)"]
+                raise MboltError(f"{k.header.path}: llama.cpp could not load it: {tail[0].strip()}")
+            load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
+            names = {t.name for t in k.header.tensors}
+            addr = _find_weights(L, model, names)
+    finally:
+        os.close(shadow)
+    missing = sorted(names - set(addr))
+    if missing:
+        L.llama_model_free(model)
+        raise MboltError(f"{k.header.path}: llama.cpp's graph does not use tensor {missing[0]}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    places = {t.name: WeightPlace(addr[t.name], t.nbytes, t.data_offset) for t in k.header.tensors}
+    fd = os.open(k.header.path, os.O_RDONLY)
+    return KernelModel(L, model, k, places, fd, {"load_s": load_s, "load_cpu_s": load_cpu,
+                                                 "buffers_dropped": sum(b - a for a, b in drops.runs or [])})
