@@ -16,20 +16,20 @@ teacher-forced on the same text, flash attention on, no repacking, same-round ra
            runtime's own bytes at the drive's sequential bandwidth plus the warm compute ("reads
            then compute") and MIN's bound at the runtime's slot count
 
-  peers    ik_llama.cpp (bench.peers, when `bench_memlimit.py prepare` has built it): warm, and under
-           the same limit and readahead mapped (with its A/A) and --prefetch-experts at 2 workers
-           (its best count on q864), fed the same text one token per decode: 2 chunks of 64 tokens
-           (llama-perplexity -b 1 -ub 1), after the mbolt arms of the same stage
+  peers    ik_llama.cpp (bench.peers: the registry's package, when `bench_memlimit.py prepare` has
+           installed it): warm, and under the same limit and readahead mapped (with its A/A), fed the
+           same token ids the same way (the prompt, then one token per llama_decode), after the mbolt
+           arms of the same stage
 
 A 64-token prompt, then 32 fed tokens: plain decodes about one token per second at this depth.
 Not run here, and said so in the result: plain's readahead sweep (128 KiB was plain's best window
 on q864 and q4km, whose experts are this model's), the session workload, the reorder file (no
-training trace at this size), ik's --prefetch-experts at 1, 3 and 4 workers.
+training trace at this size).
 
   tuned    plain at its best at this depth (issue 33): plain's readahead swept over bench_memlimit's
            windows (4 KiB-1 MiB, 2 rounds of the workload's 32 tokens each, plain only), then at
            plain's best window the limited stage's arms (plain, the runtime, their A/A twins) and
-           ik_llama.cpp's (mapped with its A/A, --prefetch-experts 2); no warm stage
+           ik_llama.cpp's (mapped with its A/A); no warm stage
 
     python scripts/bench_deep.py prepare                                # $MBOLT_BENCH/memlimit/q48
     python scripts/bench_deep.py prepare --tensor-order converter       # .../q48c: down, gate, up per block
@@ -69,18 +69,14 @@ SPEC = dict(preset="qwen3-30b-a3b", n_layers=48, fast_random=True, expert_type="
 WORKLOAD = ml.Workload(64, 32, 0)
 READAHEAD_KB = 128
 GOALS = ("warm_over_plain_warm_min", "reads_then_compute_share_min", "over_plain_tuned_min", "aa_within")
-PEER_GOAL = "over_best_peer_min"  # required when the peer's build is there
-# ik fed in 2 chunks of 64 (128 tokens: its cold start spread over more tokens than the mbolt arms'
-# 32, whose prompt pass warms their cache first); prefetch at 2 workers, its best count on q864
-PEER_HOW = dict(n_ctx=64, new_tokens=128, prefetch_threads=(2,))
+PEER_GOAL = "over_best_peer_min"  # required when the peer is installed
 RESULT = ml.RESULTS / f"deep_{NAME}.json"
 WARM_GOALS = ("warm_over_plain_warm_min", "aa_within")
 WARM_RESULT = ml.RESULTS / f"deep_{NAME}_warm.json"
 TUNED_GOALS = ("over_plain_tuned_min", "aa_within")
 TUNED_RESULT = ml.RESULTS / f"deep_{NAME}_tuned.json"
 NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, whose experts are this model's)",
-           "the session workload", "the reorder file (no training trace at this size)",
-           "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers (on q864 every count ran below ik mapped)")
+           "the session workload", "the reorder file (no training trace at this size)")
 
 
 def prepare(name: str = NAME, tensor_order: str = "use") -> None:
@@ -164,7 +160,7 @@ def tokens_goal(out: dict) -> dict:
 
 
 def peer_goal(pr, out: dict, prefix: str = "") -> list[dict]:
-    """issue 35's ">= 2x the best peer arm", required of a real run when the peer's build is there."""
+    """issue 35's ">= 2x the best peer arm", required of a real run when the peer is installed."""
     if "peers" not in out or PEER_GOAL not in pr.goals:
         return []
     vs = out["peers"]["mbolt_over_best_peer"]
@@ -212,7 +208,7 @@ def run_tuned(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
         ml.log(f"{name}: readahead {held} KiB (plain tuned): drive {drive0['bytes_per_s'] / 1e6:.0f} MB/s sequential")
         lim = ml.run_ab_config(name, [plain, mbolt, replace(mbolt, name="mbolt-stock (A/A)", control_of="mbolt-stock")],
                                WORKLOAD, rounds, ram, seed, aa=True)  # aa: plain's twin too
-        peer = ml.peer_arms(name, WORKLOAD, rounds, ram, seed, **PEER_HOW)
+        peer = ml.peer_arms(name, WORKLOAD, rounds, ram, seed)
         drive1 = sequential_read(p["stock"])
     m = row(lim, "mbolt-stock")
     out = {"model": name, "synth": SPEC, "routing_like": str(PROFILE.name), "workload": vars(WORKLOAD),
@@ -226,8 +222,7 @@ def run_tuned(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
            "aa": {a: pair_ratio(lim, f"{a} (A/A)", a) for a in ("plain-stock", "mbolt-stock")},
            "tokens_identical": tokens_identical(lim), "limited": ml._compact(lim),
            "sweep_runs": {str(ra): v["ab"] for ra, v in swept.items()},
-           "not_run": ["a warm stage (results/deep_q48.json and deep_q48_warm.json have it)",
-                       "ik_llama.cpp --prefetch-experts at 1, 3 and 4 workers"]}
+           "not_run": ["a warm stage (results/deep_q48.json and deep_q48_warm.json have it)"]}
     if peer:
         out["peer_limited"] = peer
         out["peers"] = peers.peers_beside(m["decode_tokens_per_s"], None, peer, None)
@@ -252,14 +247,14 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
         ml.log(f"{name}: warm, inside a cgroup of {warm_ram / 2**30:.1f} GiB (the file {size / 2**30:.1f} GiB "
                "read into memory first)")
         warm = warm_stage(name, plain, mbolt, rounds, warm_ram, seed)
-        peer_warm = ml.peer_arms(name, WORKLOAD, rounds, 0, seed, warm=True, **PEER_HOW)
+        peer_warm = ml.peer_arms(name, WORKLOAD, rounds, 0, seed, warm=True)
         drive0 = sequential_read(p["stock"])
         ml.log(f"{name}: under the limit ({ram / 2**30:.2f} GiB), readahead {held} KiB: drive "
                f"{drive0['bytes_per_s'] / 1e6:.0f} MB/s sequential")
         lim = ml.run_ab_config(name, [replace(plain, name="plain-stock"), replace(mbolt, name="mbolt-stock"),
                                       replace(mbolt, name="mbolt-stock (A/A)", control_of="mbolt-stock")],
                                WORKLOAD, rounds, ram, seed, aa=True)
-        peer = ml.peer_arms(name, WORKLOAD, rounds, ram, seed, **PEER_HOW) if peer_warm else None
+        peer = ml.peer_arms(name, WORKLOAD, rounds, ram, seed) if peer_warm else None
         drive1 = sequential_read(p["stock"])
     bw = max(drive0["bytes_per_s"], drive1["bytes_per_s"])
     compute_s = 1.0 / row(warm, "plain-warm")["decode_tokens_per_s"]
@@ -323,7 +318,7 @@ def main() -> None:
     try:
         fn, result, goals = {"warm": (run_warm, WARM_RESULT, WARM_GOALS), "tuned": (run_tuned, TUNED_RESULT, TUNED_GOALS),
                              "run": (run, RESULT, GOALS)}[a.stage]
-        judged = list(goals) + ([PEER_GOAL] if a.stage != "warm" and peers.find_ik(ml.PEERS) else [])
+        judged = list(goals) + ([PEER_GOAL] if a.stage != "warm" and peers.find_ik() else [])
         pr, lock = gate_run(a.prereg, ml.ROOT, judged, result, count_run=not a.dry_run)
         if not ml.paths(NAME)["stock"].exists():
             raise SystemExit(f"{ml.paths(NAME)['stock']}: run `prepare` first")
@@ -333,8 +328,8 @@ def main() -> None:
                                                 if a.stage == "tuned" else "warm plain-warm, mbolt-warm (+ A/A twins)")
                   + ("" if a.stage != "run" else
                   "; limited plain-stock, mbolt-stock (+ A/A twins)" + (
-                      "; ik_llama.cpp warm, mapped (+ A/A), --prefetch-experts 2" if peers.find_ik(ml.PEERS)
-                      else "; no ik_llama.cpp build: no peers")))
+                      "; ik_llama.cpp warm, mapped (+ A/A)" if peers.find_ik()
+                      else "; ik_llama.cpp not installed: no peers")))
             return
         rec = run_record(pr, lock, ml.ROOT, ml.paths(NAME)["stock"])
         res = fn(a.rounds, pr)

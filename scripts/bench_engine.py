@@ -40,6 +40,7 @@ import pstats  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+from mbolt.bench.env import engine_builds  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.engine import load_model  # noqa: E402
 from mbolt.gguf.synth import SynthConfig, write_synth  # noqa: E402
@@ -106,7 +107,8 @@ def profile_ref(m, n):
 
 def main() -> None:
     res = {"threads": args.threads, "decode_tokens": args.tokens, "warmup_tokens": args.warmup,
-           "prompt_tokens": len(PROMPT), "kv_cache": "llama.cpp default (F16); engine F32", "geometries": {}}
+           "prompt_tokens": len(PROMPT), "kv_cache": "llama.cpp default (F16); engine F32",
+           "engines": engine_builds(), "geometries": {}}
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         for name, cfg in geometries(args.layers).items():
             path = Path(tmp) / f"{name}.gguf"

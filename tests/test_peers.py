@@ -1,235 +1,140 @@
-"""The peers in the benchmark (mbolt.bench.peers): ik_llama.cpp's build cache, its output parser,
-and a real run of the built binary.
+"""The peer in the benchmarks (mbolt.bench.peers, mbolt.bench.ik_worker): ik_llama.cpp from the
+package registry, run by a worker script in its own virtual environment.
 
-The parser is checked on output captured from a real run (tests/data/README.md says how it was
-made). The build cache is checked with a fake tarball holding a two-line C project that cmake
-builds in seconds. The real run needs the peer built under $MBOLT_BENCH/peers (about 12 minutes
-on 2 cores: `python scripts/bench_memlimit.py prepare` builds it); CI does not build it, so that
-test skips there and wherever the build is absent.
+- The worker's loop (teacher_forced) runs on plain llama.cpp too: fed one token per call, its
+  greedy predictions and perplexity must equal what llama.cpp computes for the same ids in one
+  batch with every row's logits (an independent computation of the same figures).
+- The worker's cold start (drop_from_mapping): a mapped file's pages leave the process's page
+  tables, so the page cache can drop them (mincore says so); without it they stay.
+- The real peer, where its environment is installed: `$MBOLT_IK_VENV` names it (then the tests
+  must run: a missing or broken environment fails them), else `$MBOLT_BENCH/ik-venv` is used when
+  it exists (`python scripts/bench_memlimit.py prepare` installs it there). CI does not install it
+  (its bindings are a second llama.cpp build, pinned to AVX2), so these tests skip there unless
+  CI names one. Its arm-round on a tiny model is checked against llama.cpp's own figures.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
-import json
 import math
-import shutil
-import subprocess
-import tarfile
+import mmap
+import os
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from conftest import IN_CI
-from mbolt.bench import peers
+from conftest import needs_llama
+from mbolt.bench import ik_worker, peers
 from mbolt.core.errors import MboltError
 
-DATA = Path(__file__).parent / "data"
-MAPPED_OUT = DATA / "ik_perplexity_tiny_mapped.txt"
-PREFETCH_OUT = DATA / "ik_perplexity_tiny_prefetch2.txt"
+NAMED = os.environ.get("MBOLT_IK_VENV")
+needs_ik = pytest.mark.skipif(not NAMED and not (peers.default_venv() / "bin" / "python").exists(),
+                              reason="no ik-llama-cpp-python environment ($MBOLT_IK_VENV, or $MBOLT_BENCH/ik-venv: "
+                                     "bench_memlimit.py prepare installs it); CI installs none")
 
 
-# ---- the parser, on real output ----
+def tiny_model(path: Path) -> Path:
+    from mbolt.gguf.synth import SynthConfig, write_synth
 
-
-# as the captured files print them (their llama_print_timings and Final estimate lines)
-MAPPED_PROMPT_EVAL_MS, MAPPED_EVAL_MS, MAPPED_PPL = 19.82, 9.24, 398.6028
-
-
-def test_parses_a_real_mapped_run():
-    """At -b 1 llama.cpp books the first half of each chunk (no logits read) as 130 "prompt eval"
-    tokens and the rest as 126 single runs: the decode is all 256, one per llama_decode."""
-    run = peers.parse_perplexity(MAPPED_OUT.read_text(), "mapped")
-    assert (run.tokens, run.chunks, run.n_ctx) == (256, 2, 128)
-    assert run.decode_s == pytest.approx((MAPPED_PROMPT_EVAL_MS + MAPPED_EVAL_MS) / 1e3)
-    assert run.tokens_per_s == pytest.approx(256 / 0.02906)
-    assert run.load_s == pytest.approx(0.03952)
-    assert run.ppl == pytest.approx(MAPPED_PPL)
-    assert run.flash_attn is True
-    assert run.prefetch is None
-
-
-def test_parses_the_prefetch_engine():
-    run = peers.parse_perplexity(PREFETCH_OUT.read_text(), "prefetch")
-    assert run.tokens == 256 and run.decode_s == pytest.approx((12.05 + 13.47) / 1e3)
-    assert run.prefetch == "threaded populate engine"
-
-
-def _cut_before(text: str, marker: str) -> str:
-    return text[:text.index(marker)]
-
-
-@pytest.mark.parametrize("mangle, says", [
-    (lambda t: "", "no eval, prompt eval, load, chunks, final line"),
-    (lambda t: _cut_before(t, "llama_print_timings"), "no eval, prompt eval, load, final line"),
-    (lambda t: _cut_before(t, "Final estimate"), "no final line"),
-    (lambda t: t.replace("batch_size=1,", "batch_size=128,"), "at batch_size 128 .* not a teacher-forced decode"),
-    (lambda t: t.replace("/   126 runs", "/   100 runs"), "decoded 100 \\+ 130 tokens"),
-    (lambda t: t.replace("n_ctx=128 = 398.6028", "n_ctx=128 = garbage"), "'garbage' is not a number"),
-])
-def test_refuses_output_it_does_not_know(mangle, says):
-    with pytest.raises(MboltError, match=says) as e:
-        peers.parse_perplexity(mangle(MAPPED_OUT.read_text()), "arm x")
-    assert str(e.value).startswith("arm x: ") and "\n" not in str(e.value)
-
-
-def test_a_text_too_short_is_one_line():
-    out = ("perplexity: you need at least 256 tokens to evaluate perplexity with a context of 128\n"
-           "perplexity: the data file you provided tokenizes to only 40 tokens\n")
-    with pytest.raises(MboltError, match="tokenizes to 40 tokens; llama-perplexity needs 256"):
-        peers.parse_perplexity(out, "arm x")
-
-
-def test_arm_flags_are_iks():
-    """The flags as ik's common/common.cpp spells them; mapped passes none (no -rtr: no repack)."""
-    arms = {a.name: a for a in peers.ik_arms()}
-    assert list(arms) == ["ik-mapped", "ik-mapped (A/A)", "ik-prefetch-1", "ik-prefetch-2", "ik-prefetch-3",
-                          "ik-prefetch-4"]
-    assert arms["ik-mapped"].flags() == []
-    assert arms["ik-prefetch-3"].flags() == ["--prefetch-experts", "--prefetch-experts-threads", "3"]
-    assert peers.PeerArm("auto", prefetch_threads=0).flags() == ["--prefetch-experts"]
-
-
-# ---- the build cache, with a fake tarball ----
-
-FAKE_MAIN = "int main(void) { return 0; }\n"
-FAKE_CMAKE = """cmake_minimum_required(VERSION 3.10)
-project(fake C)
-set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-add_executable(llama-perplexity main.c)
-add_executable(llama-cli main.c)
-"""
-
-needs_cmake = pytest.mark.skipif(shutil.which("cmake") is None or shutil.which("cc") is None,
-                                 reason="the fake tarball's project needs cmake and a C compiler")
-
-
-def fake_tarball(path: Path, cmake: str = FAKE_CMAKE, top: str = "ik_llama.cpp") -> Path:
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in (("CMakeLists.txt", cmake), ("main.c", FAKE_MAIN)):
-            data = text.encode()
-            info = tarfile.TarInfo(f"{top}/{name}")
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
+    write_synth(path, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=2, hidden=256, expert_ff=128,
+                                  n_heads=4, n_kv_heads=2, head_dim=64, expert_type="Q8_0", seed=7))
     return path
 
 
-def no_cmake(monkeypatch, tmp_path):
-    """cmake is gone from PATH: any build attempt fails."""
-    empty = tmp_path / "empty-bin"
-    empty.mkdir(exist_ok=True)
-    monkeypatch.setenv("PATH", str(empty))
+class RunnerEngine:
+    """The worker's engine interface over plain llama.cpp (mbolt's LlamaRunner)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def batch(self, ids, pos):
+        assert pos == self.runner.n_past  # the loop feeds each token at the next position
+        return ids
+
+    def decode(self, ids):
+        return self.runner.eval(ids)
 
 
-@needs_cmake
-def test_builds_once_then_finds_the_build(tmp_path, monkeypatch):
-    tarball = fake_tarball(tmp_path / peers.IK_TARBALL)
-    cache = tmp_path / "peers"
-    b = peers.build_ik(tarball, cache, jobs=1, nice=0)
-    root = cache / "ik_llama.cpp-8337e4c"
-    assert b.root == root and b.perplexity == root / "build" / "bin" / "llama-perplexity"
-    assert subprocess.call([str(b.perplexity)]) == 0 and subprocess.call([str(b.cli)]) == 0
-    stamp = json.loads((root / ".mbolt-build.json").read_text())
-    assert stamp["tarball_sha256"] == hashlib.sha256(tarball.read_bytes()).hexdigest()
-    assert stamp["cmake_flags"] == ["-DGGML_NATIVE=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                                    "-DLLAMA_BUILD_SERVER=OFF", "-DCMAKE_BUILD_TYPE=Release"]
-    log = (root / "mbolt-build.log").read_text()
-    assert "-DGGML_NATIVE=OFF" in log and "--target llama-perplexity llama-cli" in log
-    no_cmake(monkeypatch, tmp_path)
-    again = peers.build_ik(tarball, cache)  # no cmake on PATH: only the cache can answer
-    assert again.perplexity == b.perplexity
-    assert peers.find_ik(cache) is not None
+def batch_figures(model: Path, prompt: list[int], fed: list[int]) -> tuple[list[int], float]:
+    """llama.cpp on prompt + fed in one batch, every row's logits: the greedy prediction before each
+    fed token and the fed tokens' perplexity, computed here."""
+    from mbolt.runtime.runner import LlamaRunner
+
+    with LlamaRunner(model, n_ctx=512, n_threads=2, f32_kv=False, capture=False, n_batch=512, all_logits=True) as r:
+        rows = r.eval(prompt + fed, all_logits=True)[len(prompt) - 1: len(prompt) + len(fed) - 1].astype(np.float64)
+    top = rows.max(axis=1)
+    nll = top + np.log(np.exp(rows - top[:, None]).sum(axis=1)) - rows[np.arange(len(fed)), fed]
+    return rows.argmax(axis=1).tolist(), float(np.exp(nll.mean()))
 
 
-@needs_cmake
-def test_a_half_done_build_is_built_again(tmp_path, monkeypatch):
-    tarball = fake_tarball(tmp_path / peers.IK_TARBALL)
-    cache = tmp_path / "peers"
-    b = peers.build_ik(tarball, cache, jobs=1, nice=0)
-    b.cli.unlink()  # as if the build stopped before its second target
-    assert peers.find_ik(cache) is None
-    rebuilt = peers.build_ik(tarball, cache, jobs=1, nice=0)
-    assert rebuilt.cli.is_file()
-    (rebuilt.root / ".mbolt-build.json").unlink()  # stopped after the binaries, before the stamp
-    assert peers.find_ik(cache) is None
-    no_cmake(monkeypatch, tmp_path)
-    with pytest.raises(MboltError, match="cmake: not on PATH"):
-        peers.build_ik(tarball, cache)
+@needs_llama
+def test_the_workers_loop_on_plain_llama_cpp(tmp_path):
+    from mbolt.runtime.runner import LlamaRunner
+
+    model = tiny_model(tmp_path / "tiny.gguf")
+    ids = peers.arm_ids(model, 64, 32)  # the mbolt arms' ids for a 64-token prompt and 32 fed tokens
+    with LlamaRunner(model, n_ctx=256, n_threads=2, f32_kv=False, capture=False, n_batch=256) as r:
+        out = ik_worker.teacher_forced(RunnerEngine(r), ids[:64], ids[64:96])
+    generated, ppl = batch_figures(model, ids[:64], ids[64:96])
+    assert (out["prompt_tokens"], out["decode_tokens"]) == (64, 32)
+    assert out["generated"] == generated
+    assert out["ppl"] == pytest.approx(ppl, rel=1e-3)
+    assert out["prompt_s"] > 0 and out["decode_s"] > 0
+    # nothing fed: the one prediction after the prompt, no perplexity
+    with LlamaRunner(model, n_ctx=256, n_threads=2, f32_kv=False, capture=False, n_batch=256) as r:
+        alone = ik_worker.teacher_forced(RunnerEngine(r), ids[:64], [])
+    assert alone["generated"] == generated[:1] and alone["ppl"] is None and alone["decode_tokens"] == 0
 
 
-@needs_cmake
-def test_another_tarball_or_other_flags_is_another_build(tmp_path, monkeypatch):
-    cache = tmp_path / "peers"
-    first = fake_tarball(tmp_path / "a.tar.gz")
-    peers.build_ik(first, cache, jobs=1, nice=0)
-    other = fake_tarball(tmp_path / "b.tar.gz", FAKE_CMAKE + "# another revision\n")
-    assert peers.find_ik(cache, other) is None and peers.find_ik(cache, first) is not None
-    b = peers.build_ik(other, cache, jobs=1, nice=0)
-    assert b.stamp["tarball_sha256"] == hashlib.sha256(other.read_bytes()).hexdigest()
-    assert "# another revision" in (b.root / "CMakeLists.txt").read_text()  # extracted afresh
-    monkeypatch.setattr(peers, "IK_CMAKE_FLAGS", (*peers.IK_CMAKE_FLAGS, "-DGGML_AVX2=ON"))
-    assert peers.find_ik(cache, other) is None
+def test_a_mapped_file_leaves_the_page_cache_once_unmapped(tmp_path):
+    """fadvise(DONTNEED) leaves the pages a process maps; drop_from_mapping unmaps the spans first."""
+    from mbolt.core.pagecache import resident_share
 
+    page = mmap.PAGESIZE
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f:
+        f.write(os.urandom(64 * page))
+        os.fsync(f.fileno())  # clean pages: fadvise drops no dirty page
+    spans = [[3 * page + 100, 20 * page - 7], [40 * page, 50 * page]]  # the first one not page-aligned
+    covered = [[3 * page, 20 * page], [40 * page, 50 * page]]
+    rest = [[0, 3 * page], [20 * page, 40 * page], [50 * page, 64 * page]]
 
-@needs_cmake
-def test_a_failed_build_leaves_no_stamp(tmp_path):
-    tarball = fake_tarball(tmp_path / "bad.tar.gz", FAKE_CMAKE.replace("main.c)", "missing.c)"))
-    with pytest.raises(MboltError, match=r"mbolt-build\.log: `cmake .*` failed"):
-        peers.build_ik(tarball, tmp_path / "peers", jobs=1, nice=0)
-    assert not (tmp_path / "peers" / "ik_llama.cpp-8337e4c" / ".mbolt-build.json").exists()
-    assert peers.find_ik(tmp_path / "peers") is None
-
-
-def test_not_ik_source_is_one_line(tmp_path):
-    tarball = fake_tarball(tmp_path / "other.tar.gz", top="something-else")
-    with pytest.raises(MboltError, match="no ik_llama.cpp/CMakeLists.txt inside"):
-        peers.build_ik(tarball, tmp_path / "peers")
-    with pytest.raises(MboltError, match="no such file"):
-        peers.build_ik(tmp_path / "absent.tar.gz", tmp_path / "peers")
-
-
-# ---- the real binary on a tiny model ----
-
-BUILT = peers.find_ik()
-
-
-@pytest.mark.skipif(IN_CI or BUILT is None,
-                    reason="needs ik_llama.cpp built under $MBOLT_BENCH/peers (bench_memlimit.py prepare); not in CI")
-@pytest.mark.parametrize("arm, ram", [(peers.PeerArm("ik-mapped"), 0),
-                                      (peers.PeerArm("ik-prefetch-2", prefetch_threads=2), 256 << 20)])
-def test_the_built_peer_runs_cold_on_a_tiny_model(tmp_path, arm, ram):
-    """One arm-round as the benchmark runs it: the file dropped, the process (in a memory cgroup
-    where the machine has them) stopped after its load to drop what the load read, then its eval."""
-    from mbolt.core.memlimit import hierarchy
-    from mbolt.core.prompts import forced_texts
-    from mbolt.gguf.synth import SynthConfig, write_synth
-
-    if ram:
+    def fadvise(*whole):
+        fd = os.open(path, os.O_RDONLY)
         try:
-            hierarchy()
-        except MboltError:
-            ram = 0  # no memory cgroups here: the same round without a limit
+            for a, b in (covered if not whole else [[0, 64 * page]]):
+                os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
-    model = tmp_path / "tiny.gguf"
-    write_synth(model, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=2, hidden=256, expert_ff=128,
-                                   n_heads=4, n_kv_heads=2, head_dim=64, expert_type="Q8_0", seed=7))
-    text = tmp_path / "text.txt"
-    text.write_text(forced_texts(None, 1)[0])
-    row = peers.run_peer_round(BUILT, arm, model, text, ram=ram, n_ctx=128, chunks=2)
-    assert row["tokens"] == 256 and row["decode_tokens_per_s"] > 0 and math.isfinite(row["ppl"])
-    assert row["proven_cold"] and not row["rejected"]
-    # cold when it starts decoding (ik mapped none of the experts; what the load's reads brought
-    # into the page cache around the dense weights was dropped)
-    assert row["experts_resident_at_eval"] <= 0.01
-    assert (row["prefetch"] is not None) == (arm.prefetch_threads is not None)
-    assert row["argv"][-len(arm.flags()) - 1:] == ["--defer-experts", *arm.flags()]
-    assert (row["peak_bytes_with_load"] is not None) == bool(ram) and row["oom_kills"] in (None, 0)
+    fadvise("whole file")  # as a cold arm starts: the file read from the drive by its mapping
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        try:
+            assert sum(m[i] for i in range(0, len(m), page)) >= 0  # every page mapped in
+            fadvise()
+            assert resident_share(path, covered) == 1.0  # mapped: the page cache keeps them
+            assert ik_worker.drop_from_mapping(str(path), spans) == 27 * page
+            fadvise()
+            assert resident_share(path, covered) == 0.0
+            assert resident_share(path, rest) == 1.0  # the rest stays mapped and resident
+            assert m[45 * page: 45 * page + 8] == path.read_bytes()[45 * page: 45 * page + 8]  # faults back in
+        finally:
+            m.close()
+    assert ik_worker.drop_from_mapping(str(path), spans) == 0  # not mapped any more
+
+
+def test_arms():
+    """ik mapped and its A/A, warm alone; no --prefetch-experts (the registry's ik predates it)."""
+    assert [(a.name, a.control_of, a.warm) for a in peers.ik_arms()] == [
+        ("ik-mapped", None, False), ("ik-mapped (A/A)", "ik-mapped", False)]
+    assert peers.IK_WARM.warm and peers.IK_WARM.n_ubatch == 512
 
 
 def test_beside_tells_kernels_from_io():
     """The ratios against figures written out here: mbolt 6 tok/s, llama.cpp warm 30, ik warm 45,
-    ik's arms under the limit 3 and 2.5."""
+    ik's best arm under the limit 3."""
     limited = {"best_arm": "ik-mapped", "best_decode_tokens_per_s": 3.0, "fed": "f"}
     warm = {"summary": [{"arm": "ik-warm", "decode_tokens_per_s": 45.0}]}
     b = peers.peers_beside(6.0, 30.0, limited, warm)
@@ -240,19 +145,100 @@ def test_beside_tells_kernels_from_io():
     assert peers.peers_beside(None, None, limited, None)["mbolt_over_best_peer"] is None
 
 
-def test_fed_tokens_are_whole_chunks(tmp_path):
-    with pytest.raises(MboltError, match="200 fed tokens are not whole chunks of 128"):
-        peers.peer_decode(None, tmp_path / "m.gguf", tmp_path / "t.txt", "text", new_tokens=200, rounds=1, ram=0)
-    # the full-depth benchmark's chunks of 64: 96 tokens are one and a half, 64 only one
-    for n in (96, 64):
-        with pytest.raises(MboltError, match=f"{n} fed tokens are not whole chunks of 64"):
-            peers.peer_decode(None, tmp_path / "m.gguf", tmp_path / "t.txt", "text", new_tokens=n, rounds=1, ram=0,
-                              n_ctx=64)
-    assert [a.name for a in peers.ik_arms((2,))] == ["ik-mapped", "ik-mapped (A/A)", "ik-prefetch-2"]
+def test_the_fed_ids_must_fit(tmp_path):
+    with pytest.raises(MboltError, match="100 token ids; the peer's arms need a prompt of 64 .* and 256 fed"):
+        peers.peer_decode(None, tmp_path / "m.gguf", list(range(100)), prompt_tokens=64, new_tokens=256, rounds=1,
+                          ram=0)
+    with pytest.raises(MboltError, match="do not fit n_ctx 256"):
+        peers.peer_decode(None, tmp_path / "m.gguf", list(range(400)), prompt_tokens=64, new_tokens=256, rounds=1,
+                          ram=0, n_ctx=256)
 
 
 def test_a_warm_arm_under_a_limit_is_refused(tmp_path):
-    build = peers.PeerBuild(tmp_path, tmp_path / "llama-perplexity", tmp_path / "llama-cli", {})
+    peer = peers.IkPeer(tmp_path, tmp_path / "python", "0.1.5", "")
     with pytest.raises(MboltError, match="a warm arm runs without a limit"):
-        peers.run_peer_round(build, peers.IK_WARM, tmp_path / "m.gguf", tmp_path / "t.txt", ram=1 << 30, n_ctx=128,
-                             chunks=2)
+        peers.run_round(peer, peers.IK_WARM, tmp_path / "m.gguf", [1, 2], [3], ram=1 << 30, n_ctx=128)
+
+
+def test_an_environment_without_the_package_is_one_line(tmp_path):
+    """No environment: no peer (None). A python there that cannot import ik_llama_cpp: one line."""
+    assert peers.find_ik(tmp_path / "absent") is None
+    (tmp_path / "venv" / "bin").mkdir(parents=True)
+    (tmp_path / "venv" / "bin" / "python").symlink_to(sys.executable)  # this python: no ik_llama_cpp
+    with pytest.raises(MboltError, match=r"venv/bin/python: cannot import ik_llama_cpp \(install it: pip install "
+                                         r"ik-llama-cpp-python==0\.1\.5\)") as e:
+        peers.find_ik(tmp_path / "venv")
+    assert "\n" not in str(e.value)
+
+
+@needs_llama
+def test_the_environment_records_each_engines_build(tmp_path, monkeypatch):
+    import llama_cpp
+    from importlib.metadata import version
+
+    from mbolt.bench.env import environment
+
+    monkeypatch.setenv("MBOLT_IK_VENV", str(tmp_path / "none"))
+    env = environment(tmp_path)
+    assert env["engines"]["llama.cpp"] == {"package": f"llama-cpp-python=={version('llama-cpp-python')}",
+                                           "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+    assert "AVX2 = " in env["engines"]["llama.cpp"]["system_info"]
+    assert env["engines"]["ik_llama.cpp"] is None  # not installed there
+
+
+# ---- the real peer ----
+
+
+@needs_ik
+def test_the_installed_peer_is_the_registrys_avx2_wheel():
+    peer = peers.find_ik()
+    assert peer is not None, f"{peers.default_venv()}: no environment there"
+    assert peer.version == "0.1.5"
+    info = dict(kv.split(" = ") for kv in peer.system_info.strip(" |").split(" | "))
+    assert info["AVX2"] == "1" and info["AVX512"] == "0"  # the wheel's build, whatever this CPU has
+
+
+@needs_ik
+@needs_llama
+@pytest.mark.parametrize("warm", [False, True])
+def test_the_peer_runs_an_arm_round_on_a_tiny_model(tmp_path, warm):
+    """One arm-round as the benchmarks run it: cold (the file dropped, the worker's experts unmapped
+    and dropped after its load, in a memory cgroup where the machine has them) or warm; fed the
+    mbolt arms' ids, its predictions and perplexity agree with llama.cpp's on the same ids."""
+    from mbolt.core.memlimit import hierarchy
+
+    ram = 0 if warm else 256 << 20
+    if ram:
+        try:
+            hierarchy()
+        except MboltError:
+            ram = 0  # no memory cgroups here: the same round without a limit
+    model = tiny_model(tmp_path / "tiny.gguf")
+    ids = peers.arm_ids(model, 64, 32)
+    peer = peers.find_ik()
+    row = peers.run_round(peer, peers.IK_WARM if warm else peers.PeerArm("ik-mapped"), model, ids[:64], ids[64:96],
+                          ram=ram, n_ctx=256)
+    assert (row["prompt_tokens"], row["tokens"]) == (64, 32)
+    assert row["ttft_s"] > 0 and row["decode_tokens_per_s"] > 0 and row["flash_attn"]
+    assert row["ik_timings"]["n_eval"] == 32  # ik's own count of its single-token decodes
+    generated, ppl = batch_figures(model, ids[:64], ids[64:96])
+    assert len(row["generated"]) == 32 and sum(a == b for a, b in zip(row["generated"], generated)) >= 29
+    assert math.isfinite(row["ppl"]) and row["ppl"] == pytest.approx(ppl, rel=0.01)
+    if warm:
+        assert row["unmapped_bytes"] == 0 and not row["proven_cold"]
+    else:
+        assert row["proven_cold"] and not row["rejected"] and row["experts_resident_at_eval"] <= 0.01
+        assert row["unmapped_bytes"] > 0
+        assert (row["peak_bytes_with_load"] is not None) == bool(ram) and row["oom_kills"] in (None, 0)
+
+
+@needs_ik
+def test_a_worker_that_fails_is_one_line(tmp_path):
+    """ik cannot load a truncated file: the arm fails in one line naming it and what ik said last."""
+    model = tiny_model(tmp_path / "tiny.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(model.read_bytes()[: model.stat().st_size // 2])
+    with pytest.raises(MboltError, match=r"arm ik-warm: ik_llama.cpp's worker failed \(exit 1\): RuntimeError: "
+                                         r"Failed to load model") as e:
+        peers.run_round(peers.find_ik(), peers.IK_WARM, cut, [1, 2, 3], [4], ram=0, n_ctx=64)
+    assert "\n" not in str(e.value)

@@ -1,4 +1,5 @@
-"""The environment a measurement ran in: kernel, filesystem, device, memory, load, git revision."""
+"""The environment a measurement ran in: kernel, filesystem, device, memory, load, git revision,
+and the build of each engine a benchmark runs (llama.cpp's and the ik_llama.cpp peer's)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,30 @@ def git_revision(root: str | os.PathLike | None = None) -> str:
         return "unknown"
 
 
+def engine_builds() -> dict:
+    """What each engine was built for, as its library says (`llama_print_system_info()`): llama.cpp
+    through llama-cpp-python, and the ik_llama.cpp peer through its package in its own environment
+    (bench.peers). None where an engine is not installed here."""
+    from mbolt.core.errors import MboltError
+
+    out: dict = {"llama.cpp": None, "ik_llama.cpp": None}
+    try:
+        import llama_cpp
+
+        out["llama.cpp"] = {"package": f"llama-cpp-python=={llama_cpp.__version__}",
+                            "system_info": llama_cpp.llama_print_system_info().decode().strip()}
+    except ImportError:
+        pass
+    try:
+        from mbolt.bench.peers import find_ik
+
+        peer = find_ik()
+        out["ik_llama.cpp"] = peer and peer.record()
+    except MboltError as e:  # an environment there without the package: say so, the run is not the peer's
+        out["ik_llama.cpp"] = {"error": str(e)}
+    return out
+
+
 def environment(path: str | os.PathLike) -> dict:
     dev, mnt, fs = mount_of(str(path))
     try:
@@ -95,6 +120,7 @@ def environment(path: str | os.PathLike) -> dict:
         "memory": _meminfo(),
         "git": git_revision(),
         "page_size": os.sysconf("SC_PAGE_SIZE"),
+        "engines": engine_builds(),
     }
 
 
