@@ -9,7 +9,8 @@ buffer for Q4_0/Q4_K/IQ4_NL/MXFP4 matrices), filled with zeros. Those pages are 
 it loads (each progress callback drops the model buffers' pages), so
 the load never holds more than one tensor. The buffers are found at the first progress callback,
 when llama.cpp has allocated and not yet written them: the new anonymous memory whose pages are
-not resident. A first graph on a small context finds every weight's
+not resident (a buffer glibc serves from heap memory it had touched before is missed there, and
+dropped exactly once the weights' places are known). A first graph on a small context finds every weight's
 address; then `fill` reads a tensor, or one expert's rows, from the kernel-layout file into its
 place, and `drop` gives an expert's whole pages back. What lands there is what llama.cpp would
 have made of the stock file: the logits are identical, bit for bit (tests/test_kernel_layout.py).
@@ -39,6 +40,7 @@ PAGE = mmap.PAGESIZE
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+M_MMAP_THRESHOLD = -3  # mallopt: allocations from this size up get maps of their own
 
 
 def _writable_anonymous() -> list[tuple[int, int]]:
@@ -46,7 +48,8 @@ def _writable_anonymous() -> list[tuple[int, int]]:
     with open("/proc/self/maps") as f:
         for ln in f:
             parts = ln.split()
-            if len(parts) < 6 and parts[1].startswith("rw"):  # no path: anonymous
+            # no path: anonymous; the brk heap too (glibc serves a buffer from it when it can)
+            if (len(parts) < 6 or parts[5] == "[heap]") and parts[1].startswith("rw"):
                 a, b = (int(x, 16) for x in parts[0].split("-"))
                 out.append((a, b))
     return out
@@ -154,8 +157,8 @@ class KernelModel:
             self.fd = -1
 
 
-def _find_weights(L, model, names: set[str]) -> dict[str, int]:
-    """Each weight's address, from the sources of a first graph's nodes on a small context."""
+def find_weights(L, model, names: set[str]) -> dict[str, int]:
+    """Each weight's `ggml_tensor`, from the sources of a first graph's nodes on a small context."""
     found: dict[str, int] = {}
 
     @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
@@ -166,7 +169,7 @@ def _find_weights(L, model, names: set[str]) -> dict[str, int]:
                     g = GgmlTensor.from_address(s)
                     name = g.name.decode(errors="replace")
                     if name in names and not g.view_src:
-                        found[name] = int(g.data)
+                        found[name] = int(s)
         return not ask
 
     cp = L.llama_context_default_params()
@@ -205,6 +208,9 @@ def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) ->
         # a run this long is a model buffer (the smallest weight's size would do; 1 MiB leaves out
         # the loader's 1 MiB staging buffers)
         drops = _LoadDrops(least=2 << 20)
+        # every buffer a fresh map while llama.cpp loads: glibc would otherwise serve one below its
+        # dynamic threshold (up to 32 MiB) from heap pages already touched, which the drops miss
+        _libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
         on_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(drops)
         with captured_log(L) as lines:
             mp = L.llama_model_default_params()
@@ -216,8 +222,9 @@ def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) ->
                 raise MboltError(f"{k.header.path}: llama.cpp could not load it: {tail[0].strip()}")
             load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
             names = {t.name for t in k.header.tensors}
-            addr = _find_weights(L, model, names)
+            addr = {n: int(GgmlTensor.from_address(t).data) for n, t in find_weights(L, model, names).items()}
     finally:
+        _libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold (now fixed)
         os.close(shadow)
     missing = sorted(names - set(addr))
     if missing:
@@ -226,5 +233,10 @@ def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) ->
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
     places = {t.name: WeightPlace(addr[t.name], t.nbytes, t.data_offset) for t in k.header.tensors}
     fd = os.open(k.header.path, os.O_RDONLY)
-    return KernelModel(L, model, k, places, fd, {"load_s": load_s, "load_cpu_s": load_cpu,
-                                                 "buffers_dropped": sum(b - a for a, b in drops.runs or [])})
+    km = KernelModel(L, model, k, places, fd, {"load_s": load_s, "load_cpu_s": load_cpu,
+                                               "buffers_dropped": sum(b - a for a, b in drops.runs or [])})
+    # now that every weight's place is known: each given back exactly (what the load's drops missed
+    # in a buffer glibc served from memory it had touched before, and the zeros the graph read)
+    for name in places:
+        km.drop(name)
+    return km
