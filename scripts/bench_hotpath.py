@@ -11,7 +11,6 @@ a rotated order each round. The figure: the runtime's time per token beyond plai
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -100,16 +99,12 @@ def measure(layers: int, rounds: int, text_ids: list[int], forced: int, n_new: i
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prereg", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "hotpath.json")
-    a = ap.parse_args()
-    from mbolt.bench.prereg import gate_run, run_record, write_result
+    from mbolt.bench.prereg import begin_run, write_result
     from mbolt.data import path as data_path
 
     try:
-        pr, lock = gate_run(a.prereg, ROOT, ["beyond_plain_us_per_layer_max", "aa_max"], a.out)
-        rec = run_record(pr, lock, ROOT, BENCH)
+        out, pr, rec = begin_run(__doc__, ROOT, ROOT / "results" / "hotpath.json",
+                                 ["beyond_plain_us_per_layer_max", "aa_max"], BENCH)
         p = pr.raw
         from mbolt.runtime.runner import LlamaRunner
 
@@ -134,7 +129,7 @@ def main() -> int:
         goals[f"toy{res['layers']}_aa"] = {"goal": f"A/A within {aa:.0%}",
                                            "measured": [res["aa_judged"]["plain"], res["aa_judged"]["mbolt"]],
                                            "met": all(abs(res["aa_judged"][e] - 1) <= aa for e in ("plain", "mbolt"))}
-    write_result(pr, rec, a.out, {"results": results, "goals": goals,
+    write_result(pr, rec, out, {"results": results, "goals": goals,
                                   "workload": f"teacher-forced: {p['forced']}-token prompt, then {p['new_tokens']} "
                                               "fed tokens; warm (every page resident, budget 4 GiB > the model)"})
     for res in results:

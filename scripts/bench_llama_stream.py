@@ -119,7 +119,7 @@ def warm_arms(name: str) -> list[Arm]:
 
 
 def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
-    from mbolt.runtime.driver import LlamaStream, record_routing
+    from mbolt.runtime.driver import open_driver, record_routing
     from mbolt.core.header import read_header
     from mbolt.core.mbtrace import read_trace
     from mbolt.core.moe_map import moe_map
@@ -150,7 +150,7 @@ def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
     routing = record_routing(p["stock"], ids, spec["new_tokens"])
     warm_ms = None
     if s_assumed is None:  # the one timing prepare takes: a warm plain decode, for the s estimate
-        with LlamaStream(p["stock"], reads=False, evict=False) as s:
+        with open_driver(p["stock"], reads=False, evict=False) as s:
             run = s.generate(ids, spec["new_tokens"])
         warm_ms = 1e3 * run.decode_s / run.decode_tokens
     preds = {qd: predict_config(name, qd, routing, warm_ms, s_assumed) for qd in QDS}

@@ -38,6 +38,10 @@ Workloads:
 Models (in $MBOLT_BENCH/memlimit, default /tmp/mbolt-bench; never in git):
   q864   Qwen3-30B-A3B shapes (128 experts, k=8, hidden 2048, expert ff 768), Q4_0: 864 KiB slices
   q72    512 experts, k=10, hidden 2048, expert ff 64, Q4_0: 72 KiB slices (a fine-grained model)
+  q4km   q864's shapes typed as users' files: a Q4_K_M mix (gate/up Q4_K, down Q6_K in half the
+         layers, attention Q4_K/Q6_K): 864 KiB gate/up slices
+  q512km Qwen3-Next-80B-A3B's real expert shape (512 experts, k=10, expert ff 512), Q4_K_M mix:
+         576 KiB gate/up slices (the fine-grained model typed as users' files)
 The plan is a llama.cpp trace of training prompts (the first 24 of prompts.jsonl).
 
 Plain at its best in every workload: before the figures, plain's readahead is swept over 8 KiB to
@@ -107,6 +111,9 @@ MODELS = {
     # typed as llama-quantize types a Q4_K_M file (gguf.mixes): the dense tensors quantized too
     "q4km": dict(preset="qwen3-30b-a3b", n_layers=8, fast_random=True, expert_type="Q4_K_M", dense_type="Q4_K_M",
                  routing_like=PROFILE_30B),
+    # Qwen3-Next-80B-A3B's routed experts at their real size, its co-activation profile
+    "q512km": dict(preset="qwen3-30b-a3b", n_layers=8, n_experts=512, n_used=10, expert_ff=512, fast_random=True,
+                   expert_type="Q4_K_M", dense_type="Q4_K_M", routing_like=PROFILE_80B),
     "smoke": dict(arch="qwen3moe", n_layers=2, n_experts=64, n_used=4, hidden=1024, expert_ff=256, n_heads=4,
                   n_kv_heads=2, head_dim=32, dense_ff=256, expert_type="Q4_0", fast_random=True, structure="planted"),
 }

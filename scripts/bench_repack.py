@@ -19,7 +19,6 @@ pairs. The pre-registration names the models, rounds, prompt and decode lengths 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -111,15 +110,11 @@ def main() -> int:
         arm, path, prompt, new, n_batch = sys.argv[2:7]
         print(json.dumps(worker(arm, path, int(prompt), int(new), int(n_batch))))
         return 0
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--prereg", type=Path, required=True)
-    ap.add_argument("--out", type=Path, default=ROOT / "results" / "repack.json")
-    a = ap.parse_args()
-    from mbolt.bench.prereg import gate_run, run_record, write_result
+    from mbolt.bench.prereg import begin_run, write_result
 
     try:
-        pr, lock = gate_run(a.prereg, ROOT, ["prompt_gain_min", "decode_gain_min"], a.out)
-        rec = run_record(pr, lock, ROOT, BENCH)
+        out, pr, rec = begin_run(__doc__, ROOT, ROOT / "results" / "repack.json",
+                                 ["prompt_gain_min", "decode_gain_min"], BENCH)
         p = pr.raw
         results = [measure(m, p) for m in p["models"]]
     except MboltError as e:
@@ -131,7 +126,7 @@ def main() -> int:
             v = res["repacked_over_mapped"][key]["median"]
             goals.append({"goal": f"{res['model']}: repacked >= {pr.goal(g)}x mapped, {key.split('_')[0]}",
                           "value": v, "met": v >= pr.goal(g)})
-    write_result(pr, rec, a.out, {"results": results, "goals": goals,
+    write_result(pr, rec, out, {"results": results, "goals": goals,
                                   "workload": f"warm, teacher-forced: a {p['prompt_tokens']}-token prompt in "
                                               f"{p['n_batch']}-token passes, then {p['new_tokens']} fed tokens"})
     for g in goals:

@@ -88,15 +88,27 @@ def flip(raw: bytes, at: int, value: int | None = None) -> bytes:
 
 
 def set_kv(src: Path, dst: Path, key: str, vtype, value, sub=None) -> Path:
-    """Copy of GGUF `src` with metadata `key` replaced (or added): the other pairs and the tensor
-    infos are copied verbatim, the data section follows the new header at the same alignment."""
+    """Copy of GGUF `src` with metadata `key` replaced (or added)."""
+    def edit(kvs, raw):
+        pairs = [encode_kv(key, vtype, value, sub) if k == key else raw[kv.span[0]:kv.span[1]] for k, kv in kvs.items()]
+        return pairs + ([encode_kv(key, vtype, value, sub)] if key not in kvs else [])
+
+    return _with_pairs(src, dst, edit)
+
+
+def without_kv(src: Path, dst: Path, drop) -> Path:
+    """Copy of GGUF `src` without the metadata keys for which `drop(key)` is true."""
+    return _with_pairs(src, dst, lambda kvs, raw: [raw[kv.span[0]:kv.span[1]] for k, kv in kvs.items() if not drop(k)])
+
+
+def _with_pairs(src: Path, dst: Path, edit) -> Path:
+    """Copy of GGUF `src` with the key/value pairs `edit(kvs, raw)` returns (raw encoded pairs): the
+    tensor infos are copied verbatim, the data section follows the new header at the same alignment."""
     from mbolt.core.header import read_header
 
     h = read_header(src)
     raw = src.read_bytes()
-    pairs = [encode_kv(key, vtype, value, sub) if k == key else raw[kv.span[0]:kv.span[1]] for k, kv in h.kv.items()]
-    if key not in h.kv:
-        pairs.append(encode_kv(key, vtype, value, sub))
+    pairs = edit(h.kv, raw)
     infos_start = max(kv.span[1] for kv in h.kv.values())
     out = encode_header_start(len(h.tensors), len(pairs), h.version) + b"".join(pairs) + raw[infos_start:h.header_size]
     out += b"\0" * (-len(out) % h.alignment)

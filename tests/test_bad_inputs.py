@@ -101,6 +101,15 @@ def _two_runs(w, argv):
     return argv
 
 
+def _damaged_kernel(w):
+    """A kernel-layout file with a byte of its data flipped: the restore refuses it, writes nothing."""
+    _two_runs(w, ["repack", str(w / M), str(w / "k.gguf"), "--isa", "avx2"])
+    raw = bytearray((w / "k.gguf").read_bytes())
+    raw[-100] ^= 1
+    (w / "k.gguf").write_bytes(bytes(raw))
+    return ["repack", "--restore", str(w / "k.gguf"), str(w / "o.gguf")], "SHA-256"
+
+
 M, T, P = "model.gguf", "t.mbtrace", "plan.json"
 
 # (id, setup(w) -> (argv, culprit)); paths are inside the working directory w
@@ -361,6 +370,17 @@ CASES = [
     ("chat-model-missing", lambda w: (["chat", str(w / "nope.gguf")], "nope.gguf")),
     ("chat-no-template", lambda w: (["chat", str(w / M), "--ram", "2G"], "no tokenizer.chat_template")),
     ("chat-bad-temp", lambda w: (["chat", str(w / M), "--temp", "9"], "--temp")),
+    # ---- repack (the kernel layout) ----
+    ("repack-src-missing", lambda w: (["repack", str(w / "nope.gguf"), str(w / "o.gguf"), "--isa", "avx2"],
+                                      "nope.gguf: no such file")),
+    ("repack-src-text", lambda w: (["repack", str(w / "p.txt"), str(w / "o.gguf"), "--isa", "avx2"], "p.txt")),
+    ("repack-out-is-src", lambda w: (["repack", str(w / M), str(w / M), "--isa", "avx2", "--force"], "is an input")),
+    ("repack-bad-isa", lambda w: (["repack", str(w / M), str(w / "o.gguf"), "--isa", "neon"], "--isa neon")),
+    ("repack-restore-not-kernel", lambda w: (["repack", "--restore", str(w / M), str(w / "o.gguf")],
+                                             "not a kernel-layout file")),
+    ("repack-restore-with-isa", lambda w: (["repack", "--restore", str(w / M), str(w / "o.gguf"), "--isa", "avx2"],
+                                           "--isa")),
+    ("repack-restore-damaged", _damaged_kernel),
 ]
 
 

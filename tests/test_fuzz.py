@@ -224,17 +224,6 @@ def test_fuzz_mbtrace_valid_header_checksum(L, E, k, flags, body, tmp_path):
 
 
 @FUZZ
-@given(data=st.data())
-def test_fuzz_mbolt_trace(data, tmp_path):
-    seed = mbolt_trace_bytes(records=[(0, 2, 3, [0, 1, 2, 3, 4, 5]), (1, 2, 3, [1, 2, 3, 4, 5, 6]),
-                                      (0, 2, 1, [7, 0]), (1, 2, 1, [2, 3])])
-    p = tmp_path / "x.bin"
-    p.write_bytes(data.draw(st.one_of(_mutate(seed), st.binary(max_size=600).map(lambda b: seed[:12] + b)),
-                            "bytes"))
-    _check(_load_trace, p, "MBOLT_TRACE")
-
-
-@FUZZ
 @given(text=st.text(alphabet="0123456789  \n\n-x", max_size=400), junk=st.binary(max_size=4))
 def test_fuzz_nuthatch_text(text, junk, tmp_path):
     p = tmp_path / "x.txt"
@@ -246,16 +235,6 @@ def test_fuzz_nuthatch_text(text, junk, tmp_path):
     _check(nuthatch_lines_trace, p, "nuthatch text (line records)")
 
 
-@FUZZ
-@given(data=st.data())
-def test_fuzz_nuthatch_bin(data, tmp_path):
-    seed = nuthatch_bin_bytes()
-    p = tmp_path / "x.bin"
-    p.write_bytes(data.draw(st.one_of(_mutate(seed), st.binary(max_size=400).map(lambda b: seed[:8] + b)),
-                            "bytes"))
-    _check(_load_trace, p, "NUTHTRC1")
-
-
 def _faroute_bytes() -> bytes:
     import struct
 
@@ -265,14 +244,27 @@ def _faroute_bytes() -> bytes:
     return head + b"".join(struct.pack("<QQHHHH", i, c, l, r, k, e) for i, (c, l, r, k, e) in enumerate(recs))
 
 
+def _mbolt_trace_seed() -> bytes:
+    return mbolt_trace_bytes(records=[(0, 2, 3, [0, 1, 2, 3, 4, 5]), (1, 2, 3, [1, 2, 3, 4, 5, 6]),
+                                      (0, 2, 1, [7, 0]), (1, 2, 1, [2, 3])])
+
+
+# binary trace formats: (seed, bytes of it kept before a random tail (the magic and more), longest tail)
+BINARY_TRACES = {"MBOLT_TRACE": (_mbolt_trace_seed, 12, 600), "NUTHTRC1": (nuthatch_bin_bytes, 8, 400),
+                 "FAROUTE1": (_faroute_bytes, 16, 400)}
+
+
+@pytest.mark.parametrize("fmt", list(BINARY_TRACES))
 @FUZZ
 @given(data=st.data())
-def test_fuzz_faroute(data, tmp_path):
-    seed = _faroute_bytes()
+def test_fuzz_binary_trace(fmt, data, tmp_path):
+    """The seed mutated, or random bytes behind its first bytes (past the magic)."""
+    make, keep, tail = BINARY_TRACES[fmt]
+    seed = make()
     p = tmp_path / "x.bin"
-    p.write_bytes(data.draw(st.one_of(_mutate(seed), st.binary(max_size=400).map(lambda b: seed[:16] + b)),
+    p.write_bytes(data.draw(st.one_of(_mutate(seed), st.binary(max_size=tail).map(lambda b: seed[:keep] + b)),
                             "bytes"))
-    _check(_load_trace, p, "FAROUTE1")
+    _check(_load_trace, p, fmt)
 
 
 def _text_file(tmp_path, name: str, head: bytes, text: str, big: int, junk: bytes):
@@ -286,20 +278,6 @@ def _text_file(tmp_path, name: str, head: bytes, text: str, big: int, junk: byte
 _BIG = st.integers(0, 10 ** 30)
 
 
-@FUZZ
-@given(text=st.text(alphabet="0123456789 :.\n-xe", max_size=400), big=_BIG, junk=st.binary(max_size=4))
-def test_fuzz_colibri_route_trace(text, big, junk, tmp_path):
-    p = _text_file(tmp_path, "x.txt", b"0 0 1 3:0.5000 4:0.2500\n", text, big, junk)
-    _check(_load_trace, p, "colibri ROUTE_TRACE")
-
-
-@FUZZ
-@given(text=st.text(alphabet="0123456789,\n-x", max_size=400), big=_BIG, junk=st.binary(max_size=4))
-def test_fuzz_moe_trace_csv(text, big, junk, tmp_path):
-    p = _text_file(tmp_path, "x.csv", b"0,1\n0,2\n", text, big, junk)
-    _check(_load_trace, p, "llama.cpp moe-trace CSV")
-
-
 def _load_usage(p):
     from mbolt.trace.formats import load_usage
 
@@ -308,11 +286,19 @@ def _load_usage(p):
     return u
 
 
+# text formats: (file name, a valid first line, the fuzzed text's alphabet, reader)
+TEXT_FILES = {"colibri ROUTE_TRACE": ("x.txt", b"0 0 1 3:0.5000 4:0.2500\n", "0123456789 :.\n-xe", _load_trace),
+              "llama.cpp moe-trace CSV": ("x.csv", b"0,1\n0,2\n", "0123456789,\n-x", _load_trace),
+              ".coli_usage": ("x.coli_usage", b"-1 4 8\n-2 1 5\n", "0123456789 \n-x", _load_usage)}
+
+
+@pytest.mark.parametrize("fmt", list(TEXT_FILES))
 @FUZZ
-@given(text=st.text(alphabet="0123456789 \n-x", max_size=400), big=_BIG, junk=st.binary(max_size=4))
-def test_fuzz_coli_usage(text, big, junk, tmp_path):
-    p = _text_file(tmp_path, "x.coli_usage", b"-1 4 8\n-2 1 5\n", text, big, junk)
-    _check(_load_usage, p, ".coli_usage")
+@given(data=st.data(), big=_BIG, junk=st.binary(max_size=4))
+def test_fuzz_text_file(fmt, data, big, junk, tmp_path):
+    name, head, alphabet, reader = TEXT_FILES[fmt]
+    text = data.draw(st.text(alphabet=alphabet, max_size=400), "text")
+    _check(reader, _text_file(tmp_path, name, head, text, big, junk), fmt)
 
 
 def test_coli_usage_naming_the_largest_table_stays_small(tmp_path):
@@ -420,9 +406,7 @@ def test_every_single_byte_flip(fmt, tmp_path):
     if fmt == "mbtrace":
         seed, reader, name = _mbtrace_seed(tmp_path), _load_trace, "x.mbtrace"
     elif fmt == "MBOLT_TRACE":
-        seed = mbolt_trace_bytes(records=[(0, 2, 3, [0, 1, 2, 3, 4, 5]), (1, 2, 3, [1, 2, 3, 4, 5, 6]),
-                                          (0, 2, 1, [7, 0]), (1, 2, 1, [2, 3])])
-        reader, name = _load_trace, "x.bin"
+        seed, reader, name = _mbolt_trace_seed(), _load_trace, "x.bin"
     elif fmt == "NUTHTRC1":
         seed, reader, name = nuthatch_bin_bytes(), _load_trace, "x.bin"
     else:

@@ -68,14 +68,14 @@ def _page_share(path, spans, resident):
 
 
 def test_eviction_after_a_token_leaves_experts_cold_and_dense_resident(files):
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.core.pagecache import resident_pages
     from mbolt.core.moe_map import moe_map
     from gguf import GGUFReader
 
     path = str(files["stock"])
     mm = moe_map(path)
-    with LlamaStream(path, reads=True) as s:
+    with open_driver(path, reads=True) as s:
         pages = s.pages
         # the load (MAP_POPULATE) made every page resident and mapped
         assert pages.mapped() == 1.0
@@ -102,15 +102,15 @@ def test_split_set_streams_cold_with_the_same_tokens(files, tmp_path):
     from gguf import GGUFReader
 
     from _split_util import split_with_gguf_py
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.core.pagecache import resident_pages
 
     shards = split_with_gguf_py(files["stock"], tmp_path / "set.gguf", max_tensors=12)
     assert len(shards) >= 3
-    with LlamaStream(str(files["stock"]), reads=True) as s:
+    with open_driver(str(files["stock"]), reads=True) as s:
         s.make_cold()
         want = s.generate([PROMPTS[0]], 4)
-    with LlamaStream(str(shards[1]), reads=True) as s:  # any shard names the set
+    with open_driver(str(shards[1]), reads=True) as s:  # any shard names the set
         assert len(s.pages.files) == len(shards)
         s.make_cold()
         run = s.generate([PROMPTS[0]], 4)
@@ -132,10 +132,10 @@ def test_split_set_streams_cold_with_the_same_tokens(files, tmp_path):
 
 
 def test_slot_budget_keeps_cached_experts_resident(files):
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
     path = str(files["stock"])
-    with LlamaStream(path, reads=True, cache_slots=8) as s:
+    with open_driver(path, reads=True, cache_slots=8) as s:
         s.make_cold()
         run = s.generate([PROMPTS[0]], 4)
         # the slot cache serves hits, and exactly its experts stay resident
@@ -148,7 +148,7 @@ def test_slot_budget_keeps_cached_experts_resident(files):
                 for sp in s.pages.expert_spans_of(layer, [e])]
         assert s.pages.resident(gone) == 0.0
     with pytest.raises(MboltError, match="below the 4 experts"):
-        LlamaStream(path, reads=True, cache_slots=2)
+        open_driver(path, reads=True, cache_slots=2)
 
 
 def test_ab_decode_llama_three_arms(files, tmp_path):
@@ -283,9 +283,9 @@ def test_cold_start_keeps_every_dense_page_and_no_expert_page(files):
     streamed prefill faults nothing in."""
     import resource
 
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
-    with LlamaStream(str(files["stock"]), reads=True, cache_slots=8) as s:
+    with open_driver(str(files["stock"]), reads=True, cache_slots=8) as s:
         s.make_cold()
         assert s.pages.resident() == 0.0
         assert s.pages.resident(s.pages.dense_tensors) == 1.0
@@ -299,12 +299,12 @@ def test_quantized_experts_are_read_from_the_mapping(tmp_path):
     """Q4_0 experts: llama.cpp's CPU backend repacks such weights into its own buffers unless told
     not to; streaming loads without extra buffer types, so the os arm's matmuls fault the mapped
     expert pages in (a warm copy in anonymous memory would make every arm read for nothing)."""
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
     path = write_synth(tmp_path / "q4.gguf", SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4,
                                                          hidden=128, expert_ff=128, n_heads=4, n_kv_heads=2,
                                                          head_dim=32, expert_type="Q4_0", seed=1))
-    with LlamaStream(str(path), reads=False) as s:
+    with open_driver(str(path), reads=False) as s:
         s.make_cold()
         run = s.generate([PROMPTS[0]], 3)
         assert run.major_faults > 0 and s.pages.resident() == 0.0

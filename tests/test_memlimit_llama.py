@@ -141,20 +141,20 @@ def test_the_runtime_takes_2048_token_passes_by_default(model):
     (each pass reads the layer's selected experts once: results/ubatch_q72.json); plain llama.cpp
     and batched sequences keep llama.cpp's 512. A 1,500-token prompt is one pass instead of three,
     and greedy decoding after it gives the same tokens."""
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
     mm = model["mm"]
     ids = [65 + (i * 7) % 180 for i in range(1500)]
     runs = {}
     for ub in (None, 512):
-        with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=ub) as s:
+        with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=ub) as s:
             assert s.n_ubatch == (ub or 2048)
             runs[ub] = s.generate([ids], 4)
     assert (runs[None].prompt_passes, runs[512].prompt_passes) == (1, 3)
     assert runs[None].generated == runs[512].generated
-    with LlamaStream(str(model["stock"]), reads=False, evict=False, mm=mm) as s:
+    with open_driver(str(model["stock"]), reads=False, evict=False, mm=mm) as s:
         assert s.n_ubatch == 512
-    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_seq=2) as s:
+    with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_seq=2) as s:
         assert s.n_ubatch == 512
 
 
@@ -166,14 +166,14 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
     cache then also takes the rest of the pass's reserve."""
     from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes, step_bytes
     from mbolt.runtime.streamer import own_bytes
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
     mm = model["mm"]
     per_slot = expert_bytes_all_layers(mm)
     assert per_slot == sum(w.slice_bytes for w in mm.moe_layers[0].weights) * len(mm.moe_layers)
     layer = sum(w.slice_bytes for w in mm.moe_layers[0].weights) * mm.n_experts
     assert layer_bytes(mm) == layer
-    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=512) as s:
+    with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=512) as s:
         assert s.n_ubatch == 512 and s.plan.prefetch  # a pass selects the whole layer: two layers reserved
         assert s.plan.prefill_reserve == 2 * layer
         dense = sum(b - a for a, b in s.pages.dense_tensors)
@@ -201,7 +201,7 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
         assert s.pages.resident(s.pages.dense_tensors) == 1.0
     with pytest.raises(MboltError, match=r"a budget of 8 MiB cannot hold the dense weights .* the KV cache of a "
                                          r"4096-token context .*no context fits: give a larger --ram"):
-        LlamaStream(str(model["stock"]), budget=8 << 20, mm=mm)
+        open_driver(str(model["stock"]), budget=8 << 20, mm=mm)
 
 
 def _resident_bytes(base: int, size: int) -> int:
@@ -256,7 +256,7 @@ def test_the_compute_buffer_is_given_back_after_a_prompt(model, monkeypatch):
     those of llama.cpp's own API."""
     from mbolt.runtime.binding import buffer_span
     from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.runtime.streamer import own_bytes
 
     mm = model["mm"]
@@ -264,7 +264,7 @@ def test_the_compute_buffer_is_given_back_after_a_prompt(model, monkeypatch):
     ids = [65 + (i * 7) % 180 for i in range(512 + N_NEW)]
 
     def run(watcher=None, give_back=True):
-        with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True, n_ubatch=512,
+        with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True, n_ubatch=512,
                          watchers=[watcher] if watcher else (), give_back_compute=give_back) as s:
             if watcher:
                 watcher.driver = s
@@ -312,12 +312,12 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
     through a second prompt. Before, the pass's reserve shrank the cache (121 of 128 slots on the
     48-layer model) and the next decode steps read the dropped experts back from the drive."""
     from mbolt.runtime.budget import expert_bytes_all_layers, layer_bytes, margin
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.runtime.streamer import own_bytes
 
     mm = model["mm"]
     per_slot = expert_bytes_all_layers(mm)
-    with LlamaStream(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True) as s:
+    with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True) as s:
         assert s.plan.prefill_reserve >= layer_bytes(mm) > 4 * per_slot  # the reserve is worth several slots
         dense = sum(b - a for a, b in s.pages.dense_tensors)
         # room for every expert and half a pass's reserve: enough for all, not for all and the reserve
@@ -347,9 +347,9 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
 
 
 def test_a_layer_without_expert_selection_is_an_error(model):
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
-    with LlamaStream(str(model["stock"]), cache_slots=8, mm=model["mm"]) as s:
+    with open_driver(str(model["stock"]), cache_slots=8, mm=model["mm"]) as s:
         s.arm.moe_layers = s.arm.moe_layers | {99}
         s.make_cold()
         with pytest.raises(MboltError, match="no ffn_moe_topk for layer\\(s\\) 99"):
@@ -420,7 +420,7 @@ def test_the_default_slots_are_those_whose_working_sets_the_cache_holds(model):
     memory never gives fewer slots, and where llama.cpp's KV cache of 4 slots takes less than an
     eighth (its own sizes, llama_context) the cache rule still gives fewer on tighter budgets; the
     runtime loaded with the default holds its slots' steps."""
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.runtime.memory import simulate
     from mbolt.serve.model import KV_SHARE, auto_parallel
 
@@ -434,7 +434,7 @@ def test_the_default_slots_are_those_whose_working_sets_the_cache_holds(model):
     held_back = [(b, n) for b, n in zip(budgets, chosen) if n < 4 and kv4 * KV_SHARE <= b]
     assert held_back, list(zip(budgets, chosen))  # the cache rule, not the KV rule, keeps these below 4
     b, n = held_back[-1]
-    with LlamaStream(path, budget=b, qd=2, mm=mm, n_ctx=256, n_seq=n) as s:
+    with open_driver(path, budget=b, qd=2, mm=mm, n_ctx=256, n_seq=n) as s:
         s.make_cold()
         assert s.decode_slots >= n * mm.n_used  # at least a step of every slot, cached
 
@@ -490,7 +490,7 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
     import errno
 
     from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.runtime.prefill import huge_pages, open_direct
     from mbolt.runtime.streamer import own_bytes
 
@@ -506,7 +506,7 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
     logits = []
     for overlay, refuse in ((True, False), (True, True), (False, False)):
         w = _LaidOver()
-        with LlamaStream(path, budget=1 << 40, qd=2, mm=mm, n_ubatch=512, n_ctx=1024, asynchronous=True,
+        with open_driver(path, budget=1 << 40, qd=2, mm=mm, n_ubatch=512, n_ctx=1024, asynchronous=True,
                          watchers=[w], overlay=overlay) as s:
             w.rt = s.arm
             assert s.plan.prefetch and (s.arm.overlay is not None) == (available and overlay)

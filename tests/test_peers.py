@@ -242,3 +242,22 @@ def test_a_worker_that_fails_is_one_line(tmp_path):
                                          r"Failed to load model") as e:
         peers.run_round(peers.find_ik(), peers.IK_WARM, cut, [1, 2, 3], [4], ram=0, n_ctx=64)
     assert "\n" not in str(e.value)
+
+
+def test_a_benchmark_refuses_a_build_other_than_the_one_it_names():
+    """bench.env.check_build against the CPU's own flags: native means every instruction set of
+    this CPU that llama.cpp uses; portable means none past AVX2."""
+    from mbolt.bench.env import check_build
+
+    portable = "CPU : SSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | REPACK = 1 |"
+    native = portable + " AVX512 = 1 | AVX512_VNNI = 1 | AVX512_BF16 = 1 |"
+    zen4 = {"avx2", "avx512f", "avx512_vnni", "avx512_bf16"}
+    check_build("native", native, zen4)
+    check_build("portable", portable, zen4)
+    check_build("native", portable, {"avx2"})  # a CPU without AVX-512: portable is native there
+    with pytest.raises(MboltError, match="without AVX512, AVX512_BF16, AVX512_VNNI"):
+        check_build("native", portable, zen4)
+    with pytest.raises(MboltError, match="portable build"):
+        check_build("portable", native, zen4)
+    with pytest.raises(MboltError, match="expected native or portable"):
+        check_build("fast", native, zen4)

@@ -213,3 +213,26 @@ def test_gate_run_refuses_a_missing_goal_and_a_rerun(repo):
                                "earlier_runs": [{"file": "x.run1.json", "prereg": pr.to_dict()}]}))
     with pytest.raises(MboltError, match=r"x\.run1\.json was measured under .* already"):
         gate_run(repo / "prereg" / "x.toml", repo, ["ttft_over_warm_max"], res)
+
+
+def test_begin_run_parses_gates_and_records(repo):
+    """The start the single-result scripts share (bench_hotpath, bench_repack): --prereg required,
+    --out defaulted or given, the gate, the run counted and its record begun."""
+    from mbolt.bench.prereg import begin_run
+
+    lock_bench(repo / "prereg" / "x.toml")
+    commit(repo)
+    default = repo / "results" / "x.json"
+    with pytest.raises(SystemExit) as e:  # argparse: --prereg is required
+        begin_run("doc", repo, default, ["ttft_over_warm_max"], repo / "code.py", argv=[])
+    assert e.value.code == 2
+    with pytest.raises(MboltError, match=r"\[goals\] lacks q72_x"):
+        begin_run("doc", repo, default, ["q72_x"], repo / "code.py", argv=["--prereg", str(repo / "prereg" / "x.toml")])
+    out, pr, rec = begin_run("doc", repo, default, ["ttft_over_warm_max"], repo / "code.py",
+                             argv=["--prereg", str(repo / "prereg" / "x.toml")])
+    assert out == default and pr.goal("ttft_over_warm_max") == 1.15
+    assert rec["prereg"]["run"] == 1 and json.loads(lock_path(repo / "prereg" / "x.toml").read_text())["runs"] == 1
+    other = repo / "results" / "other.json"
+    out, _, rec = begin_run("doc", repo, default, ["ttft_over_warm_max"], repo / "code.py",
+                            argv=["--prereg", str(repo / "prereg" / "x.toml"), "--out", str(other)])
+    assert out == other and rec["prereg"]["run"] == 2

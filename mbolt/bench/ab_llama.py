@@ -33,7 +33,7 @@ from dataclasses import asdict
 import numpy as np
 
 from mbolt.bench.arms import Arm, ArmJob, RoundResult
-from mbolt.runtime.driver import LlamaStream, check_llama_streamable
+from mbolt.runtime.driver import open_driver, check_llama_streamable
 from mbolt.bench.env import wait_quiet
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import reset_own_peak
@@ -241,7 +241,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     arm with reads gets the budget; otherwise the emulation (drop after every step)."""
     threshold, rnd, position, prompts, n_new = job.threshold, job.rnd, job.position, job.prompts, job.n_new
     reads = arm.mode != "os"
-    stream = LlamaStream(arm.path, reads=reads, gap=arm.gap, qd=arm.io_threads, cache_slots=_slots(arm),
+    stream = open_driver(arm.path, reads=reads, gap=arm.gap, qd=arm.io_threads, cache_slots=_slots(arm),
                          evict=not arm.warm and not (job.ram and not reads), callback=arm.callback, mm=mm,
                          budget=job.ram if (job.ram and reads) else None, asynchronous=arm.asynchronous,
                          pins=arm.pins, n_ctx=job.n_ctx, n_ubatch=arm.n_ubatch or job.n_ubatch,

@@ -302,12 +302,8 @@ class LfuBypassCache(CrfCache):
         self.bypassed = []
         if self.slots <= 0:
             return []
-        self.clock += 1
-        now = self.clock
-        want = list(dict.fromkeys(int(k) for k in keys))
-        for k in want:
-            self.use(k, now)
-        value = self.scores(np.arange(len(self.cached)), now).tolist()
+        want = self.use_token(keys)
+        value = self.scores(np.arange(len(self.cached)), self.clock).tolist()
         new = sorted((k for k in want if not self.cached[k]), key=lambda k: -value[k])  # ties: token order
         mine = set(want) | self.pinned
         others = None  # the cached experts not in this token, least valuable first

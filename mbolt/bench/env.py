@@ -101,6 +101,39 @@ def engine_builds() -> dict:
     return out
 
 
+# /proc/cpuinfo flag -> the name llama_print_system_info() gives the instruction set
+_ISA = {"avx2": "AVX2", "avx512f": "AVX512", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
+        "avx512vbmi": "AVX512_VBMI"}
+
+
+def check_build(kind: str, system_info: str | None = None, cpu_flags: set[str] | None = None) -> None:
+    """Refuse a llama.cpp other than the build a pre-registration names: "native" (every instruction
+    set of this CPU that llama.cpp can use, as `pip install` builds it) or "portable"
+    (GGML_NATIVE=OFF: AVX2 and no AVX-512 on x86)."""
+    from mbolt.core.errors import MboltError
+
+    if kind not in ("native", "portable"):
+        raise MboltError(f"build {kind!r}: expected native or portable")
+    if system_info is None:
+        import llama_cpp
+
+        system_info = llama_cpp.llama_print_system_info().decode()
+    if cpu_flags is None:
+        with open("/proc/cpuinfo") as f:
+            cpu_flags = set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
+    import re
+
+    on = {k for k, v in re.findall(r"([A-Z0-9_]+) = (\d+)", system_info) if v != "0"}
+    have = {name for flag, name in _ISA.items() if flag in cpu_flags}
+    if kind == "native" and have - on:
+        raise MboltError(f"llama.cpp is built without {', '.join(sorted(have - on))}, which this CPU has: the run "
+                         "measures the build users get (`pip install --force-reinstall --no-cache-dir --no-binary "
+                         "llama-cpp-python llama-cpp-python==0.3.36` builds it native)")
+    if kind == "portable" and on & (set(_ISA.values()) - {"AVX2"}):
+        raise MboltError(f"llama.cpp is built with {', '.join(sorted(on & set(_ISA.values()) - {'AVX2'}))}: the "
+                         "pre-registration names the portable build (CMAKE_ARGS=-DGGML_NATIVE=OFF)")
+
+
 def environment(path: str | os.PathLike) -> dict:
     dev, mnt, fs = mount_of(str(path))
     try:

@@ -342,14 +342,33 @@ def check_rerun(pr: BenchPrereg, result_path: str | os.PathLike) -> None:
 def gate_run(path: str | os.PathLike, root: str | os.PathLike, goal_keys, result_path,
              count_run: bool = True) -> tuple[BenchPrereg, dict]:
     """A benchmark script's gate before it measures: `open_bench_prereg`, every goal the run will
-    judge present (`require_goals`), no result of this pre-registration yet in `result_path` (one
+    judge present (`require_goals`), the llama.cpp build it names (`build = "native"`), no result of this pre-registration yet in `result_path` (one
     path, or a list: a script that writes one result per model) (`check_rerun`); only then is the
     run counted in the lock (`count_run`), so a refused start counts none."""
     pr, lock = open_bench_prereg(path, root, count_run=False)
     pr.require_goals(goal_keys)
+    if "build" in pr.raw:  # the llama.cpp build the run measures (issue 54: native, as users build it)
+        from mbolt.bench.env import check_build
+
+        check_build(str(pr.raw["build"]))
     for p in ([result_path] if isinstance(result_path, (str, os.PathLike)) else result_path):
         check_rerun(pr, p)
     return pr, (check_and_lock(pr) if count_run else lock)
+
+
+def begin_run(doc: str, root: str | os.PathLike, default_out: str | os.PathLike, goal_keys,
+              data_path: str | os.PathLike, argv: list[str] | None = None) -> tuple[Path, BenchPrereg, dict]:
+    """The start of a script with one pre-registration and one result: `--prereg PATH` (required)
+    and `--out PATH` parsed from `argv`, the run gated (`gate_run`) and its record begun
+    (`run_record`). Returns the result's path, the pre-registration and the record."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prereg", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path(default_out))
+    a = ap.parse_args(argv)
+    pr, lock = gate_run(a.prereg, root, goal_keys, a.out)
+    return a.out, pr, run_record(pr, lock, root, data_path)
 
 
 def keep_earlier(pr: BenchPrereg, result_path: str | os.PathLike, result: dict) -> dict:
@@ -388,8 +407,9 @@ def cpu_model() -> str:
 
 def run_record(pr: BenchPrereg, lock: dict, root: str | os.PathLike, data_path: str | os.PathLike) -> dict:
     """What a result records of its run, before it starts: the pre-registration, the revision, the
-    machine (CPU, cores, memory, kernel, the block device under `data_path` with its read_ahead_kb)
-    and the load average. `finish_record` adds the load average after."""
+    machine (CPU, cores, memory, kernel, the block device under `data_path` with its read_ahead_kb),
+    the build of each engine (llama_print_system_info()) and the load average. `finish_record`
+    adds the load average after."""
     from mbolt.bench.env import environment, git_revision
 
     env = environment(data_path)
@@ -398,6 +418,7 @@ def run_record(pr: BenchPrereg, lock: dict, root: str | os.PathLike, data_path: 
             "machine": {"cpu": cpu_model(), "cores": os.cpu_count(), "memory_bytes": env["memory"].get("MemTotal"),
                         "kernel": env["kernel"], "device": env["device"], "block": env["block"],
                         "read_ahead_kb": env["block"].get("read_ahead_kb"), "filesystem": env["filesystem"]},
+            "engines": env["engines"],  # each engine's build (bench.env.engine_builds)
             "loadavg_before": env["loadavg"], "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 

@@ -51,7 +51,6 @@ from mbolt.core import cache_policy as cp
 from mbolt.core.lru import SlotLru
 from mbolt.core.trace import DECODE, Trace, select_phase, split_trace
 
-POLICIES = ("learned-pin", "lru", "os", "belady", "opt")
 # per-layer policies `compare_policies` replays beside the LRU and MIN (`mbolt cache --policies`)
 LAYER_POLICIES = {
     "crf": lambda slots, E, lam: cp.CrfCache(slots, E, lam),

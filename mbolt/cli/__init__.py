@@ -11,7 +11,7 @@ from mbolt.cli.common import app, user_errors
 from mbolt.cli.exchange import expert_map_cmd, export_coact_cmd, export_heat_cmd, import_trace_cmd
 from mbolt.cli.measure import cache_cmd, predict_cmd, probe_cmd
 from mbolt.cli.models import generate_cmd, inspect_cmd, synth_cmd, synth_trace_cmd, trace_stats_cmd
-from mbolt.cli.pipeline import ab_cmd, plan_cmd, reorder_cmd, trace_cmd, trace_merge_cmd, verify_cmd
+from mbolt.cli.pipeline import ab_cmd, plan_cmd, reorder_cmd, repack_cmd, trace_cmd, trace_merge_cmd, verify_cmd
 from mbolt.cli.serve import chat_cmd, serve_cmd
 from mbolt.cli.start import demo_cmd, report_cmd
 
@@ -28,6 +28,7 @@ COMMANDS = [
     ("plan", plan_cmd, "Pipeline"),
     ("reorder", reorder_cmd, "Pipeline"),
     ("verify", verify_cmd, "Pipeline"),
+    ("repack", repack_cmd, "Pipeline"),
     ("ab", ab_cmd, "Pipeline"),
     ("probe", probe_cmd, "Measure and predict"),
     ("predict", predict_cmd, "Measure and predict"),

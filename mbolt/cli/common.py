@@ -115,6 +115,25 @@ def show(as_json: bool, data, render) -> None:
         console.print(r, highlight=False)
 
 
+# ---- options several commands share: one definition each ----
+
+
+def ram_option(scope: str = ""):
+    """--ram, the memory budget; `scope` names what it needs (generate: "--stream")."""
+    return typer.Option(None, "--ram", help=f"{scope + ': the' if scope else 'The'} memory budget (e.g. 8G). Default: "
+                        "the tightest memory cgroup limit of this process and its parents, else the available memory.")
+
+
+def ctx_size_option(scope: str = "", then: str = "."):
+    """--ctx-size/-c, llama.cpp's context; `then` ends the help with what it does in the command."""
+    return typer.Option(None, "--ctx-size", "-c", min=1, help=f"{scope + ': c' if scope else 'C'}ontext size in tokens "
+                        f"(default 4096, capped by the model's training context){then}")
+
+
+def threads_option():
+    return typer.Option(0, "--threads", "-t", min=0, help="llama.cpp threads (0 = all cores).")
+
+
 def _version(value: bool):
     if value:
         from mbolt import __version__

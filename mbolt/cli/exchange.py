@@ -38,9 +38,12 @@ def expert_map_cmd(
                              f"{d['layout']}, {len(d['files'])} file(s)")
 
 
+_TRACES = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged).")
+
+
 @user_errors
 def export_coact_cmd(
-    trace: list[Path] = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged)."),
+    trace: list[Path] = _TRACES,
     out: Path = typer.Option(..., "-o", "--out", help="Where the profile goes (coactivation JSON)."),
     model: Path = typer.Option(None, "--model", help="The GGUF the trace was made on: checked, and its name and "
                                "quantisation fill the profile's model and quant fields."),
@@ -84,7 +87,7 @@ def export_coact_cmd(
 
 @user_errors
 def export_heat_cmd(
-    trace: list[Path] = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged)."),
+    trace: list[Path] = _TRACES,
     out: Path = typer.Option(..., "-o", "--out", help="Where the heat goes (.coli_usage text)."),
     engine: str = typer.Option(None, "--colibri-engine", help="colibri's engine name (e.g. qwen3_moe, glm_moe_dsa, olmoe): "
                                "its id goes in the header; without it colibri takes the file only as PIN=<path>."),

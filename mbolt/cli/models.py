@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from mbolt.cli.common import console, err_console, output, print_json, show, user_errors
+from mbolt.cli.common import (console, ctx_size_option, err_console, output, print_json, ram_option, show,
+                               user_errors)
 from mbolt.core.errors import MboltError
 
 
@@ -158,8 +159,7 @@ def generate_cmd(
                                 "are read explicitly from the eval callback into an expert cache sized from the memory "
                                 "budget (--ram, else the cgroup limit, else available memory); dense weights stay "
                                 "resident."),
-    ram: str = typer.Option(None, "--ram", help="--stream: the memory budget (e.g. 8G). Default: the memory cgroup's "
-                            "limit, else the available memory."),
+    ram: str = ram_option("--stream"),
     cache_slots: int = typer.Option(0, "--cache-slots", min=0, help="--stream: experts per layer kept (LRU) instead of "
                                     "sizing the cache from the budget."),
     drop_every_token: bool = typer.Option(False, "--drop-every-token", help="--stream: drop every expert page after "
@@ -172,9 +172,7 @@ def generate_cmd(
     gap: int = typer.Option(0, "--gap", min=0, help="--stream: merge gap (bytes)."),
     pins: bool = typer.Option(False, "--pins", help="--stream: keep each layer's hottest experts (by the training "
                               "heat a reorder file's route map carries) in 3/4 of the cache; the rest is LRU."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
-                                 "4096, capped by the model's training context). Under --stream its KV cache is "
-                                 "counted in the budget."),
+    ctx_size: int = ctx_size_option("llama.cpp", ". Under --stream its KV cache is counted in the budget."),
     ubatch: int = typer.Option(None, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass (each "
                                "pass reads the experts the cache does not hold; --stream may take fewer to fit the "
                                "budget). Default: 2048 with --stream, else llama.cpp's 512."),
@@ -218,14 +216,14 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
     from rich.progress import Progress
 
     from mbolt.core.memlimit import budget
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
     if (cache_slots or ram or drop_every_token or blocking or pins) and not stream:
         raise MboltError("--ram, --cache-slots, --drop-every-token, --blocking-reads and --pins need --stream")
     if drop_every_token and (ram or cache_slots):
         raise MboltError("--drop-every-token drops everything after each token: it takes no --ram or --cache-slots")
     limit, where = budget(ram) if (stream and not drop_every_token and not cache_slots) else (None, "")
-    with LlamaStream(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap, budget=limit,
+    with open_driver(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap, budget=limit,
                      asynchronous=stream and not blocking, pins=pins, n_ctx=ctx_size, n_ubatch=ubatch) as s:
         ids = s.runner.tokenize(prompt, add_special=True)
         if not ids:

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import typer
 
-from mbolt.cli.common import console, err_console, output, print_json, show, user_errors
+from mbolt.cli.common import (console, ctx_size_option, err_console, output, print_json, show, threads_option,
+                               user_errors)
 from mbolt.core.errors import MboltError
 
 
@@ -19,9 +20,8 @@ def trace_cmd(
     max_new_tokens: int = typer.Option(16, "--new-tokens", "-n", min=0, help="Greedy decode tokens per prompt."),
     engine: str = typer.Option("reference", "--engine", help="'reference' (numpy engine) or 'llama.cpp' (eval callback, any llama.cpp arch)."),
     limit: int = typer.Option(0, "--n-prompts", min=0, help="Use at most this many prompts (0 = all)."),
-    threads: int = typer.Option(0, "--threads", min=0, help="llama.cpp threads (0 = all cores)."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
-                                 "4096, capped by the model's training context); a longer prompt is cut to fit."),
+    threads: int = threads_option(),
+    ctx_size: int = ctx_size_option("llama.cpp", "; a longer prompt is cut to fit."),
     route: str = typer.Option("file", help="Reference engine on reordered files: 'file' or 'map'."),
     shard: str = typer.Option(None, "--shard", help="I/N: trace only the I-th of N deterministic shares of the "
                               "prompts (prompts I, I+N, ...), e.g. on N machines; join with `mbolt trace-merge`."),
@@ -229,8 +229,7 @@ def verify_cmd(
                                    "(bit-identity only)."),
     llama: bool = typer.Option(False, "--llama", help="Also load both in llama.cpp (reorder layout): same "
                                "greedy tokens, logits within tolerance."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="--llama: llama.cpp's context size in tokens "
-                                 "(default 4096, capped by the model's training context)."),
+    ctx_size: int = ctx_size_option("--llama"),
     as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
 ):
     """Check a rewritten GGUF: every tensor byte-identical through the route map, metadata
@@ -248,6 +247,8 @@ def verify_cmd(
 
     if ctx_size and not llama:
         raise MboltError("--ctx-size is llama.cpp's context: it needs --llama")
+    if _is_kernel_file(out):
+        return _verify_kernel(src, out, as_json)
     texts = prompt_texts(prompts, n_prompts)
     # one bar per long phase: the byte comparison, then the engine runs (forwards of both files)
     with Progress("[progress.description]{task.description}", BarColumn(), TextColumn("{task.fields[amount]}"),
@@ -273,6 +274,33 @@ def verify_cmd(
         raise typer.Exit(1)
 
 
+def _is_kernel_file(path: Path) -> bool:
+    from mbolt.core.header import read_header
+    from mbolt.rewrite.kernel import is_kernel_file
+
+    return path.is_file() and is_kernel_file(read_header(path))
+
+
+def _verify_kernel(src: Path, out: Path, as_json: bool) -> None:
+    """A kernel-layout file (`mbolt repack`) is checked by its round trip: restored in memory,
+    byte for byte against SRC and against its recorded SHA-256."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    from mbolt.rewrite.kernel import verify_kernel
+
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                  console=err_console, transient=True) as bar:
+        task = bar.add_task(f"restoring {out.name} against {src.name}", total=None)
+        rep = verify_kernel(src, out, progress=lambda d, t: bar.update(task, completed=d, total=t))
+    ok = rep["identical"] and rep["sha256_ok"]
+    show(as_json, rep, lambda: f"{out}: {'restores' if ok else 'does NOT restore'} {src} bit for bit "
+         f"({rep['repacked_tensors']} tensors repacked for {rep['build']}"
+         + ("" if rep["first_difference"] is None else f"; first difference at byte {rep['first_difference']}")
+         + ("" if rep["sha256_ok"] else "; SHA-256 differs from the recorded one") + ")")
+    if not ok:
+        raise typer.Exit(1)
+
+
 @user_errors
 def ab_cmd(
     arms: list[str] = typer.Argument(None, help="Arms: FILE[:name=N,qd=4,direct,gap=B,os,cache=S] (llama.cpp also: "
@@ -293,8 +321,7 @@ def ab_cmd(
     followup_tokens: int = typer.Option(0, "--followup-tokens", min=0, help="--forced: after the decode steps, feed "
                                         "this many more tokens of the text as a follow-up turn on the same context "
                                         "(a session: its KV cache reused; its time to first token is recorded)."),
-    ctx_size: int = typer.Option(None, "--ctx-size", "-c", min=1, help="llama.cpp: context size in tokens (default "
-                                 "4096, capped by the model's training context)."),
+    ctx_size: int = ctx_size_option("llama.cpp"),
     ubatch: int = typer.Option(None, "--ubatch-size", "-ub", min=1, help="llama.cpp: tokens per prompt pass for arms "
                                "without ubatch=N (mbolt's runtime may take fewer to fit its budget). Default: 2048 "
                                "for arms with reads, llama.cpp's 512 for os arms."),
@@ -379,3 +406,62 @@ def ab_cmd(
                       f"{v.get('measured_speedup', float('nan')):.3f}x ({ci_s}), "
                       f"threshold {pr.pass_threshold}, predicted {pr.predicted_speedup}")
     console.print(f"wrote {out}")
+
+
+@user_errors
+def repack_cmd(
+    src: Path = typer.Argument(..., help="A GGUF (stock or reordered); with --restore, a kernel-layout file."),
+    dst: Path = typer.Argument(..., help="Output GGUF (a new path; the source is never modified)."),
+    restore: bool = typer.Option(False, "--restore", help="Write the stock GGUF back from a kernel-layout file "
+                                 "(bit for bit: its recorded SHA-256 is checked before the file appears)."),
+    isa: str = typer.Option(None, "--isa", help="The llama.cpp build to repack for: avx2 or avx512 (default: the "
+                            "installed llama-cpp-python's, from llama_print_system_info)."),
+    force: bool = typer.Option(False, "--force", help="Replace a previous kernel-layout output (never a model)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+):
+    """Store the weights in llama.cpp's repacked CPU layout (the kernel layout), or restore the stock file.
+
+    The tensors llama.cpp's CPU backend would repack at load (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2;
+    Q2_K too on AVX-512) are written as it holds them, so a reader fills its repack buffer with no
+    CPU work. Stock llama.cpp refuses the file (its architecture is mbolt-kernel); `--restore`
+    gives the source back bit for bit, so one copy on disk is enough once `mbolt verify SRC DST`
+    has proven the round trip."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from mbolt.core.header import read_header
+    from mbolt.core.repack import build_named, this_build
+    from mbolt.report.tables import human_bytes
+    from mbolt.rewrite.kernel import restore_stock, write_kernel
+
+    if restore and isa:
+        raise MboltError("--isa names the build to repack for; --restore takes none")
+    size = read_header(src).file_size
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
+        task = None
+
+        def on_progress(d, t):  # the first call comes once every check has passed
+            nonlocal task
+            if task is None:  # the output's size before anything is written (a second copy on the disk)
+                what = "restoring" if restore else "hashing the source, then writing"
+                task = bar.add_task(f"{what} {dst.name} ({human_bytes(size)}; the source stays)", total=t)
+            bar.update(task, completed=d, total=t)
+
+        if restore:
+            r = restore_stock(src, dst, progress=on_progress)
+        else:
+            r = write_kernel(src, dst, build_named(isa) if isa else this_build(), force=force,
+                             progress=on_progress).to_dict()
+
+    def render():
+        if restore:
+            return f"{dst}: the stock file ({human_bytes(r['size'])}), SHA-256 {r['sha256'][:16]}... as recorded"
+        lays = ", ".join(f"{n} x{c}" for n, c in sorted(r["repacked"].items())) or "none"
+        lines = [f"{dst}: {human_bytes(r['size'])} for {r['build']}; repacked {human_bytes(r['repacked_bytes'])} "
+                 f"({lays})"]
+        if r["kept"]:
+            kept = ", ".join(f"{t} x{c}" for t, c in sorted(r["kept"].items()))
+            lines.append(f"kept as in the file (no repacked kernel for their type in this build): {kept}")
+        return lines
+
+    show(as_json, r, render)

@@ -127,8 +127,6 @@ def json_default(o):
 
 # ---- the output rule ----
 
-KINDS = ("gguf-model", "gguf-mbolt", "mbtrace", "plan", "json", "png", "coli-usage", "text", "other")
-
 
 def file_kind(path: str | os.PathLike) -> str:
     """What an existing file is, from its first bytes: a model GGUF, a GGUF mbolt wrote
@@ -141,7 +139,8 @@ def file_kind(path: str | os.PathLike) -> str:
         return "other"
     if head.startswith(b"GGUF"):
         # a shard of a set mbolt wrote carries mbolt.set.id (the route map is in shard 1 only)
-        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head or b"mbolt.set.id" in head) else "gguf-model"
+        return "gguf-mbolt" if (b"mbolt.layout" in head or b"mbolt.synth" in head or b"mbolt.set.id" in head
+                               or b"mbolt-kernel" in head) else "gguf-model"
     if head.startswith(b"MBTRACE"):
         return "mbtrace"
     if head.startswith(b"\x89PNG"):

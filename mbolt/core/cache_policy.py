@@ -81,15 +81,21 @@ class ScoredCache:
         """The cached experts, least valuable first (the next victims)."""
         return self.ranked(np.flatnonzero(self.cached))
 
+    def use_token(self, keys) -> list[int]:
+        """One more token on the clock, each of its experts used once (`use`); returns them in
+        the token's order, once each."""
+        self.clock += 1
+        want = list(dict.fromkeys(int(k) for k in keys))
+        for key in want:
+            self.use(key, self.clock)
+        return want
+
     def admit(self, keys) -> list:
         """Use `keys` as one token; returns the experts that left, first victim first."""
         if self.slots <= 0:
             return []
-        self.clock += 1
-        now = self.clock
-        want = list(dict.fromkeys(int(k) for k in keys))
+        want = self.use_token(keys)
         for key in want:
-            self.use(key, now)
             if not self.cached[key]:
                 self.cached[key] = True
                 self._n += 1

@@ -162,7 +162,3 @@ def combine_shards(shards: list[GGUFHeader]) -> GGUFHeader:
     return GGUFHeader(first.path, first.version, first.kv, tensors, first.alignment, first.data_offset,
                       first.header_size, sum(s.file_size for s in shards),
                       set_fingerprint([s.fingerprint for s in shards]), shards)
-
-
-def shard_of(header: GGUFHeader, file: int) -> GGUFHeader:
-    return header.shards[file] if header.shards else header

@@ -78,9 +78,9 @@ class ArrayLru:
     used in that order, exactly as SlotLru moves them to the end; eviction takes the smallest
     stamps among the unpinned. The runtime's C filter (runtime.native) answers a decode step's
     layer whose experts are all cached by stamping them itself, without Python: its hits then
-    reorder this cache as `admit` would have (tests/test_cache.py holds the two classes to the same
-    hits and victims). The count of cached keys lives in `count` (an int64 array of one element)
-    because the C filter also admits misses and evicts under this rule (runtime.native)."""
+    reorder this cache as `admit` would have (tests/test_runtime_hotpath.py holds the two classes to
+    the same hits and victims). The count of cached keys lives in `count` (an int64 array of one
+    element) because the C filter also admits misses and evicts under this rule (runtime.native)."""
 
     __slots__ = ("slots", "cached", "stamp", "clock", "pinned", "count")
 

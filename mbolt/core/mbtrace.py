@@ -80,7 +80,6 @@ TAG_NOTE = b"N"
 _HEAD = struct.Struct("<IIIIIH")  # version, n_layers, n_experts, k, flags, fp_len
 _REC_HEAD = struct.Struct("<cI")  # tag, payload length
 _CRC = struct.Struct("<I")
-_TOKEN_FIXED = struct.Struct("<Bii")  # phase, seq, pos
 _I32 = struct.Struct("<i")
 
 _PHASES = {"prefill": PREFILL, "decode": DECODE, PREFILL: PREFILL, DECODE: DECODE}

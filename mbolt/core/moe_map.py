@@ -18,6 +18,7 @@ from mbolt.core.checks import MAX_EXPERTS, n_layers_of
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.header import GGUFHeader, TensorInfo
+from mbolt.core.hparams import ShapeNumbers, check_hparams
 from mbolt.core.packed import PAGE, read_packed
 from mbolt.core.routemap import read_route_map
 
@@ -110,6 +111,7 @@ class MoeMap:
     n_used: int
     layers: list[MoeLayer]
     header: GGUFHeader
+    numbers: ShapeNumbers  # the tensor-shaping hyperparameters, checked against the tensors
 
     @property
     def fingerprint(self) -> str:
@@ -219,6 +221,10 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
         raise MboltError(f"{path}: not a MoE model ({arch}.expert_count is {n_experts or 'missing'})")
     if n_experts > MAX_EXPERTS:
         raise MboltError(f"{path}: {arch}.expert_count is {n_experts} (at most {MAX_EXPERTS} supported)")
+    if n_used <= 0 or n_used > n_experts:
+        raise MboltError(f"{path}: {arch}.expert_used_count is {n_used}, expected 1..{n_experts}")
+    # the numbers against the tensors before anything is built from them (one line naming both)
+    numbers = check_hparams(header, arch, n_experts, n_layers, n_used)
     by_layer: dict[int, list[TensorInfo]] = {}
     for t in header.tensors:
         m = _BLK.match(t.name)
@@ -251,9 +257,4 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
         layers.append(layer)
     if all(layer.dense for layer in layers):
         raise MboltError(f"{path}: not a MoE model (no ffn_*_exps tensors with {n_experts} experts)")
-    if n_used <= 0 or n_used > n_experts:
-        raise MboltError(f"{path}: {arch}.expert_used_count is {n_used}, expected 1..{n_experts}")
-    from mbolt.core.hparams import check_hparams
-
-    check_hparams(header, arch, n_experts, n_layers)
-    return MoeMap(str(path), arch, n_layers, n_experts, n_used, layers, header)
+    return MoeMap(str(path), arch, n_layers, n_experts, n_used, layers, header, numbers)

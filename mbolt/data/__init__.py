@@ -16,7 +16,3 @@ QWEN3_30B_PROFILE = "coactivation_qwen3-30b-a3b.8layers.json"
 QWEN3_NEXT_80B_PROFILE = "coactivation_qwen3-next-80b-a3b.8layers.json"
 # BigMoeOnEdge's Qwen3-30B-A3B trace: its LRU hit rates and consecutive overlap (README.md)
 QWEN3_30B_REUSE = "reuse_qwen3-30b-a3b.json"
-# BigMoeOnEdge's route_trace CSVs of real GGUFs (bigmoeonedge/README.md)
-BIGMOE_QWEN3 = "bigmoeonedge/qwen.route.csv"
-BIGMOE_GEMMA = "bigmoeonedge/gemma.route.csv"
-BIGMOE_GPTOSS = "bigmoeonedge/gptoss.route.csv"

@@ -1,5 +1,7 @@
-"""Greedy decoding: the one decode loop (`greedy_decode`) every stage runs, and `generate`
-(what `mbolt generate` runs) on top of it with the reference engine."""
+"""Greedy decoding over any `forward`: `greedy_decode` (the reference engine's loop, and the one the
+tracer and llama.cpp parity run over a llama.cpp runner), and `generate` (what `mbolt generate` runs)
+on top of it with the reference engine. llama.cpp's other loops are runtime/driver.py's `generate`
+and the server's turn (serve/scheduler.py)."""
 
 from __future__ import annotations
 

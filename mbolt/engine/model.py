@@ -26,7 +26,9 @@ from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_n
 from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
 from mbolt.engine.source import MmapExpertSource
 from mbolt.core.routemap import RouteMap
+from mbolt.core.checks import MAX_LAYERS, check_range
 from mbolt.core.errors import MboltError
+from mbolt.core.hparams import ShapeNumbers
 from mbolt.core.header import GGUFHeader, MappedFile
 from mbolt.core.moe_map import MoeMap
 
@@ -51,36 +53,38 @@ class HParams:
     attn_scale: float = 0.0  # 0 -> 1/sqrt(head_dim)
 
     @classmethod
-    def from_header(cls, h: GGUFHeader, arch: str, n_vocab: int) -> "HParams":
-        def g(key, default=None):
-            v = h.get(f"{arch}.{key}", default)
-            if v is None:
-                raise MboltError(f"{h.path}: missing metadata {arch}.{key}")
-            return v
-        from mbolt.core.checks import check_range
+    def from_header(cls, h: GGUFHeader, s: ShapeNumbers, n_vocab: int) -> "HParams":
+        """The tensor-shaping numbers as core.hparams resolved them and checked them against the
+        tensors when the model was opened (one the file lacks is refused here), the rest (rope,
+        norm, scales) read with llama.cpp's defaults."""
+        arch = s.arch
 
-        def n(key, default=None, lo=1, hi=1 << 20):
-            v = g(key, default)
-            if isinstance(v, np.ndarray) and v.size:  # per-layer arrays (head_count_kv): the first
-                v = v.reshape(-1)[0]
-            return check_range(v, f"{h.path}: {arch}.{key}", lo, hi)
+        def n(name: str, lo=1, hi=1 << 20) -> int:
+            v = s.uniform(name, h.path)
+            if v is None:
+                raise MboltError(f"{h.path}: missing metadata {s.said[name]}")
+            return check_range(v, f"{h.path}: {s.said[name]}", lo, hi)
 
         def f(key, default):
-            v = g(key, default)
+            v = h.get(f"{arch}.{key}", default)
             if isinstance(v, (bool, str, np.ndarray, list)) or not np.isfinite(v):
                 raise MboltError(f"{h.path}: {arch}.{key} is {v!r:.40}, expected a number")
             return float(v)
 
-        hidden = n("embedding_length")
-        n_heads = n("attention.head_count", hi=hidden)
-        n_kv = n("attention.head_count_kv", n_heads, hi=n_heads)
-        hd = n("attention.key_length", hidden // n_heads)
+        hidden = n("hidden")
+        n_heads = n("heads", hi=hidden)
+        hd = n("key_length")
+        if n("value_length") != hd:
+            raise MboltError(f"{h.path}: {s.said['value_length']} differs from {s.said['key_length']}: the reference "
+                             "engine needs one head size")
+        n_rot = h.get(f"{arch}.rope.dimension_count", hd)
         return cls(
-            arch=arch, n_layers=n("block_count", hi=4096), hidden=hidden, n_heads=n_heads,
-            n_kv_heads=n_kv, head_dim=hd, n_rot=n("rope.dimension_count", hd, lo=0, hi=hd),
+            arch=arch, n_layers=n("n_layers", hi=MAX_LAYERS), hidden=hidden, n_heads=n_heads,
+            n_kv_heads=n("kv_heads", hi=n_heads), head_dim=hd,
+            n_rot=check_range(n_rot, f"{h.path}: {arch}.rope.dimension_count", 0, hd),
             rope_base=f("rope.freq_base", 10000.0),
             rms_eps=f("attention.layer_norm_rms_epsilon", 1e-6),
-            n_experts=n("expert_count", hi=32767), n_used=n("expert_used_count", hi=32767), n_vocab=n_vocab,
+            n_experts=s.n_experts, n_used=s.n_used, n_vocab=n_vocab,
             weights_scale=f("expert_weights_scale", 0.0),
             attn_scale=f("attention.scale", 0.0),
         )

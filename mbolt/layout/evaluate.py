@@ -88,9 +88,6 @@ class Geometry:
             out.append(far_credit * share)
         return tuple(out)
 
-    def with_layout(self, layout: str) -> "Geometry":
-        return Geometry(layout, self.slice_bytes, self.roles, self.per_layer)
-
     def to_dict(self) -> dict:
         d = {"layout": self.layout, "slice_bytes": list(self.slice_bytes), "roles": list(self.roles)}
         if self.per_layer:

@@ -1,6 +1,8 @@
-"""The one decode driver: a llama.cpp context with an arm in it (the streaming runtime, or plain
-llama.cpp), its sequences, and the loops that `generate`, `chat`, `serve`, `trace` and the
-benchmarks run, so that what is measured is what is served.
+"""The decode driver: a llama.cpp context with an arm in it (the streaming runtime, or plain
+llama.cpp), its sequences, and the steps every llama.cpp decode loop is made of. The loops are
+still three: `generate` below (`mbolt generate --engine llama.cpp`, `ab` and the benchmarks), the
+server's turn (serve/scheduler.py: `serve` and `chat`) and engine.generate.greedy_decode (`trace`
+over `prompt`; llama.cpp parity over a bare runner).
 
 - `prompt(tokens, seq)`: a prompt (or a turn) on a sequence, in passes of n_ubatch; a sequence
   keeps its tokens, so a follow-up turn that starts with them only evaluates what is new (the KV
@@ -352,9 +354,6 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     except BaseException:
         arm.close()
         raise
-
-
-LlamaStream = open_driver  # the name generate, ab and the benchmarks have used
 
 
 def routing_trace(runs: list[StreamRun], mm: MoeMap):

@@ -48,6 +48,6 @@ def load_model(path: str | os.PathLike | MoeMap, *, route: str = "file", expert_
     if emb is None:
         raise MboltError(f"{path}: missing tensor token_embd.weight")
     n_vocab = int(emb.ne[1]) if len(emb.ne) > 1 else len(tok or [])
-    hp = HParams.from_header(header, arch, n_vocab)
+    hp = HParams.from_header(header, mm.numbers, n_vocab)
     routes = mm.route_map
     return cls(path, header, mm, hp, routes, route, expert_source)
