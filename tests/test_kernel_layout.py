@@ -35,6 +35,7 @@ FILES = {
     "q4_0": SynthConfig(expert_type="Q4_0", **SHAPES),
     "iq4_nl": SynthConfig(expert_type="IQ4_NL", fast_random=True, **SHAPES),
     "mxfp4": SynthConfig(arch="gpt-oss", expert_type="MXFP4", **SHAPES),
+    "q2_k": SynthConfig(expert_type="Q2_K", fast_random=True, **SHAPES),  # repacked by AVX-512 builds only
 }
 
 
@@ -140,7 +141,8 @@ def test_llama_cpp_holds_exactly_what_repack_predicts(files, name):
         want = repack(src, lay, t.ne[0]) if lay else src
         assert np.frombuffer(held[t.name], np.uint8).tobytes() == want.tobytes(), (t.name, lay)
         repacked += lay is not None
-    assert repacked >= 4  # every expert matrix of the type under test at least
+    if name != "q2_k" or "AVX512" in build.features:
+        assert repacked >= 4  # every expert matrix of the type under test at least
 
 
 # ---- the file ----
@@ -149,7 +151,7 @@ def test_llama_cpp_holds_exactly_what_repack_predicts(files, name):
 def test_write_restore_and_verify_give_the_source_back_bit_for_bit(files, tmp_path):
     for name, path in files.items():
         kl = tmp_path / f"{name}.kl.gguf"
-        r = write_kernel(path, kl, AVX2)
+        r = write_kernel(path, kl, build_named("avx512") if name == "q2_k" else AVX2)
         assert sum(r.repacked.values()) >= 4 and r.sha256 == _sha(path)
         k = read_kernel(kl)
         assert k.architecture == read_header(path).get("general.architecture")
