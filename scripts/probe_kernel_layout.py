@@ -34,26 +34,18 @@ N_PROMPT, N_DECODE, THREADS = 256, 48, 2
 
 
 def _measure(L, model) -> tuple[np.ndarray, float, float, float]:
+    from mbolt.bench.warm_loop import prompt_then_steps
+
     cp = L.llama_context_default_params()
     cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, N_PROMPT, N_PROMPT
     cp.n_threads = cp.n_threads_batch = THREADS
     ctx = L.llama_init_from_model(model, cp)
-    nv = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-
-    def dec(ids):
-        a = (ctypes.c_int32 * len(ids))(*ids)
-        if L.llama_decode(ctx, L.llama_batch_get_one(a, len(ids))) != 0:
-            raise SystemExit("llama_decode failed")
-        return np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(nv,)).copy()
-
     ids = [3 + (7 * i) % 240 for i in range(N_PROMPT + N_DECODE)]
-    t0 = time.perf_counter()
-    out = [dec(ids[:N_PROMPT])]
-    t1, c1 = time.perf_counter(), time.process_time()
-    out += [dec([t]) for t in ids[N_PROMPT:]]
-    t2, c2 = time.perf_counter(), time.process_time()
+    c0 = time.process_time()
+    logits, prompt_s, steps_s = prompt_then_steps(L, ctx, ids, N_PROMPT)
+    cpu = time.process_time() - c0
     L.llama_free(ctx)
-    return np.stack(out), N_PROMPT / (t1 - t0), N_DECODE / (t2 - t1), (c2 - c1) / N_DECODE
+    return logits, N_PROMPT / prompt_s, N_DECODE / steps_s, cpu / (N_PROMPT + N_DECODE)
 
 
 def _expert_costs(km, stock: str) -> dict:
@@ -122,7 +114,7 @@ def run_arm(arm: str, stock: str, kernel: str) -> dict:
             set_fields(mp, load_mode=L.LLAMA_LOAD_MODE_MMAP, use_extra_bufts=False)
         model = L.llama_model_load_from_file(stock.encode(), mp)
     rec["load_s"], rec["load_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
-    logits, rec["prompt_tok_s"], rec["decode_tok_s"], rec["decode_cpu_s_per_token"] = _measure(L, model)
+    logits, rec["prompt_tok_s"], rec["decode_tok_s"], rec["cpu_s_per_token"] = _measure(L, model)
     rec["anon_mb"] = own_bytes(("RssAnon:",)) >> 20
     if km is not None:
         rec["per_expert"] = _expert_costs(km, stock)

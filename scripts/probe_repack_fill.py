@@ -87,15 +87,9 @@ def run(path: str, mode: str) -> dict:
     cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, N_PROMPT, N_PROMPT, 2, 2
     cp.cb_eval = find_experts
     ctx = L.llama_init_from_model(model, cp)
-    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-
-    def decode(ids):
-        arr = (ctypes.c_int32 * len(ids))(*ids)
-        if L.llama_decode(ctx, L.llama_batch_get_one(arr, len(ids))) != 0:
-            raise SystemExit("llama_decode failed")
-        return np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(n_vocab,)).copy()
-
-    decode([1])  # the first graph: find_experts sees every expert tensor
+    first = (ctypes.c_int32 * 1)(1)
+    if L.llama_decode(ctx, L.llama_batch_get_one(first, 1)) != 0:  # the first graph: find_experts sees them
+        raise SystemExit("llama_decode failed")
     seen[0] = True
     L.llama_memory_clear(L.llama_get_memory(ctx), True)
     fill_s, n, repack = 0.0, 0, []
@@ -119,17 +113,15 @@ def run(path: str, mode: str) -> dict:
                 repack.append(time.perf_counter() - ta)
                 n += 1
         fill_s = time.perf_counter() - t0
+    from mbolt.bench.warm_loop import prompt_then_steps
+
     ids = [3 + i % 240 for i in range(N_PROMPT + N_DECODE)]
-    t0 = time.perf_counter()
-    logits = [decode(ids[:N_PROMPT])]
-    t1 = time.perf_counter()
-    logits += [decode([t]) for t in ids[N_PROMPT:]]
-    t2 = time.perf_counter()
+    logits, prompt_s, steps_s = prompt_then_steps(L, ctx, ids, N_PROMPT)
     out = Path(f"/tmp/probe_repack_fill.{mode}.npy")
-    np.save(out, np.stack(logits))
+    np.save(out, logits)
     return {"mode": mode, "anon_after_load_mb": anon_load >> 20, "experts_filled": n, "fill_s": fill_s,
             "fill_mb": sum(int(GgmlTensor.from_address(p).nb[3]) for p in experts.values()) >> 20 if n else 0,
-            "prompt_tokens_per_s": N_PROMPT / (t1 - t0), "decode_tokens_per_s": N_DECODE / (t2 - t1),
+            "prompt_tokens_per_s": N_PROMPT / prompt_s, "decode_tokens_per_s": N_DECODE / steps_s,
             "repack_s": sum(repack), "repack_us_per_expert": float(np.median(repack) * 1e6) if repack else 0.0,
             "logits": str(out)}
 

@@ -10,6 +10,37 @@ from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
 
 
+class Arm:
+    """What both arms are as objects: a model opened and checked, its context's size resolved;
+    closed by `close`, also as a context manager."""
+
+    def _open(self, path, mm: MoeMap | None, n_ctx: int | None, n_ubatch: int, f32_kv: bool,
+              flash_attn: bool | None) -> None:
+        import warnings
+
+        from mbolt.core.moe_map import moe_map
+        from mbolt.runtime.memory import resolve_ctx
+
+        self.path = str(path)
+        self.mm = mm or moe_map(self.path)
+        check_llama_streamable(self.mm, self.path)
+        self.n_ctx, warning = resolve_ctx(n_ctx, self.mm)
+        if warning:
+            warnings.warn(warning, stacklevel=3)
+        self.n_ubatch = max(1, min(int(n_ubatch), self.n_ctx))
+        self.f32_kv = f32_kv
+        self.flash_attn = (not f32_kv) if flash_attn is None else bool(flash_attn)
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
 def check_llama_streamable(mm: MoeMap, path: str) -> None:
     """llama.cpp loads stock and reorder files; a packed file is refused in one line."""
     if mm.route_map.layout == "packed":

@@ -16,14 +16,14 @@ import time
 
 import numpy as np
 
-from mbolt.core.moe_map import MoeMap, moe_map
-from mbolt.runtime.arm import PromptStats, check_llama_streamable
-from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, resolve_ctx
+from mbolt.core.moe_map import MoeMap
+from mbolt.runtime.arm import Arm, PromptStats
+from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
 from mbolt.runtime.pages import ExpertPages
 from mbolt.runtime.runner import Phase
 
 
-class PlainLlama:
+class PlainLlama(Arm):
     store = budget = filter = plan = None
     prefill_slots = decode_slots = None
     cache_slots = pinned_per_layer = reclaimed = locked_bytes = copied_bytes = 0
@@ -31,19 +31,9 @@ class PlainLlama:
     def __init__(self, path, *, mm: MoeMap | None = None, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
                  drop_after_step: bool = False, callback: bool = False, record: bool = False,
                  f32_kv: bool = False, flash_attn: bool | None = None):
-        import warnings
-
         from mbolt.core.gguf_set import open_model_header
 
-        self.path = str(path)
-        self.mm = mm or moe_map(self.path)
-        check_llama_streamable(self.mm, self.path)
-        self.n_ctx, warning = resolve_ctx(n_ctx, self.mm)
-        if warning:
-            warnings.warn(warning, stacklevel=2)
-        self.n_ubatch = max(1, min(int(n_ubatch), self.n_ctx))
-        self.f32_kv = f32_kv
-        self.flash_attn = (not f32_kv) if flash_attn is None else bool(flash_attn)
+        self._open(path, mm, n_ctx, n_ubatch, f32_kv, flash_attn)
         self.drop_after_step, self.record = drop_after_step, record
         self.uses_callback = bool(callback or record)
         self.model_path = str(open_model_header(self.path).path)
@@ -89,9 +79,3 @@ class PlainLlama:
     def close(self) -> None:
         if getattr(self, "pages", None) is not None:
             self.pages.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

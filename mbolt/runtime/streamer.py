@@ -41,11 +41,11 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.lru import by_last_use
-from mbolt.core.moe_map import MoeMap, moe_map
+from mbolt.core.moe_map import MoeMap
 from mbolt.core.pagecache import willneed_bytes
-from mbolt.runtime.arm import PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
+from mbolt.runtime.arm import Arm, PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
 from mbolt.runtime.budget import PREFETCH_SHARE, Budget, layer_bytes
-from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, give_back, resolve_ctx
+from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, give_back
 from mbolt.runtime.pages import ExpertPages, can_move_pages
 from mbolt.runtime.prefill import LayerReader, PassOverlay, huge_pages, open_direct
 from mbolt.runtime.runner import Phase
@@ -55,7 +55,7 @@ PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinn
 ENGINE_EXTRA = 16 << 20  # llama.cpp's own structures, threads and work buffers beyond the process before the load
 
 
-class StreamRuntime:
+class StreamRuntime(Arm):
     """mbolt's reads and bounded expert memory inside a llama.cpp context (see the module docstring).
 
     gap, qd: the store's merge gap and read threads. cache_slots: per-layer LRU budget of experts
@@ -84,15 +84,7 @@ class StreamRuntime:
                  drop_behind: bool = True, give_back_compute: bool = True, overlay: bool = True, use_order: bool = True):
         from mbolt.core.gguf_set import open_model_header
 
-        self.path = str(path)
-        self.mm = mm or moe_map(self.path)
-        check_llama_streamable(self.mm, self.path)
-        self.n_ctx, warning = resolve_ctx(n_ctx, self.mm)
-        if warning:
-            warnings.warn(warning, stacklevel=2)
-        self.flash_attn = (not f32_kv) if flash_attn is None else bool(flash_attn)
-        self.f32_kv = f32_kv
-        self.n_ubatch = max(1, min(int(n_ubatch), self.n_ctx))
+        self._open(path, mm, n_ctx, n_ubatch, f32_kv, flash_attn)
         self.record, self.evict = record, evict or bool(budget)
         self.budget: Budget | None = None
         if budget:
@@ -490,10 +482,4 @@ class StreamRuntime:
             self.store = None
         if getattr(self, "pages", None) is not None:
             self.pages.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
