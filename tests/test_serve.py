@@ -4,7 +4,7 @@ The model carries llama.cpp's Qwen2 test vocabulary (tests/.vocabs, fetched from
 source), whose GGUF has a chat template. The server runs as a real process on a free port, with
 an API key, a queue of one and --record-routing. What is checked comes from outside the server:
 the openai client's parsing of every response (streamed and not), llama.cpp's own greedy tokens
-through mbolt's runtime driven directly (LlamaStream) for the same prompt templated by jinja2 in
+through mbolt's runtime driven directly (open_driver) for the same prompt templated by jinja2 in
 the test, HTTP status codes, the Prometheus text, the recorded trace read back and planned, and a
 real headless Chromium for the page.
 """
@@ -143,7 +143,7 @@ def _templated_ids(model) -> list[int]:
 
 
 def test_chat_at_temperature_0_gives_the_runtimes_greedy_tokens(server, model):
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
 
     r = server.client().chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=12, temperature=0,
                                                 extra_body={"return_tokens": True})
@@ -152,7 +152,7 @@ def test_chat_at_temperature_0_gives_the_runtimes_greedy_tokens(server, model):
     assert d["prompt_tokens"] == ids
     got = d["choices"][0]["tokens"]
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(got) > 0
-    with LlamaStream(model, budget=2 << 30, qd=4, asynchronous=True, n_ctx=1024) as s:
+    with open_driver(model, budget=2 << 30, qd=4, asynchronous=True, n_ctx=1024) as s:
         s.make_cold()
         want = s.generate([ids], 12).generated[0]
     assert got == want[:len(got)]
@@ -454,14 +454,14 @@ def test_ignore_eos_runs_a_reply_to_max_tokens(tmp_path):
     early is found among the first few; the eos id the sampler bans is checked against gguf-py."""
     import gguf
 
-    from mbolt.runtime.driver import LlamaStream
+    from mbolt.runtime.driver import open_driver
     from mbolt.runtime.sampling import eog_tokens
 
     path = tmp_path / "bytes.gguf"
     write_synth(path, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4, hidden=64, expert_ff=64,
                                   n_heads=4, n_kv_heads=2, head_dim=16, expert_type="Q8_0", dense_type="F16", seed=7))
     eos = int(gguf.GGUFReader(path).fields["tokenizer.ggml.eos_token_id"].contents())
-    with LlamaStream(str(path), reads=False) as s:
+    with open_driver(str(path), reads=False) as s:
         assert eos in eog_tokens(s.runner.L, s.runner.vocab) and len(eog_tokens(s.runner.L, s.runner.vocab)) < 4
     srv = Server(path, tmp_path)
     try:

@@ -3,21 +3,21 @@ both on the streaming runtime."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
 
-from mbolt.cli.common import console, err_console, output, user_errors
+from mbolt.cli.common import (console, ctx_size_option, err_console, output, ram_option, threads_option,
+                               user_errors)
 from mbolt.core.errors import MboltError
 
-_RAM = typer.Option(None, "--ram", help="The memory budget (e.g. 8G). Default: the tightest memory cgroup limit of "
-                    "this process and its parents, else the available memory.")
-_CTX = typer.Option(None, "--ctx-size", "-c", min=1, help="Context size in tokens (default 4096, capped by the "
-                    "model's training context); its KV cache is counted in the budget.")
+_RAM = ram_option()
+_CTX = ctx_size_option(then="; its KV cache is counted in the budget.")
 _UB = typer.Option(None, "--ubatch-size", "-ub", min=1, help="Tokens per prompt pass (the runtime may take fewer "
                    "to fit the budget). Default: 2048 for the runtime with one slot, llama.cpp's 512 for --plain "
                    "and for several slots (a pass holds up the running replies).")
-_THREADS = typer.Option(0, "--threads", "-t", min=0, help="llama.cpp threads (0 = all cores).")
+_THREADS = threads_option()
 _PLAIN = typer.Option(False, "--plain", help="Plain llama.cpp instead of the runtime (the file mapped, repacking "
                       "off, no callback): what the runtime is measured against.")
 
@@ -26,6 +26,34 @@ _PARALLEL = typer.Option(None, "--parallel", "-np", min=1, help="Conversations d
                          "slots), each with its own KV cache of --ctx-size tokens. Default: from the budget (up to 4 "
                          "whose KV caches take at most an eighth of it and whose experts of two steps each the "
                          "cache holds; 1 when only one fits).")
+_PROMPT_CACHE = typer.Option(None, "--prompt-cache", help="A directory for the KV states of prompt prefixes (up to "
+                             "the last user turn: an agent's system prompt and tools, a chat's history), restored into "
+                             "any request that starts with one, across slots and restarts (serve.prompt_cache).")
+_PROMPT_CACHE_SIZE = typer.Option(None, "--prompt-cache-size", help="What the --prompt-cache directory may hold (e.g. "
+                                  "8G); the least recently used files go first. Default: 10% of the free space on its "
+                                  "filesystem at start, at most 32G.")
+
+
+def _prompt_cache(directory: Path | None, size: str | None, loaded):
+    """The prompt cache the options ask for (None without --prompt-cache)."""
+    if directory is None:
+        return None
+    from mbolt.core.memlimit import parse_size
+    from mbolt.serve.prompt_cache import PromptCache, default_size, layout_of
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise MboltError(f"{directory}: cannot create the --prompt-cache directory: {e.strerror or e}") from None
+    if not directory.is_dir() or not os.access(directory, os.W_OK):
+        raise MboltError(f"{directory}: --prompt-cache is not a writable directory")
+    n = parse_size(size, "--prompt-cache-size") if size is not None else default_size(directory)
+    cache = PromptCache(directory, n, layout_of(loaded.driver),
+                        say=lambda line: err_console.print(line, markup=False, highlight=False, soft_wrap=True))
+    files = cache.scan()
+    err_console.print(f"[dim]prompt cache {directory}: {n / 2**30:.2f} GiB; {len(files)} file"
+                      f"{'s' if len(files) != 1 else ''} of this model[/]", highlight=False)
+    return cache
 
 
 def _load(model: Path, ram, ctx_size, ubatch, threads, plain, parallel=None, watchers=()):
@@ -67,6 +95,8 @@ def serve_cmd(
     plain: bool = _PLAIN,
     parallel: int = _PARALLEL,
     force: bool = typer.Option(False, "--force", help="Overwrite an existing --record-routing trace."),
+    prompt_cache: Path = _PROMPT_CACHE,
+    prompt_cache_size: str = _PROMPT_CACHE_SIZE,
 ):
     """Serve a model larger than RAM with an OpenAI-compatible API (chat and completions, streamed or not),
     /metrics and a chat page at /."""
@@ -84,9 +114,16 @@ def serve_cmd(
         output(record, "mbtrace", inputs=[model], force=force, what="trace",
                protected=(mm.fingerprint, mm.source_fingerprint))
         recorder = RoutingRecorder(record, mm, record_max)
+    if prompt_cache is None and prompt_cache_size is not None:
+        raise MboltError("--prompt-cache-size needs --prompt-cache DIR")
     loaded = _load(model, ram, ctx_size, ubatch, threads, plain, parallel, watchers=[recorder] if recorder else ())
     name = alias or Path(model).name
-    scheduler = Scheduler(loaded, max_queue=queue_size, recorder=recorder, name=name)
+    try:
+        cache = _prompt_cache(prompt_cache, prompt_cache_size, loaded)
+    except BaseException:
+        loaded.close()
+        raise
+    scheduler = Scheduler(loaded, max_queue=queue_size, recorder=recorder, name=name, prompt_cache=cache)
     if recorder is not None:
         recorder.flush()  # the file exists (empty) from the start
     try:
@@ -113,6 +150,8 @@ def chat_cmd(
     temperature: float = typer.Option(0.8, "--temp", min=0.0, max=2.0, help="Sampling temperature (0: greedy)."),
     seed: int = typer.Option(None, "--seed", min=0, help="Sampling seed."),
     plain: bool = _PLAIN,
+    prompt_cache: Path = _PROMPT_CACHE,
+    prompt_cache_size: str = _PROMPT_CACHE_SIZE,
 ):
     """Chat with a model larger than RAM in the terminal (Ctrl-C stops a reply, /exit ends)."""
     import sys
@@ -125,8 +164,15 @@ def chat_cmd(
     if not open_model_header(model).get("tokenizer.chat_template"):
         raise MboltError(f"{model}: the GGUF has no tokenizer.chat_template: chat needs one (mbolt generate "
                          "takes plain text)")
+    if prompt_cache is None and prompt_cache_size is not None:
+        raise MboltError("--prompt-cache-size needs --prompt-cache DIR")
     loaded = _load(model, ram, ctx_size, ubatch, threads, plain, parallel=1)
-    scheduler = Scheduler(loaded, max_queue=1, name=Path(model).name)
+    try:
+        cache = _prompt_cache(prompt_cache, prompt_cache_size, loaded)
+    except BaseException:
+        loaded.close()
+        raise
+    scheduler = Scheduler(loaded, max_queue=1, name=Path(model).name, prompt_cache=cache)
     try:
         err_console.print("[dim]/exit or Ctrl-D ends; Ctrl-C stops a reply[/]")
         sampling = {"temperature": temperature, **({"seed": seed} if seed is not None else {})}

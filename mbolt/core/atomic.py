@@ -68,7 +68,7 @@ def clean_stale_parts(path: str | os.PathLike) -> list[Path]:
     removed = []
     for p in path.parent.glob(f".{glob_escape(path.name)}.*.part"):
         pid = p.name[len(path.name) + 2:].split(".", 1)[0]
-        if not pid.isdigit() or _alive(int(pid)):
+        if not pid.isdigit() or pid_alive(int(pid)):
             continue
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
@@ -94,7 +94,8 @@ def glob_escape(name: str) -> str:
     return glob.escape(name)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (a temporary file's writer, named in its name)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

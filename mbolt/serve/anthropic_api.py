@@ -4,7 +4,8 @@ template takes, the response shapes, the streamed event sequence and the error s
 A request's content blocks map onto the OpenAI-style messages the template renders: `system`
 (a string or text blocks) is the system message, `tool_use` blocks are an assistant message's
 tool_calls, `tool_result` blocks are `tool` messages. Fields the API defines that change nothing
-here (`metadata`, `service_tier`, `cache_control`) are accepted; `temperature`, `top_p` and
+here (`metadata`, `service_tier`, `cache_control`) are accepted; `output_config.format` (a JSON
+schema) constrains the reply as OpenAI's `response_format` does; `temperature`, `top_p` and
 `top_k` (gone from the 2.x client's parameters) are honoured when sent; anything else is a 400.
 """
 
@@ -17,10 +18,9 @@ from mbolt.serve import tools as T
 from mbolt.serve.scheduler import SAMPLING_DEFAULTS, RequestError
 
 FIELDS = {"model", "max_tokens", "messages", "system", "stop_sequences", "stream", "temperature", "top_p", "top_k",
-          "tools", "tool_choice"}
+          "tools", "tool_choice", "output_config"}
 NO_EFFECT = {"metadata", "service_tier", "cache_control"}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice"}
-_BLOCK_EXTRAS = {"cache_control", "citations"}
 
 
 def _err(message: str, param: str | None = None):
@@ -118,6 +118,7 @@ def _tools(body: dict) -> list[dict] | None:
         extra = set(t) - {"name", "description", "input_schema", "type", "cache_control"}
         if extra:
             raise _err(f"tools.{i}: {', '.join(sorted(extra))} is not supported", "tools")
+        O.check_schema(t["input_schema"], f"tools.{i}.input_schema", "tools")  # named as this API names it
         fn = {"name": t.get("name"), "parameters": t["input_schema"]}
         if t.get("description") is not None:
             fn["description"] = t["description"]
@@ -154,6 +155,26 @@ def _sampling(body: dict) -> dict:
     return out
 
 
+def _output_format(body: dict, r: O.Request) -> None:
+    """output_config.format (structured outputs): the reply's text is JSON matching the schema."""
+    oc = body.get("output_config")
+    if oc is None:
+        return
+    if not isinstance(oc, dict) or set(oc) - {"format", "effort"} or oc.get("effort") is not None:
+        raise _err("output_config: only format is supported here (not effort)", "output_config")
+    fmt = oc.get("format")
+    if fmt is None:
+        return
+    if not isinstance(fmt, dict) or set(fmt) != {"type", "schema"} or fmt["type"] != "json_schema" or \
+            not isinstance(fmt["schema"], dict):
+        raise _err("output_config.format must be {type: json_schema, schema: {...}}", "output_config")
+    if r.forced or r.tool_choice == "auto":
+        raise _err("output_config.format and tools in one request are not supported (send tool_choice none)",
+                   "output_config")
+    O.check_schema(fmt["schema"], "output_config.format.schema", "output_config")
+    r.json_schema = fmt["schema"]
+
+
 def message_request(body: dict, count_only: bool = False) -> O.Request:
     _check_fields(body, COUNT_FIELDS if count_only else FIELDS)
     if not isinstance(body.get("model"), str):
@@ -174,12 +195,17 @@ def message_request(body: dict, count_only: bool = False) -> O.Request:
     tools = _tools(body)
     r.tool_choice, r.forced, r.parallel = _choice(body, tools)
     r.tools = tools if r.tool_choice != "none" else None
+    _output_format(body, r)
     return r
 
 
 # ---- response shapes ----
 
 def stop_reason(end: dict, calls: list, matched: str | None) -> str:
+    """llama-server's rule (server_task_result_cmpl_final::to_json_anthropic): "max_tokens" when
+    the reply ran into its limit, even with a call in it (cut short)."""
+    if end["finish_reason"] == "length" and matched is None:
+        return "max_tokens"
     if calls:
         return "tool_use"
     if matched is not None:
@@ -187,12 +213,19 @@ def stop_reason(end: dict, calls: list, matched: str | None) -> str:
     return "max_tokens" if end["finish_reason"] == "length" else "end_turn"
 
 
+def tool_use_id(c: T.ToolCall) -> str:
+    return "toolu_" + c.id[len("call_"):]
+
+
 def tool_use(c: T.ToolCall) -> dict:
-    return {"type": "tool_use", "id": "toolu_" + c.id[len("call_"):], "name": c.name, "input": c.input}
+    return {"type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": c.input}
 
 
 def usage(end: dict) -> dict:
-    return {"input_tokens": end["usage"]["prompt_tokens"], "output_tokens": end["usage"]["completion_tokens"]}
+    # as Anthropic counts (and llama-server): the prompt is input_tokens + cache_read_input_tokens
+    cached = end["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    return {"input_tokens": end["usage"]["prompt_tokens"] - cached, "cache_read_input_tokens": cached,
+            "output_tokens": end["usage"]["completion_tokens"]}
 
 
 def head(mid: str, model: str) -> dict:
@@ -241,17 +274,23 @@ class Events:
             out += event("content_block_start", {"index": self.index, "content_block": {"type": "text", "text": ""}})
         return out + event("content_block_delta", {"index": self.index, "delta": {"type": "text_delta", "text": s}})
 
-    def call(self, c: T.ToolCall) -> bytes:
+    def call_start(self, c: T.ToolCall) -> bytes:
+        """A tool_use block opened as soon as the call's name is known (input {}, as Anthropic
+        and llama-server send it); its input follows as input_json_delta pieces."""
         out = self._close()
         self.index += 1
-        block = {**tool_use(c), "input": {}}
-        out += event("content_block_start", {"index": self.index, "content_block": block})
-        out += event("content_block_delta", {"index": self.index,
-                                             "delta": {"type": "input_json_delta", "partial_json": c.arguments}})
+        block = {"type": "tool_use", "id": tool_use_id(c), "name": c.name, "input": {}}
         self.open = "tool_use"
-        return out + self._close()
+        return out + event("content_block_start", {"index": self.index, "content_block": block})
+
+    def call_args(self, piece: str) -> bytes:
+        return event("content_block_delta", {"index": self.index,
+                                             "delta": {"type": "input_json_delta", "partial_json": piece}})
+
+    def call_end(self) -> bytes:
+        return self._close()
 
     def end(self, end: dict, calls: list, matched: str | None) -> bytes:
         return self._close() + event("message_delta", {
             "delta": {"stop_reason": stop_reason(end, calls, matched), "stop_sequence": matched},
-            "usage": {"output_tokens": end["usage"]["completion_tokens"]}}) + event("message_stop", {})
+            "usage": usage(end)}) + event("message_stop", {})

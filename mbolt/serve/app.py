@@ -78,10 +78,10 @@ class _Reply:
                 text, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
         return self.tools.feed(text) if self.tools else ([("text", text)] if text else [])
 
-    def finish(self) -> list[tuple[str, object]]:
+    def finish(self, end: dict) -> list[tuple[str, object]]:
         tail, self.held = self.held, ""
         out = [] if self.matched is not None or not tail else self.tools.feed(tail) if self.tools else [("text", tail)]
-        return out + (self.tools.finish() if self.tools else [])
+        return out + (self.tools.finish(cut=end.get("finish_reason") == "length") if self.tools else [])
 
 
 def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str = "model") -> Starlette:
@@ -89,7 +89,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
     created = int(time.time())
     metrics = Metrics(engine.stats)
     # the family's tool-call format, told by the chat template the scheduler renders
-    fmt = T.tool_format(getattr(getattr(engine, "_template", None), "template", None))
+    fmt = T.tool_format(engine.chat_template)
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
@@ -153,8 +153,8 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                 elif k == "error":
                     return None, d, None
                 else:
-                    parts += reply.finish()
-                    return "".join(d for k, d in parts if k == "text"), [d for k, d in parts if k == "call"], d
+                    parts += reply.finish(d)
+                    return "".join(d for k, d in parts if k == "text"), [d for k, d in parts if k == "end"], d
         except ConnectionAbortedError:
             pass
         return None, None, None
@@ -196,15 +196,17 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
     async def openai_stream(request, job, events, shape: O.Shape, reply: _Reply, include_usage: bool):
         n_calls = 0
 
-        def lines(parts) -> bytes:
+        def lines(parts) -> bytes:  # a call: its name as soon as it is known, then its arguments in pieces
             nonlocal n_calls
             out = b""
             for k, d in parts:
                 if k == "text":
                     out += O.sse(shape.chunk(d)) if d else b""
-                else:
-                    out += b"".join(O.sse(c) for c in shape.call_chunks(n_calls, d))
+                elif k == "start":
+                    out += O.sse(shape.call_start(n_calls, d))
                     n_calls += 1
+                elif k == "args" and d:
+                    out += O.sse(shape.call_args(n_calls - 1, d))
             return out
 
         try:
@@ -215,7 +217,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                     if out := lines(reply.feed(d)):
                         yield out
                 elif k == "end":
-                    yield lines(reply.finish())
+                    yield lines(reply.finish(d))
                     yield O.sse(shape.chunk(None, O.finish_reason(d, [None] * n_calls)))
                     if include_usage:
                         yield O.sse(shape.usage_chunk(d["usage"]))
@@ -260,9 +262,13 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
             for k, d in parts:
                 if k == "text":
                     b += ev.text(d) if d else b""
+                elif k == "start":
+                    b += ev.call_start(d)
+                elif k == "args":
+                    b += ev.call_args(d) if d else b""
                 else:
                     calls.append(d)
-                    b += ev.call(d)
+                    b += ev.call_end()
             return b
 
         try:
@@ -275,7 +281,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                     if b:
                         yield b
                 elif k == "end":
-                    yield out(reply.finish()) + ev.end(d, calls, reply.matched)
+                    yield out(reply.finish(d)) + ev.end(d, calls, reply.matched)
                 else:
                     yield A.event("error", {"error": {"type": "api_error", "message": d}})
         finally:

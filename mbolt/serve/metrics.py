@@ -35,6 +35,24 @@ _ROWS = [  # name, kind, help, stats key
     ("mbolt_mixed_passes_total", "counter", "prompt passes that carried replies' decode rows (continuous batching)",
      "mixed_passes"),
     ("mbolt_rows_per_step", "gauge", "mean sequences per decode step (the batch)", "rows_per_step"),
+    ("mbolt_prompt_cached_tokens_total", "counter", "prompt tokens not evaluated: a slot's own prefix, a copy from "
+     "another slot, a restore from the prompt cache", "cached_tokens"),
+    ("mbolt_kv_copies_total", "counter", "prompt prefixes copied from another slot's KV cache", "kv_copies"),
+    ("mbolt_prompt_cache_restores_total", "counter", "prompt prefixes restored from the prompt cache on disk",
+     "prompt_cache_restores"),
+    ("mbolt_prompt_cache_restored_tokens_total", "counter", "prompt tokens restored from the prompt cache",
+     "prompt_cache_restored_tokens"),
+    ("mbolt_prompt_cache_restore_bytes_total", "counter", "bytes of KV state restored from the prompt cache",
+     "prompt_cache_restore_bytes"),
+    ("mbolt_prompt_cache_restore_seconds_total", "counter", "seconds spent restoring (read, checksum, load)",
+     "prompt_cache_restore_s"),
+    ("mbolt_prompt_cache_saves_total", "counter", "KV states saved to the prompt cache", "prompt_cache_saves"),
+    ("mbolt_prompt_cache_save_failures_total", "counter", "saves dropped (a full disk, an I/O error)",
+     "prompt_cache_save_failures"),
+    ("mbolt_prompt_cache_evicted_total", "counter", "files removed to keep the cache within its size",
+     "prompt_cache_evicted"),
+    ("mbolt_prompt_cache_bytes", "gauge", "bytes of this model's files in the prompt cache", "prompt_cache_bytes"),
+    ("mbolt_prompt_cache_size_bytes", "gauge", "--prompt-cache-size", "prompt_cache_size"),
     ("mbolt_expert_union_per_step", "gauge", "mean distinct experts per MoE layer and decode step (the batch's "
      "union: k alone, less than rows x k when the batch shares)", "expert_union_per_step"),
 ]
@@ -60,6 +78,12 @@ class _Stats:
         for slot in s.get("slots", []):
             per_slot.add_metric([str(slot["id"])], float(slot["tokens_per_s"]))
         yield per_slot
+        if "prompt_cache_skipped" in s:
+            skipped = CounterMetricFamily("mbolt_prompt_cache_skipped", "prompt cache files skipped, by reason "
+                                          "(model, layout, checksum, truncated, format, llama)", labels=["reason"])
+            for reason, n in sorted(s["prompt_cache_skipped"].items()):
+                skipped.add_metric([reason], float(n))
+            yield skipped
 
 
 class Metrics:

@@ -14,6 +14,7 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from mbolt.serve import schema as S
 from mbolt.serve import tools as T
 from mbolt.serve.scheduler import SAMPLING_DEFAULTS, RequestError
 
@@ -218,6 +219,8 @@ def function_tools(body: dict) -> list[dict] | None:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        if params is not None:
+            check_schema(params, f"tools[{i}].function.parameters", "tools")
         seen.add(name)
         out.append({"type": "function", "function": {k: v for k, v in fn.items() if v is not None}})
     return out or None
@@ -263,6 +266,7 @@ def _response_format(body: dict, r: Request) -> None:
     schema = js.get("schema", {})
     if not isinstance(schema, dict) or not isinstance(js.get("strict", False), (bool, type(None))):
         raise RequestError("response_format.json_schema.schema must be a JSON schema object", "response_format")
+    check_schema(schema, "response_format.json_schema.schema", "response_format")
     r.json_schema = schema
 
 
@@ -304,23 +308,37 @@ def text_request(body: dict) -> Request:
 
 def grammar_of(r: Request, fmt: str) -> str | None:
     """The GBNF that constrains the reply, if the request asks for one."""
-    if r.forced:  # a named function is called once; required may call several (parallel_tool_calls)
-        return T.tool_grammar(r.forced, fmt, r.parallel and r.tool_choice == "required")
     if r.json_object:
         return T.json_object_grammar()
-    if r.json_schema is not None:
-        try:
+    param = "tools" if r.forced else "response_format"
+    try:  # the schemas were checked with the request: a failure here is the converter's
+        if r.forced:  # a named function is called once; required may call several (parallel_tool_calls)
+            return T.tool_grammar(r.forced, fmt, r.parallel and r.tool_choice == "required")
+        if r.json_schema is not None:
             return T.schema_grammar(r.json_schema)
-        except Exception as e:  # the converter raises on what it cannot express
-            raise RequestError(f"response_format.json_schema.schema: cannot be turned into a grammar: {e}",
-                               "response_format") from None
+    except Exception as e:
+        raise RequestError(f"{param}: the JSON schema cannot be turned into a grammar: {e}", param) from None
     return None
+
+
+def check_schema(schema: dict, where: str, param: str) -> None:
+    """A 400 naming the first keyword of a request's JSON schema that the reply's grammar cannot
+    honour, and where it is (a JSON pointer into the schema)."""
+    try:
+        S.check(schema)
+    except S.Refused as e:
+        raise RequestError(f"{where}: {e}", param, "unsupported_parameter") from None
 
 
 # ---- response shapes ----
 
 
 def finish_reason(end: dict, calls: list) -> str:
+    """llama-server's rule (server_task_result_cmpl_final::to_json_oaicompat_chat): "length" when
+    the reply ran into its limit, even with a call in it (cut short); else "tool_calls" when it
+    has calls."""
+    if end["finish_reason"] == "length":
+        return "length"
     if calls:
         return "tool_calls"
     return "stop" if end["finish_reason"] == "cancelled" else end["finish_reason"]
@@ -358,11 +376,14 @@ class Shape:
         return {**self._head("text_completion"),
                 "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
 
-    def call_chunks(self, index: int, c: T.ToolCall) -> list[dict]:
-        """A call as OpenAI streams it: index, id and name first, then the arguments."""
-        return [self.chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
-                                            "function": {"name": c.name, "arguments": ""}}]}),
-                self.chunk({"tool_calls": [{"index": index, "function": {"arguments": c.arguments}}]})]
+    def call_start(self, index: int, c: T.ToolCall) -> dict:
+        """A call's first delta, sent as soon as its name is known: index, id, type and name."""
+        return self.chunk({"tool_calls": [{"index": index, "id": c.id, "type": "function",
+                                           "function": {"name": c.name, "arguments": ""}}]})
+
+    def call_args(self, index: int, piece: str) -> dict:
+        """A piece of a call's arguments, as the model writes them."""
+        return self.chunk({"tool_calls": [{"index": index, "function": {"arguments": piece}}]})
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self._head("chat.completion.chunk" if self.kind == "chat" else "text_completion"), "choices": [],

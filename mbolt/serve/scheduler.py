@@ -13,7 +13,10 @@ every slot that is replying (one token each, so the runtime reads the union of t
 per layer), or, while a newcomer's prompt is under way, one pass of it (up to n_ubatch tokens, less
 one row per reply) with a decode row of every reply in the same batch (llama-server's mixed
 batches): the replies go on during a newcomer's prompt, each waiting for no more than one pass, and
-the pass's reads serve their rows too. A reply that ends or a client that leaves frees its slot at
+the pass's reads serve their rows too. A prompt starts from the longest prefix held anywhere
+(serve.prompt_cache): its slot's own KV, another slot's (copied), a file of the prompt cache on
+disk (restored); with a cache, the pass that reaches the start of the last user turn ends there and
+the slot's state is saved. A reply that ends or a client that leaves frees its slot at
 the next step. Each job's events (text pieces, then the
 end with its usage) go to a callback; `cancel` stops a job at its next step, or inside its prompt
 pass through llama.cpp's abort callback.
@@ -73,6 +76,8 @@ class Slot:
     n_prompt_new: int = 0
     recent: collections.deque = field(default_factory=collections.deque)  # times of its last tokens
     request: int = 0  # the recorder's number of its job
+    n_cached: int = 0  # prompt tokens not evaluated (reused, copied or restored)
+    save_at: int = 0  # save the slot's state to the prompt cache when it holds this many tokens (0: never)
 
 
 @dataclass
@@ -88,10 +93,12 @@ class Counters:
     step_rows: int = 0  # sequences decoded, summed over decode steps
     mixed_passes: int = 0  # prompt passes with replies' decode rows in them
     last_decode_tokens_per_s: float = 0.0  # of the reply under way, else of the last one
+    cached_tokens: int = 0  # prompt tokens not evaluated: a slot's own prefix, a copy, a restore
+    kv_copies: int = 0  # prefixes copied from another slot (llama_memory_seq_cp)
 
 
 class Scheduler:
-    def __init__(self, loaded, *, max_queue: int = 8, recorder=None, name: str = ""):
+    def __init__(self, loaded, *, max_queue: int = 8, recorder=None, name: str = "", prompt_cache=None):
         self.loaded = loaded
         self.driver = loaded.driver
         self.n_ctx = loaded.n_ctx
@@ -106,6 +113,9 @@ class Scheduler:
         self._in_pass: Job | None = None
         self._recent: collections.deque = collections.deque()  # times of tokens of every slot
         self._template = self._chat_template()
+        self.cache = prompt_cache  # serve.prompt_cache.PromptCache (--prompt-cache), or None
+        self._turn_starts: collections.OrderedDict = collections.OrderedDict()  # prompt -> its last user turn's start
+        self._copied_from: set[int] = set()  # slots whose KV copy llama.cpp makes at the next llama_decode
         self._worker = threading.Thread(target=self._work, name="mbolt-scheduler", daemon=True)
         self._worker.start()
 
@@ -123,8 +133,9 @@ class Scheduler:
                                    bos_token=self.driver.token_text(bos), stop_token_ids=[eos])
 
     @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
+    def chat_template(self) -> str | None:
+        """The model's chat template text (None without one): it tells the family's tool-call format."""
+        return None if self._template is None else self._template.template
 
     def prepare_chat(self, messages: list[dict], tools: list[dict] | None = None,
                      tool_choice=None) -> tuple[list[int], list[str]]:
@@ -138,6 +149,17 @@ class Scheduler:
         except Exception as e:  # a template may raise on a conversation it does not accept
             raise RequestError(f"the model's chat template refused the messages: {e}", "messages") from None
         ids = self.driver.runner.tokenize(res.prompt, add_special=not res.added_special, parse_special=True)
+        if self.cache is not None:  # where the cache saves this prompt: before its last user turn
+            from mbolt.serve.prefixes import turn_start
+
+            def tokenize(text: str, added: bool) -> list[int]:
+                return self.driver.runner.tokenize(text, add_special=not added, parse_special=True)
+
+            n = turn_start(self._template, messages, tools, tool_choice, tokenize, ids)
+            with self._cv:
+                self._turn_starts[tuple(ids)] = n
+                while len(self._turn_starts) > 64:
+                    self._turn_starts.popitem(last=False)
         stop = res.stop if isinstance(res.stop, list) else [res.stop] if res.stop else []
         return ids, [s for s in stop if s]
 
@@ -193,6 +215,8 @@ class Scheduler:
             self._closing = True
             self._cv.notify()
         self._worker.join(timeout=60)
+        if self.cache is not None:
+            self.cache.close()
 
     # ---- the worker ----
 
@@ -205,6 +229,7 @@ class Scheduler:
                     return
                 jobs = self._take()
             try:
+                self._copied_from.clear()  # the last turn's llama_decode made them
                 for slot, job in jobs:
                     self._start(slot, job)
                 self._turn()
@@ -241,11 +266,28 @@ class Scheduler:
             return
         job.started = True
         s.job, s.out, s.last, s.text = job, [], None, ReplyText(job.stop)
-        s.todo = self.driver.keep_prefix(s.seq, job.tokens)
+        self._reuse(s, job)
         s.t_start, s.t_first, s.prompt_s, s.n_prompt_new = job.submitted, None, 0.0, len(s.todo)
         self.counters.requests += 1
         if self.recorder is not None:
             s.request = self.recorder.begin_request()
+
+    def _reuse(self, s: Slot, job: Job) -> None:
+        """The slot starts from the longest prefix of the job's prompt held anywhere (the one place
+        the prompt cache restores); where its state will be saved."""
+        from mbolt.serve.prefixes import MIN_TOKENS, reuse
+
+        got = reuse(self.driver, s.seq, job.tokens, self.cache, self._copied_from)
+        s.todo, s.n_cached = got.todo, got.cached
+        self.counters.cached_tokens += got.cached
+        self.counters.kv_copies += got.source == "copy"
+        s.save_at = 0
+        if self.cache is not None:
+            with self._cv:
+                at = self._turn_starts.pop(tuple(job.tokens), None)
+            at = at or len(job.tokens)  # no turns known (a completion): the whole prompt
+            if at >= max(MIN_TOKENS, got.cached + 1):
+                s.save_at = at
 
     def _turn(self) -> None:
         """One pass of the oldest newcomer's prompt with a decode row of every reply in it, or one
@@ -267,6 +309,9 @@ class Scheduler:
     def _prompt_pass(self, s: Slot, replying: list[Slot]) -> None:
         d, job = self.driver, s.job
         n = d.runner.n_batch - len(replying)
+        held = len(d.tokens[s.seq])
+        if held < s.save_at:
+            n = min(n, s.save_at - held)  # the pass ends where the cache saves
         chunk, s.todo = s.todo[:n], s.todo[n:]
         with self._cv:
             self._in_pass = job
@@ -295,6 +340,9 @@ class Scheduler:
         c = self.counters
         c.prompt_tokens += len(chunk)
         c.prompt_s += dt
+        if s.save_at and len(d.tokens[s.seq]) == s.save_at:
+            self.cache.save(d, s.seq)  # the one place the prompt cache saves
+            s.save_at = 0
         if replying:
             c.mixed_passes += 1
             self._replies(replying, [r.sampler.sample(d.runner.ctx, len(chunk) + j) for j, r in enumerate(replying)],
@@ -365,7 +413,8 @@ class Scheduler:
         reply_s = now - s.t_first if s.t_first else 0.0
         if n > 1 and reply_s > 0:
             self.counters.last_decode_tokens_per_s = (n - 1) / reply_s
-        usage = {"prompt_tokens": len(job.tokens), "completion_tokens": n, "total_tokens": len(job.tokens) + n}
+        usage = {"prompt_tokens": len(job.tokens), "completion_tokens": n, "total_tokens": len(job.tokens) + n,
+                 "prompt_tokens_details": {"cached_tokens": s.n_cached}}
         job.on_event("end", {"finish_reason": reason, "usage": usage, "seconds": now - s.t_start,
                              "ttft_s": (s.t_first - s.t_start) if s.t_first else None,
                              "prompt_eval_s": s.prompt_s, "prompt_tokens_evaluated": s.n_prompt_new,
@@ -377,7 +426,9 @@ class Scheduler:
         """What /metrics, /stats and the chat's line show."""
         from mbolt.serve.stats import scheduler_stats
 
-        return scheduler_stats(self)
+        c = self.counters
+        out = {**scheduler_stats(self), "cached_tokens": c.cached_tokens, "kv_copies": c.kv_copies}
+        return {**out, **self.cache.stats()} if self.cache is not None else out
 
 
 def _common(a: list[int], b: list[int]) -> int:

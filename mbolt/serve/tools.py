@@ -13,9 +13,10 @@ family, told by the template's text:
 
 A call is valid when it parses, names an offered tool and its arguments are a JSON object; text
 that is not a valid call stays text. `tool_choice` required or a named function constrains the
-reply with a grammar (GBNF from llama-cpp-python's JSON-schema converter) that spells calls in
-the family's format, so the reply is a call. `response_format` json_object / json_schema do the
-same with llama-cpp-python's JSON grammar or the schema's.
+reply with a grammar (GBNF from the JSON-schema converter of schema_grammar.py) that spells calls
+in the family's format, so the reply is a call. `response_format` json_object / json_schema do
+the same with llama-cpp-python's JSON grammar or the schema's. Every schema keyword is honoured
+or refused (schema.py).
 """
 
 from __future__ import annotations
@@ -50,7 +51,13 @@ class ToolCall:
 
     @property
     def input(self) -> dict:
-        return json.loads(self.arguments)
+        """The arguments as an object; {} when they are not one (a call cut by max_tokens), as
+        llama-server's to_json_anthropic makes them."""
+        try:
+            args = json.loads(self.arguments)
+        except json.JSONDecodeError:
+            return {}
+        return args if isinstance(args, dict) else {}
 
 
 def _call_of(obj, names: set[str], args_key: str) -> ToolCall | None:
@@ -86,9 +93,43 @@ def _calls_in(body: str, fmt: str, names: set[str]) -> list[ToolCall] | None:
     return calls if calls and all(c is not None for c in calls) else None
 
 
+_WS = " \t\r\n"
+
+
+def call_head(s: str, names: set[str], keys: tuple[str, ...] = ("arguments",)) -> tuple[str, int] | bool | None:
+    """Where the arguments begin in `s`, the text of a call object so far: (name, index of the
+    arguments' `{`) once `s` reads `{"name": "<an offered tool>", "arguments": {`; None while it
+    may still; False when it cannot (then the block is judged whole at its end)."""
+    i, name = 0, ""
+    for step in ("{", '"name"', ":", '"', None, ",", tuple(f'"{k}"' for k in keys), ":", "{"):
+        if step is None:  # the name, up to its closing quote
+            j = s.find('"', i)
+            if j < 0:
+                return False if "\\" in s[i:] else None
+            name, i = s[i:j], j + 1
+            if name not in names:
+                return False
+            continue
+        while i < len(s) and s[i] in _WS:
+            i += 1
+        lits, rest = (step if isinstance(step, tuple) else (step,)), s[i:]
+        hit = next((lit for lit in lits if rest.startswith(lit)), None)
+        if hit is None:
+            return None if any(lit.startswith(rest) for lit in lits) else False
+        i += len(hit)
+    return name, i - 1
+
+
 class ToolStream:
-    """Model text in, ("text", str) and ("call", ToolCall) out, as soon as each is certain: text
-    that may be the start of a call is held back until it is a call or is not."""
+    """Model text in, events out as soon as each is certain: ("text", str); a call as ("start",
+    ToolCall) when its name is known, ("args", str) for each piece of its arguments as the model
+    writes them, ("end", ToolCall) when it is whole or the reply ends inside it. Text that may be
+    the start of a call is held back until it is a call or is not.
+
+    A hermes block streams once it reads `{"name": "<an offered tool>", "arguments": {` (the order
+    the tool grammar writes and llama.cpp's parser expects): from there it is a call and its
+    arguments are the model's own text of that object, as llama-server sends them. Any other block,
+    and the llama3 and mistral formats, are judged whole at their end (one start, args, end)."""
 
     def __init__(self, fmt: str, names: set[str], parallel: bool = True):
         self.fmt, self.names, self.parallel = fmt, set(names), parallel
@@ -97,6 +138,14 @@ class ToolStream:
         self.started = False  # llama3: only a reply that starts with a call is one
         self.n_calls = 0
         self.after_call = False  # the whitespace between calls is not text
+        self._open_block()
+
+    def _open_block(self) -> None:
+        self.body = ""  # a hermes block's text after its opening tag, until its call streams
+        self.call: ToolCall | None = None  # the call now streaming
+        self.whole = False  # the block did not begin like a call: judged at its closing tag
+        self.args_open = False
+        self.depth, self.in_str, self.esc = 0, False, False
 
     def _done_calling(self) -> bool:
         return not self.parallel and self.n_calls > 0
@@ -107,9 +156,9 @@ class ToolStream:
     def _trim(self, parts: list[tuple[str, object]]) -> list[tuple[str, object]]:
         out = []
         for k, d in parts:
-            if k == "call":
+            if k == "end":
                 self.after_call = True
-            elif self.after_call:
+            elif k == "text" and self.after_call:
                 d = d.lstrip()
                 if not d:
                     continue
@@ -147,18 +196,88 @@ class ToolStream:
                     break
                 if i:
                     out.append(("text", self.buf[:i]))
-                self.buf = self.buf[i:]
+                self.buf = self.buf[i + len(opener):]
                 self.in_call = True
-            closer = _CLOSE.get(self.fmt)
-            if closer is None:  # mistral: the list runs to the end of the reply
+                self._open_block()
+            if self.fmt == MISTRAL:  # the list runs to the end of the reply
+                self.body += self.buf
+                self.buf = ""
                 break
-            j = self.buf.find(closer)
-            if j < 0:
+            if not self._hermes(out):
                 break
-            block, self.buf = self.buf[:j + len(closer)], self.buf[j + len(closer):]
-            self.in_call = False
-            out += self._block(block)
         return out
+
+    def _hermes(self, out: list) -> bool:
+        """Take the buffered text of an open hermes block; True when the block has ended."""
+        closer = _CLOSE[HERMES]
+        if self.call is None:
+            self.body += self.buf
+            self.buf = ""
+            if not self.whole:
+                head = call_head(self.body, self.names)
+                if head is None:
+                    return False
+                if head is False:
+                    self.whole = True
+                else:
+                    self.call = ToolCall(head[0], "")
+                    self.args_open = True
+                    self.body, self.buf = self.body[:head[1]], self.body[head[1]:]
+                    out.append(("start", self.call))
+            if self.whole:
+                j = self.body.find(closer)
+                if j < 0:
+                    return False
+                block, self.buf = self.body[:j], self.body[j + len(closer):]
+                self.in_call = False
+                self._open_block()
+                out += self._block(_OPEN[HERMES] + block + closer)
+                return True
+        if self.args_open:
+            piece, rest = self._scan_args(self.buf)
+            self._args(piece, out)
+            self.buf = rest or ""
+            if rest is None:
+                return False
+            self.args_open = False
+        j = self.buf.find(closer)  # after the arguments: the object's `}`, then the closing tag
+        if j < 0:
+            return False
+        self.buf = self.buf[j + len(closer):]
+        out += self._end_call()
+        return True
+
+    def _scan_args(self, text: str) -> tuple[str, str | None]:
+        """The part of `text` inside the arguments object and what follows it (None while the
+        object is still open): strings and their escapes are skipped, brackets counted."""
+        for i, ch in enumerate(text):
+            if self.in_str:
+                if self.esc:
+                    self.esc = False
+                elif ch == "\\":
+                    self.esc = True
+                elif ch == '"':
+                    self.in_str = False
+            elif ch == '"':
+                self.in_str = True
+            elif ch in "{[":
+                self.depth += 1
+            elif ch in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return text[:i + 1], text[i + 1:]
+        return text, None
+
+    def _args(self, piece: str, out: list) -> None:
+        if piece:
+            self.call.arguments += piece
+            out.append(("args", piece))
+
+    def _end_call(self) -> list[tuple[str, object]]:
+        c, self.in_call = self.call, False
+        self._open_block()
+        self.n_calls += 1
+        return [("end", c)]
 
     def _block(self, block: str) -> list[tuple[str, object]]:
         opener, closer = _OPEN.get(self.fmt, ""), _CLOSE.get(self.fmt, "")
@@ -173,18 +292,34 @@ class ToolStream:
         if not self.parallel:
             calls = calls[:1]
         self.n_calls += len(calls)
-        return [("call", c) for c in calls]
+        out: list[tuple[str, object]] = []
+        for c in calls:
+            out += [("start", c), ("args", c.arguments), ("end", c)]
+        return out
 
-    def finish(self) -> list[tuple[str, object]]:
-        """What is left at the end of the reply: a call still open (the closing tag may be cut
-        by an end-of-generation token), or text."""
-        block, self.buf = self.buf, ""
-        if not block:
+    def finish(self, cut: bool = False) -> list[tuple[str, object]]:
+        """What is left at the end of the reply. A streaming call ends with the arguments written
+        so far (`cut`: the reply ran into max_tokens, and they may not be whole JSON), as
+        llama-server ends it; a block cut before its call's name is whole, or a cut opening tag,
+        is dropped, as llama-server drops it; any other open block (its closing tag cut by an
+        end-of-generation token) is judged as it stands."""
+        out: list[tuple[str, object]] = []
+        if self.call is not None:
+            if self.args_open:
+                piece, _ = self._scan_args(self.buf)
+                self._args(piece, out)
+            self.buf = ""
+            return self._trim(out + self._end_call())
+        block, self.buf = self.body + self.buf, ""
+        if cut and self.fmt == HERMES:  # what is held is (the start of) a call without a name
+            self.in_call = False
+            self._open_block()
             return []
         if self.in_call:
             self.in_call = False
-            return self._trim(self._block(block))
-        return self._trim([("text", block)])
+            self._open_block()
+            return self._trim(self._block(_OPEN.get(self.fmt, "") + block))
+        return self._trim([("text", block)] if block else [])
 
 
 def held_prefix(text: str, marker: str) -> int:
@@ -199,26 +334,10 @@ def parse_reply(text: str, fmt: str, names: set[str], parallel: bool = True) -> 
     """A whole reply: its text (calls removed) and its calls."""
     s = ToolStream(fmt, names, parallel)
     parts = s.feed(text) + s.finish()
-    return "".join(d for k, d in parts if k == "text"), [d for k, d in parts if k == "call"]
+    return "".join(d for k, d in parts if k == "text"), [d for k, d in parts if k == "end"]
 
 
 # ---- grammars ----
-
-
-def _converter():
-    from llama_cpp.llama_grammar import SchemaConverter
-
-    return SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
-
-
-_LOOSE_CHAR = 'char ::= [^"\\\\] |'
-_JSON_CHAR = 'char ::= [^"\\\\\\x7F\\x00-\\x1F] |'
-
-
-def _grammar(c, extra: str = "") -> str:
-    """The converter's rules (and ours): its string character rule lets raw control characters
-    into strings, which JSON forbids (llama.cpp's own converter excludes them, as here)."""
-    return c.format_grammar().replace(_LOOSE_CHAR, _JSON_CHAR) + extra
 
 
 def _literal(s: str) -> str:
@@ -226,12 +345,10 @@ def _literal(s: str) -> str:
 
 
 def schema_grammar(schema: dict) -> str:
-    """GBNF for one JSON value matching `schema` (llama-cpp-python's converter of llama.cpp's
-    json-schema-to-grammar)."""
-    c = _converter()
-    schema = c.resolve_refs(schema, "request")
-    c.visit(schema, "")
-    return _grammar(c)
+    """GBNF for one JSON value matching `schema`; schema.Refused names a keyword it cannot honour."""
+    from mbolt.serve.schema_grammar import schema_grammar as grammar
+
+    return grammar(schema)
 
 
 def json_object_grammar() -> str:
@@ -243,13 +360,11 @@ def json_object_grammar() -> str:
 def tool_grammar(tools: list[dict], fmt: str, parallel: bool) -> str:
     """GBNF for a reply that is one call (or, parallel, one or more) of these tools, spelled in
     the family's format. `tools` are OpenAI function tools ({"type": "function", "function": {...}})."""
+    from mbolt.serve.schema_grammar import Converter, call_grammar
+
     args_key = "parameters" if fmt == LLAMA3 else "arguments"
-    alts = [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
-                                              args_key: t["function"].get("parameters") or {"type": "object"}},
-             "required": ["name", args_key]} for t in tools]
-    c = _converter()
-    schema = c.resolve_refs(alts[0] if len(alts) == 1 else {"anyOf": alts}, "tools")
-    call = c.visit(schema, "call")
+    c = Converter()
+    call = call_grammar(c, [(t["function"]["name"], t["function"].get("parameters")) for t in tools], args_key, "call")
     if fmt == HERMES:
         block = f'{_literal("<tool_call>" + chr(10))} {call} {_literal(chr(10) + "</tool_call>")}'
         root = f"{block} ({_literal(chr(10))} {block})*" if parallel else block
@@ -257,7 +372,7 @@ def tool_grammar(tools: list[dict], fmt: str, parallel: bool) -> str:
         root = f'{_literal("[TOOL_CALLS][")} {call} ' + (f'("," space {call})* ' if parallel else "") + '"]"'
     else:  # llama3: one call (its template takes one per message)
         root = call
-    return _grammar(c, f"\nroot ::= {root}")
+    return c.format_grammar() + f"\nroot ::= {root}"
 
 
 # ---- the conversation back into the template ----
