@@ -123,7 +123,7 @@ def run_demo(workdir: str | Path, size: str = "tiny", *, seed: int = 0, progress
     from mbolt.bench.stats import StopRule
     from mbolt.bench.predict import predict_vs_measured
     from mbolt.bench.probe import probe
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.layout.evaluate import geometry_from_model
     from mbolt.core.plan import save_plan
     from mbolt.layout.plan import make_plan

@@ -86,7 +86,7 @@ def paths(name: str) -> dict:
 
 
 def prepare(name: str, spec: dict) -> dict:
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.core.plan import save_plan
     from mbolt.core.trace import split_trace
     from mbolt.layout.plan import make_plan

@@ -82,7 +82,7 @@ NOT_RUN = ("plain's readahead sweep (128 KiB, plain's best on q864 and q4km, who
 def prepare(name: str = NAME, tensor_order: str = "use") -> None:
     """The model under $MBOLT_BENCH/memlimit/NAME; tensor_order "converter": each block's routed
     tensors in the order llama.cpp's converter writes real models (down, gate, up), as q48c."""
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.layout.stats import routing_target
 
     p = ml.paths(name)

@@ -42,8 +42,8 @@ import numpy as np  # noqa: E402
 
 from mbolt.bench.env import engine_builds  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
-from mbolt.engine import load_model  # noqa: E402
-from mbolt.gguf.synth import SynthConfig, write_synth  # noqa: E402
+from mbolt.reference import load_model  # noqa: E402
+from mbolt.synth.synth import SynthConfig, write_synth  # noqa: E402
 from mbolt.runtime.runner import LlamaRunner  # noqa: E402
 
 PROMPT = [116, 104, 101, 32, 116, 105, 110, 32]  # "the tin "

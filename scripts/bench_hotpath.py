@@ -27,7 +27,7 @@ ARMS = ("plain", "plain-aa", "mbolt", "mbolt-aa")
 
 
 def toy(layers: int) -> Path:
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
 
     path = BENCH / f"hotpath_toy{layers}.gguf"
     if not path.exists():

@@ -11,7 +11,7 @@ Sections (run all, or some with --only; each merges into the existing results fi
            48 x 512 planning time (80b).
   gap      gap-aware tsp vs gap-blind tsp on the 30B calibrated trace with merge gaps of 1 and
            2 slices (reorder).
-  synth    synthetic GGUFs (mbolt.gguf.synth) with planted structure and with none, traced with
+  synth    synthetic GGUFs (mbolt.synth.synth) with planted structure and with none, traced with
            the reference engine over the shared prompts (structure="none" still routes by token).
   null     true nulls (experts independent given heat): no order may beat the heat effect.
   goals    the issue's goals judged against the numbers above.
@@ -167,7 +167,7 @@ def gap_section(tr: Trace, quick: bool) -> dict:
 
 
 def synth_section(quick: bool) -> dict:
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.trace.tracer import trace_prompts
 
     out = {}

@@ -73,7 +73,7 @@ def log(*a):
 
 def family_spec(fam: str) -> dict:
     """A 64 KiB-slice file of a family: the smallest geometry its llama.cpp loader accepts
-    (gguf.config.tiny, from the families work) widened to 8 layers x 64 experts, k=8."""
+    (synth.config.tiny, from the families work) widened to 8 layers x 64 experts, k=8."""
     return dict(synth=dict(tiny=fam, n_layers=8, n_experts=64, n_used=8, hidden=128, expert_ff=128,
                            expert_type="F32", structure="planted"),
                 train_prompts=16, bench_prompts=2, new_tokens=16, rounds=10)  # >= 10: an interval
@@ -81,14 +81,14 @@ def family_spec(fam: str) -> dict:
 
 def synth_config(synth: dict):
     from mbolt.core.errors import MboltError
-    from mbolt.gguf.synth import SynthConfig
+    from mbolt.synth.synth import SynthConfig
 
     sy = dict(synth)
     if "tiny" in sy:
         try:
-            from mbolt.gguf.config import tiny
+            from mbolt.synth.config import tiny
         except ImportError:
-            raise MboltError(f"family {sy['tiny']}: this mbolt has no gguf.config.tiny (the families work)") from None
+            raise MboltError(f"family {sy['tiny']}: this mbolt has no synth.config.tiny (the families work)") from None
         return tiny(sy.pop("tiny"), **sy)
     return SynthConfig.from_preset(sy.pop("preset"), **sy) if "preset" in sy else SynthConfig(**sy)
 
@@ -125,11 +125,11 @@ def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
     from mbolt.core.moe_map import moe_map
     from mbolt.core.plan import save_plan
     from mbolt.core.prompts import read_prompts
-    from mbolt.gguf.synth import write_synth
+    from mbolt.synth.synth import write_synth
     from mbolt.layout.evaluate import geometry_from_model
     from mbolt.layout.plan import make_plan
     from mbolt.rewrite.reorder import reorder_file
-    from mbolt.engine.tokenizer import Tokenizer
+    from mbolt.reference.tokenizer import Tokenizer
     from mbolt.trace.tracer import trace_prompts
 
     p = paths(name)

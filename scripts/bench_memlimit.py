@@ -108,7 +108,7 @@ MODELS = {
     # Qwen3-30B's 32 heads it was 26% of the file, more than a 25% budget (run 1)
     "q72": dict(preset="qwen3-30b-a3b", n_layers=16, n_experts=512, n_used=10, expert_ff=64, n_heads=4,
                 n_kv_heads=1, head_dim=128, fast_random=True, dense_type="F16", routing_like=PROFILE_80B),
-    # typed as llama-quantize types a Q4_K_M file (gguf.mixes): the dense tensors quantized too
+    # typed as llama-quantize types a Q4_K_M file (synth.mixes): the dense tensors quantized too
     "q4km": dict(preset="qwen3-30b-a3b", n_layers=8, fast_random=True, expert_type="Q4_K_M", dense_type="Q4_K_M",
                  routing_like=PROFILE_30B),
     # Qwen3-Next-80B-A3B's routed experts at their real size, its co-activation profile
@@ -160,7 +160,7 @@ def prepare(name: str) -> None:
     from mbolt.core.moe_map import moe_map
     from mbolt.core.plan import save_plan
     from mbolt.core.prompts import read_prompts
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.layout.evaluate import geometry_from_model
     from mbolt.layout.plan import make_plan
     from mbolt.rewrite.reorder import reorder_file

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.core.pagecache import evict  # noqa: E402
-from mbolt.gguf.synth import SynthConfig, synth_size, write_synth  # noqa: E402
+from mbolt.synth.synth import SynthConfig, synth_size, write_synth  # noqa: E402
 from mbolt.core.plan import Plan, save_plan  # noqa: E402
 
 PRESET = "qwen3-30b-a3b"

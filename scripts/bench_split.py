@@ -53,7 +53,7 @@ from bench_rewrite import MBOLT, run, timed_arms  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.core.moe_map import moe_map  # noqa: E402
 from mbolt.core.plan import Plan, save_plan  # noqa: E402
-from mbolt.gguf.synth import PRESETS, SynthConfig, synth_size, write_synth  # noqa: E402
+from mbolt.synth.synth import PRESETS, SynthConfig, synth_size, write_synth  # noqa: E402
 
 SET_PRESET = "qwen3-30b-a3b"
 FALLBACK = dict(arch="qwen3moe", n_layers=78, n_experts=256, n_used=8, expert_type="Q4_0")

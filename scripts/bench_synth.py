@@ -24,7 +24,7 @@ import threading
 import time
 from pathlib import Path
 
-from mbolt.gguf.synth import SynthConfig, synth_size
+from mbolt.synth.synth import SynthConfig, synth_size
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def hwm_mb():  # peak RSS of this exec'd image (ru_maxrss would include the pare
 
 SYNTH_CHILD = HWM + """
 import sys, json, time
-from mbolt.gguf.synth import SynthConfig, write_synth_info
+from mbolt.synth.synth import SynthConfig, write_synth_info
 cfg = SynthConfig.from_preset(sys.argv[1], n_layers=int(sys.argv[2]), fast_random=True)
 t0 = time.perf_counter()
 info = write_synth_info(sys.argv[3], cfg)

@@ -39,7 +39,7 @@ def main() -> int:
     import openai
     from selenium import webdriver
 
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
 
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / "page.gguf"

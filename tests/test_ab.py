@@ -17,7 +17,7 @@ from mbolt.bench.stats import median_ci, stop_check, StopRule, summarise
 from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
 from mbolt.cli import app
 from mbolt.core.errors import MboltError, MboltWarning
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 from mbolt.core.mbtrace import write_trace
 from mbolt.core.trace import DECODE, Trace

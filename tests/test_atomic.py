@@ -49,7 +49,7 @@ from mbolt.core.atomic import check_output, clean_stale_parts, file_kind  # noqa
 def files(tmp_path):
     from mbolt.core.mbtrace import write_trace
     from mbolt.core.trace import Trace
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
 
     import numpy as np
 

@@ -24,7 +24,7 @@ from mbolt.core.header import read_header
 from mbolt.core.mbtrace import write_trace
 from mbolt.core.moe_map import moe_map
 from mbolt.core.trace import DECODE, Trace
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 
 @pytest.fixture(scope="module")

@@ -169,7 +169,7 @@ def test_one_cache_rule_in_evaluator_replay_and_store(data_dir, tmp_path):
     cache`) and the streaming store count the same hits on the real granite routing, equal to a
     plain LRU written here; nuthatch's per-access counting differs when N < k."""
     from mbolt.runtime.store import ExpertStore
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.layout.evaluate import lru_hits
 
     tr = _clean_decode(data_dir)

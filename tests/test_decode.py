@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from mbolt.engine.generate import greedy_decode
+from mbolt.reference.generate import greedy_decode
 
 
 class Counter:

@@ -120,7 +120,7 @@ def test_demo_noisy_machine_shows_no_speedups(tmp_path, monkeypatch):
     import mbolt.bench.runners as runners
     from mbolt import demo
     from mbolt.core.trace import DECODE, Trace
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.report.tables import demo_table
     from mbolt.rewrite.reorder import reorder
 

@@ -9,8 +9,8 @@ import pytest
 from gguf import GGUFReader
 
 from mbolt.core.errors import MboltError
-from mbolt.gguf.mixes import use_more_bits
-from mbolt.gguf.synth import SynthConfig, synth_tensors, write_synth
+from mbolt.synth.mixes import use_more_bits
+from mbolt.synth.synth import SynthConfig, synth_tensors, write_synth
 from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify
 

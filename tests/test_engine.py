@@ -9,13 +9,13 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants as gq
 
 from _engine_util import permuted_copy, random_perm
-from mbolt.engine import load_model
-from mbolt.engine.quant import dequantize, round_activations
-from mbolt.engine.source import MmapExpertSource
-from mbolt.engine.tokenizer import Tokenizer, pre_split
+from mbolt.reference import load_model
+from mbolt.reference.quant import dequantize, round_activations
+from mbolt.reference.source import MmapExpertSource
+from mbolt.reference.tokenizer import Tokenizer, pre_split
 from mbolt.core.errors import MboltError
 from mbolt.core.header import read_header
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 TOKENS = [104, 101, 108, 108, 111, 32, 116, 104, 101, 114, 101, 33, 256, 257, 65, 66]
 

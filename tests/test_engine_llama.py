@@ -43,10 +43,10 @@ import pytest
 
 from _engine_util import permuted_copy, random_perm, with_expert_type
 from conftest import needs_llama
-from mbolt.engine import load_model
-from mbolt.engine.tokenizer import Tokenizer
+from mbolt.reference import load_model
+from mbolt.reference.tokenizer import Tokenizer
 from mbolt.core.header import read_header
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 

@@ -13,7 +13,7 @@ from gguf import GGUFReader
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 L, E = 3, 8
 

@@ -16,8 +16,8 @@ from gguf import GGUFReader
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.gguf.config import FUSED_GATE_UP_ARCHS, K_I_TYPES, tiny
-from mbolt.gguf.synth import synth_tensors, write_synth
+from mbolt.synth.config import FUSED_GATE_UP_ARCHS, K_I_TYPES, tiny
+from mbolt.synth.synth import synth_tensors, write_synth
 from mbolt.rewrite.reorder import reorder
 
 from conftest import needs_llama
@@ -185,7 +185,7 @@ def test_fused_file_is_the_same_model(tmp_path, arch, etype):
     gives bit-identical logits and the same routing on both (its gate_up path)."""
     import warnings
 
-    from mbolt.engine import load_model
+    from mbolt.reference import load_model
 
     a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
     write_synth(a, tiny(arch, expert_type=etype, seed=7))

@@ -177,7 +177,7 @@ def packed(tmp_path_factory):
 
     from mbolt.cli import app
     from mbolt.core.header import read_header
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
 
     d = tmp_path_factory.mktemp("fuzz")
     write_synth(d / "m.gguf", SynthConfig(n_layers=2, n_experts=4, n_used=2, hidden=32, expert_ff=32,

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mbolt.cli import app
 from mbolt.core.errors import MboltError
 from mbolt.core.header import read_header
-from mbolt.gguf.synth import SYNTH_ARCHS, SynthConfig, write_synth
+from mbolt.synth.synth import SYNTH_ARCHS, SynthConfig, write_synth
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +66,7 @@ def test_every_family_passes_its_own_checks(arch, tmp_path):
     """The checks follow llama.cpp's tensor forms, so every family synth writes (MLA, gated and
     linear attention, sinks) opens; llama.cpp loading these files is tested in test_families."""
     from mbolt.core.moe_map import moe_map
-    from mbolt.gguf.config import tiny
+    from mbolt.synth.config import tiny
 
     p = write_synth(tmp_path / f"{arch}.gguf", tiny(arch))
     assert moe_map(p).n_experts > 1

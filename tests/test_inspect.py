@@ -11,7 +11,7 @@ from gguf import GGUFReader, GGUFWriter
 from typer.testing import CliRunner
 
 from mbolt.cli import app
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 ARCHS = {"qwen3moe": "qwen3moe", "olmoe": "olmoe", "mixtral": "llama", "qwen2moe": "qwen2moe"}
 runner = CliRunner()
@@ -140,7 +140,7 @@ def test_non_moe_gguf(tmp_path):
 ])
 def test_inspect_shows_family_structure(tmp_path, arch, kw, lines):
     from mbolt.core.moe_map import moe_map
-    from mbolt.gguf.config import tiny
+    from mbolt.synth.config import tiny
     from mbolt.report.tables import moe_structure
 
     kw.setdefault("expert_type", "Q8_0")

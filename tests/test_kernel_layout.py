@@ -23,8 +23,8 @@ from mbolt.core.errors import MboltError
 from mbolt.core.header import read_header
 from mbolt.core.kernel_file import check_build, read_kernel
 from mbolt.core.repack import LAYOUTS, build_named, build_of, layout_of, repack, unrepack
-from mbolt.gguf.config import SynthConfig
-from mbolt.gguf.synth import write_synth
+from mbolt.synth.config import SynthConfig
+from mbolt.synth.synth import write_synth
 from mbolt.rewrite.kernel import restore_stock, verify_kernel, write_kernel
 
 AVX2 = build_named("avx2")

@@ -33,7 +33,7 @@ def files(tmp_path_factory):
     """A tiny model (without synth's own mbolt.synth.* notes: a file as a converter writes it) and
     its reorder rewrite under a plan that moves every expert."""
     from mbolt.core.plan import Plan, save_plan
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.rewrite.reorder import reorder_file
 
     d = tmp_path_factory.mktemp("flips")

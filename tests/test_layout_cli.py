@@ -69,7 +69,7 @@ def test_plan_rich_output_and_bad_input(tmp_path):
 
 
 def test_plan_against_a_model_checks_the_shape(tmp_path):
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
 
     model = write_synth(tmp_path / "m.gguf", SynthConfig(n_layers=2, n_experts=8, n_used=2, hidden=32,
                                                          expert_ff=32, fast_random=True))

@@ -22,7 +22,7 @@ import pytest
 
 from conftest import EXPERT_GAIN, needs_llama
 from mbolt.core.errors import MboltError
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 

@@ -11,7 +11,7 @@ from gguf import GGUFReader
 from mbolt.core.moe_map import moe_map
 from mbolt.core.trace import DECODE, Trace
 from mbolt.runtime.store import ExpertStore
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 from mbolt.layout.evaluate import evaluate, geometry_from_model
 
 L, E, K, N = 4, 8, 2, 40

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import needs_llama
-from mbolt.gguf.synth import write_synth
+from mbolt.synth.synth import write_synth
 from test_llama_stream import MODEL as STREAM_MODEL
 from test_memlimit_llama import MODEL as MEMLIMIT_MODEL
 from test_runtime_hotpath import TOY

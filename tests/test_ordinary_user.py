@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from conftest import IN_CI, needs_llama
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 VOCAB = Path(__file__).parent / ".vocabs" / "ggml-vocab-qwen2.gguf"
 MEMLOCK = 8 << 20  # what an ordinary user's login gets (systemd's default)

@@ -35,7 +35,7 @@ needs_ik = pytest.mark.skipif(not NAMED and not (peers.default_venv() / "bin" / 
 
 
 def tiny_model(path: Path) -> Path:
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
 
     write_synth(path, SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=2, hidden=256, expert_ff=128,
                                   n_heads=4, n_kv_heads=2, head_dim=64, expert_type="Q8_0", seed=7))

@@ -18,7 +18,7 @@ from mbolt.bench.probe import cost, fit_law
 from mbolt.cli import app
 from mbolt.core.plan import Plan, save_plan
 from mbolt.core.trace import DECODE, Trace
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 L, E, K, HIDDEN, FF = 3, 16, 4, 64, 32
 SLICE = HIDDEN * FF * 4  # one F32 gate, up or down slice
@@ -237,8 +237,8 @@ def test_layout_read_ratios_from_the_evaluator(tmp_path):
     from mbolt.bench.predict import layout_read_ratios
     from mbolt.core.moe_map import moe_map
     from mbolt.core.trace import DECODE, Trace
-    from mbolt.gguf.config import tiny
-    from mbolt.gguf.synth import write_synth
+    from mbolt.synth.config import tiny
+    from mbolt.synth.synth import write_synth
     from mbolt.rewrite.reorder import reorder
 
     src = write_synth(tmp_path / "s.gguf", tiny("qwen3moe", n_layers=2, dense_layers=0, expert_type="F32"))

@@ -47,7 +47,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory, model):
     """The same shapes and vocabulary, other weights: another fingerprint."""
-    from mbolt.gguf.synth import write_synth
+    from mbolt.synth.synth import write_synth
 
     path = tmp_path_factory.mktemp("pc_other") / "other.gguf"
     write_synth(path, dataclasses.replace(CHAT_MODEL, vocab=str(VOCAB), seed=8))
@@ -478,7 +478,7 @@ def test_kv_bytes_per_token_is_llama_cpps_state_size(arch, tmp_path):
     """The formula behind docs/serve.md's table against llama.cpp's own per-sequence state of a
     synthetic model of the family: the state of 96 tokens less that of 64, per token (past the
     sliding window of gpt-oss)."""
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.runtime.runner import LlamaRunner
     from mbolt.serve.kv_size import kv_bytes_per_token
 
@@ -531,7 +531,7 @@ def test_a_sliding_window_familys_state_is_kept_whole(tmp_path):
     """gpt-oss (a sliding-window cache beside the full one): its state is not one stream's block, so
     the file keeps it whole, for a server of as many slots; restored into the other slot, the next
     token's logits are the saving slot's going on, bit for bit."""
-    from mbolt.gguf.synth import SynthConfig, write_synth
+    from mbolt.synth.synth import SynthConfig, write_synth
     from mbolt.serve.prefixes import reuse
 
     path = tmp_path / "oss.gguf"

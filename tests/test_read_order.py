@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from conftest import needs_llama
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 

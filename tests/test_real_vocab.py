@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from conftest import IN_CI, needs_llama
 from mbolt.cli import app
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 

@@ -17,7 +17,7 @@ import pytest
 from gguf import GGUFReader, GGUFWriter
 
 from mbolt.core.errors import MboltError
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder, reorder_file
 from mbolt.core.routemap import expert_ranges, read_route_map, read_sidecar, sidecar_path
 from mbolt.core.moe_map import moe_map

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 
 # Stop the copy after its third range, say so, and wait there (on stdin, which the parent never

@@ -15,12 +15,12 @@ from mbolt.cli import app
 from mbolt.core.errors import MboltError
 from mbolt.core.prompts import read_prompts
 from mbolt.data import PROMPTS, QWEN3_30B_PROFILE, QWEN3_NEXT_80B_PROFILE, path
-from mbolt.engine.tokenizer import Tokenizer
-from mbolt.gguf import routing_fit as rf
-from mbolt.gguf.routing_like import RoutingLike, layer_map
-from mbolt.gguf.routing_reuse import lru_hit_rates
-from mbolt.gguf.synth import SynthConfig, write_synth, write_synth_info
-from mbolt.gguf.vocabulary import vocabulary
+from mbolt.reference.tokenizer import Tokenizer
+from mbolt.synth import routing_fit as rf
+from mbolt.synth.routing_like import RoutingLike, layer_map
+from mbolt.synth.routing_reuse import lru_hit_rates
+from mbolt.synth.synth import SynthConfig, write_synth, write_synth_info
+from mbolt.synth.vocabulary import vocabulary
 from mbolt.layout.stats import profile_stats, routing_target, trace_stats
 
 from conftest import needs_llama

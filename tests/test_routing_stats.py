@@ -16,7 +16,7 @@ from mbolt.core.mbtrace import write_trace
 from mbolt.core.routing_stats import PAIR_TOP, cut_lifts, top_share
 from mbolt.core.trace import DECODE, PREFILL, Trace
 from mbolt.data import GRANITE_TRACE, QWEN3_30B_PROFILE
-from mbolt.gguf.routing_like import OVERLAP_VS_HEAT
+from mbolt.synth.routing_like import OVERLAP_VS_HEAT
 from mbolt.layout.stats import profile_stats, routing_target, trace_stats
 
 # one layer, 4 experts, k=2, one sequence of 15 decode tokens

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import EXPERT_GAIN, needs_llama
 from mbolt.core.lru import ArrayLru, SlotLru
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 
 def test_array_lru_keeps_slot_lrus_rule():

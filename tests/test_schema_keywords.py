@@ -91,7 +91,7 @@ def byte_chat_model(tmp: Path) -> Path:
     from gguf import GGUFValueType
 
     from mbolt.core.header import encode_header_start, encode_kv, read_header
-    from mbolt.gguf.synth import write_synth
+    from mbolt.synth.synth import write_synth
 
     plain = tmp / "bytes.gguf"
     write_synth(plain, CHAT_MODEL)

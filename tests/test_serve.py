@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from conftest import EXPERT_GAIN, IN_CI, needs_llama
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 KEY = "test-key-123"

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import needs_llama
 from test_memlimit_llama import MODEL as MEMLIMIT_MODEL
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
 

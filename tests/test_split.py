@@ -15,7 +15,7 @@ from mbolt.cli import app
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.moe_map import moe_map
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 from mbolt.rewrite.outplan import SplitSpec
 from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify
@@ -375,7 +375,7 @@ def test_sidecar_is_one_unit_with_its_gguf(model, tmp_path):
 
 
 def test_expert_readers_on_a_set_read_the_files_bytes(model, tmp_path):
-    from mbolt.engine.source import MmapExpertSource
+    from mbolt.reference.source import MmapExpertSource
     from mbolt.runtime.store import ExpertStore
 
     src, shards = model
@@ -399,7 +399,7 @@ def test_expert_readers_on_a_set_read_the_files_bytes(model, tmp_path):
 
 
 def test_reference_engine_on_a_set_is_the_engine_on_the_file(model):
-    from mbolt.engine import load_model
+    from mbolt.reference import load_model
 
     src, shards = model
     ids = [3, 1, 4, 1, 5]

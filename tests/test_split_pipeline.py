@@ -17,7 +17,7 @@ from mbolt.core.errors import MboltError
 from mbolt.core.mbtrace import read_trace, write_trace
 from mbolt.core.plan import load_plan
 from mbolt.core.trace import merge_traces
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 
 runner = CliRunner()
 PROMPTS = [{"prompt": "the tin", "source": "dolly/qa"}, {"prompt": "def f(x):", "source": "code"},

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from mbolt.cli import app
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import moe_map
-from mbolt.gguf.synth import PRESETS, SYNTH_ARCHS, SynthConfig, synth_tensors, write_synth
+from mbolt.synth.synth import PRESETS, SYNTH_ARCHS, SynthConfig, synth_tensors, write_synth
 
 from conftest import needs_llama
 

@@ -15,7 +15,7 @@ from conftest import needs_llama
 
 from mbolt.core.header import read_header
 from mbolt.core.vocab import bytes_to_unicode
-from mbolt.engine.tokenizer import Tokenizer
+from mbolt.reference.tokenizer import Tokenizer
 
 pytestmark = needs_llama
 

@@ -11,11 +11,11 @@ from typer.testing import CliRunner
 from _engine_util import permuted_copy, random_perm
 from conftest import needs_llama
 from mbolt.cli import app
-from mbolt.engine import load_model
-from mbolt.engine.tokenizer import Tokenizer
+from mbolt.reference import load_model
+from mbolt.reference.tokenizer import Tokenizer
 from mbolt.core.errors import MboltError
 from mbolt.core.header import read_header
-from mbolt.gguf.synth import SynthConfig, write_synth
+from mbolt.synth.synth import SynthConfig, write_synth
 from mbolt.core.mbtrace import read_trace
 from mbolt.core.trace import DECODE, PREFILL
 from mbolt.core.prompts import read_prompts

@@ -12,8 +12,8 @@ from gguf import GGUFReader
 
 from conftest import needs_llama
 from mbolt.core.header import read_header
-from mbolt.gguf.config import tiny
-from mbolt.gguf.synth import SYNTH_ARCHS, SynthConfig, write_synth
+from mbolt.synth.config import tiny
+from mbolt.synth.synth import SYNTH_ARCHS, SynthConfig, write_synth
 from mbolt.rewrite.reorder import reorder
 from mbolt.rewrite.verify import verify
 

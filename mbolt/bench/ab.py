@@ -278,7 +278,7 @@ def _tokenize(model_path: str, texts: list[str], engine: str) -> list[list[int]]
         with LlamaRunner(model_path, vocab_only=True) as r:
             return [r.tokenize(t, add_special=True) for t in texts]
     from mbolt.core.header import read_header
-    from mbolt.engine.tokenizer import Tokenizer
+    from mbolt.reference.tokenizer import Tokenizer
 
     tok = Tokenizer.from_header(read_header(model_path))
     return [tok.encode(t)[:64] for t in texts]

@@ -19,7 +19,7 @@ from mbolt.bench.env import wait_quiet
 from mbolt.core.pagecache import evict_model
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.trace import Trace
-from mbolt.engine.generate import greedy_decode
+from mbolt.reference.generate import greedy_decode
 from mbolt.runtime.pages import ExpertPages
 from mbolt.runtime.store import ExpertStore
 
@@ -101,7 +101,7 @@ def run_replay_once(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
 
 def run_decode_once(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
     """Generate from the prompts with the reference engine reading experts through the store."""
-    from mbolt.engine import load_model
+    from mbolt.reference import load_model
 
     store = ExpertStore(arm.path, mm=mm, **arm.options())
     try:

@@ -90,7 +90,7 @@ def synth_cmd(
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from mbolt.gguf.synth import SynthConfig, synth_size, write_synth_info
+    from mbolt.synth.synth import SynthConfig, synth_size, write_synth_info
 
     given = dict(arch=arch, n_layers=layers, n_experts=experts, n_used=k, hidden=hidden, expert_ff=expert_ff,
                  n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, shared_ff=shared_ff,
@@ -187,8 +187,8 @@ def generate_cmd(
     if stream or cache_slots or ram or drop_every_token or pins or ctx_size:
         raise MboltError("--stream, --ram, --cache-slots, --drop-every-token, --pins and --ctx-size need --engine "
                          "llama.cpp")
-    from mbolt.engine import load_model
-    from mbolt.engine.generate import generate
+    from mbolt.reference import load_model
+    from mbolt.reference.generate import generate
 
     if route not in ("file", "map"):
         raise MboltError(f"--route {route!r}: choose file or map")

@@ -179,7 +179,7 @@ def is_profile(path: str | os.PathLike) -> bool:
 def routing_target(path: str | os.PathLike, fmt: str = "auto"):
     """What `synth --routing-like` plants, from a co-activation profile or from any trace (its
     heat, its pairs in the profile's cut, and its own consecutive overlap / heat overlap)."""
-    from mbolt.gguf.routing_like import OVERLAP_VS_HEAT, RoutingTarget
+    from mbolt.synth.routing_like import OVERLAP_VS_HEAT, RoutingTarget
     from mbolt.layout.profile import load_profile, strong_pairs
 
     path = Path(path)

@@ -19,7 +19,7 @@ import numpy as np
 from mbolt.core.routemap import read_route_map
 from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.core.vocab import byte_tokens
-from mbolt.engine.generate import greedy_decode
+from mbolt.reference.generate import greedy_decode
 
 LLAMA_ATOL = 1e-4
 LLAMA_RTOL = 1e-4
@@ -32,7 +32,7 @@ def _bits(x: np.ndarray) -> np.ndarray:
 def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, on_step=None) -> dict:
     """Reference engine on both files; see the module docstring. on_step() after every forward
     (len(prompts) * (n_tokens + 1) of them)."""
-    from mbolt.engine import load_model
+    from mbolt.reference import load_model
 
     prompts = prompts or BUILTIN_PROMPTS
     a, b = load_model(src, route="file"), load_model(out, route="file")

@@ -228,7 +228,7 @@ def verify(
             parity_progress(forwards, forwards_total)
 
     if parity:
-        from mbolt.engine import load_model
+        from mbolt.reference import load_model
         from mbolt.rewrite.parity import routing_parity
 
         t = time.perf_counter()

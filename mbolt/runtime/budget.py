@@ -27,6 +27,8 @@ from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
 from mbolt.runtime.memory import ContextMemory, largest_ctx, simulate
 
+LLAMA_EXTRA = 16 << 20  # llama.cpp's own structures, threads and work buffers beyond the process before the load
+
 BUDGET_MARGIN = 32 << 20  # bytes left free (or 5% of the budget): allocator slack, the Python heap's growth
 PREFETCH_SHARE = 0.5  # a pass that selects at least this share of a layer's experts reads the next layer ahead
 
@@ -73,7 +75,7 @@ class BudgetPlan:
     n_ubatch: int
     prefetch: bool  # a prompt pass reads the next layer while this one computes
     dense_bytes: int
-    engine_bytes: int
+    process_bytes: int
     memory: ContextMemory
     prefill_reserve: int  # one layer's pass (two with prefetch)
     step_reserve: int  # one layer of a decode step of n_seq sequences
@@ -82,7 +84,7 @@ class BudgetPlan:
 
     @property
     def fixed(self) -> int:
-        return self.dense_bytes + self.engine_bytes + self.memory.total + margin(self.budget)
+        return self.dense_bytes + self.process_bytes + self.memory.total + margin(self.budget)
 
     def decode_slots_lost(self, mm: MoeMap) -> int:
         """The decode cache slots per layer a decode step's part of the compute buffer takes."""
@@ -116,15 +118,25 @@ def decode_compute(path: str, n_ctx: int, rows: int, mem: ContextMemory, flash_a
     return min(2 * one + (64 << 10), mem.compute_bytes)
 
 
+def process_bytes_now() -> int:
+    """The budget's input for this process: its own memory before the load (runtime.arm.own_bytes)
+    and what llama.cpp will add beyond the weights, the KV cache and the compute buffer."""
+    from mbolt.runtime.arm import own_bytes
+
+    return own_bytes() + LLAMA_EXTRA
+
+
 def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int, dense_bytes: int,
-                engine_bytes: int, flash_attn: bool = True, f32_kv: bool = False, n_seq: int = 1) -> BudgetPlan:
+                process_bytes: int | None = None, flash_attn: bool = True, f32_kv: bool = False,
+                n_seq: int = 1) -> BudgetPlan:
     """The largest micro-batch up to `n_ubatch` that the budget holds with a k-slot cache: with the
     next layer read ahead when two layers' passes fit, else one. `n_seq` sequences of `n_ctx`
     tokens (a server's slots: their KV caches, and a decode step that reads up to n_seq x k experts
     of a layer). Refuses (one line, the largest context that would fit) when not even a one-token
-    pass fits."""
+    pass fits. `process_bytes`: this process's memory beyond those (default: process_bytes_now)."""
+    process_bytes = process_bytes_now() if process_bytes is None else process_bytes
     k_slots = mm.n_used * expert_bytes_all_layers(mm)
-    base = dense_bytes + engine_bytes + margin(budget) + k_slots
+    base = dense_bytes + process_bytes + margin(budget) + k_slots
 
     step = step_bytes(mm, n_seq)
     for ub in ubatch_candidates(min(n_ubatch, n_ctx)):
@@ -134,7 +146,7 @@ def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int
             if prefetch and one < PREFETCH_SHARE * layer_bytes(mm):
                 continue  # passes this small select too little of a layer to read the next one whole
             if base + mem.total + reserve <= budget:
-                return BudgetPlan(budget, mem.n_ctx, ub, prefetch, dense_bytes, engine_bytes, mem, reserve, step, n_seq,
+                return BudgetPlan(budget, mem.n_ctx, ub, prefetch, dense_bytes, process_bytes, mem, reserve, step, n_seq,
                                   decode_compute(path, n_ctx, min(ub, max(n_seq, 1)), mem, flash_attn, f32_kv, n_seq))
 
     def fits(n: int) -> bool:
@@ -148,7 +160,7 @@ def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int
     parts = (f"the dense weights ({dense_bytes / mib:.0f} MiB, kept resident), the KV cache of {slots} "
              f"({mem.kv_bytes / mib:.0f} MiB), llama.cpp's buffers ({(mem.compute_bytes + mem.output_bytes) / mib:.0f} "
              f"MiB), a cache of the {mm.n_used} experts of one step and their reads ({(k_slots + step_bytes(mm)) / mib:.0f} "
-             f"MiB), this process ({engine_bytes / mib:.0f} MiB) and a margin ({margin(budget) / mib:.0f} MiB)")
+             f"MiB), this process ({process_bytes / mib:.0f} MiB) and a margin ({margin(budget) / mib:.0f} MiB)")
     need = base + mem.total + step
     hint = (f"the largest context that fits is {best} tokens (-c {best}), or give a larger --ram" if best
             else "no context fits: give a larger --ram")
@@ -160,7 +172,7 @@ def expected_decode_slots(plan: BudgetPlan, mm: MoeMap) -> int:
     weights, this process, the KV cache, the output buffer, a decode step's part of the compute
     buffer (given back after a prompt) and one step's reads. An estimate before the load (q864 at
     40%: 35, 33, 29 for 1, 2, 4 sequences where the loaded runtime had 34, 32, 29)."""
-    used = (plan.dense_bytes + plan.engine_bytes + plan.memory.kv_bytes + plan.memory.output_bytes
+    used = (plan.dense_bytes + plan.process_bytes + plan.memory.kv_bytes + plan.memory.output_bytes
             + plan.decode_compute_bytes)
     return slots_for(mm, plan.budget, used, plan.step_reserve)
 

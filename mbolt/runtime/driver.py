@@ -1,7 +1,7 @@
 """The decode driver: a llama.cpp context with an arm in it (the streaming runtime, or plain
 llama.cpp), its sequences, and the steps every llama.cpp decode loop is made of. The loops are
 still three: `generate` below (`mbolt generate --engine llama.cpp`, `ab` and the benchmarks), the
-server's turn (serve/scheduler.py: `serve` and `chat`) and engine.generate.greedy_decode (`trace`
+server's turn (serve/scheduler.py: `serve` and `chat`) and reference.generate.greedy_decode (`trace`
 over `prompt`; llama.cpp parity over a bare runner).
 
 - `prompt(tokens, seq)`: a prompt (or a turn) on a sequence, in passes of n_ubatch; a sequence

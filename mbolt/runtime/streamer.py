@@ -52,7 +52,6 @@ from mbolt.runtime.runner import Phase
 from mbolt.runtime.store import ExpertStore
 
 PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinned, the rest LRU
-ENGINE_EXTRA = 16 << 20  # llama.cpp's own structures, threads and work buffers beyond the process before the load
 
 
 class StreamRuntime(Arm):
@@ -134,7 +133,7 @@ class StreamRuntime(Arm):
             if budget:
                 self.budget = Budget.planned(budget, self.mm, self.model_path, n_ctx=self.n_ctx,
                                              n_ubatch=self.n_ubatch, dense_bytes=self.pages.dense_bytes(),
-                                             engine_bytes=own_bytes() + ENGINE_EXTRA, flash_attn=self.flash_attn,
+                                             flash_attn=self.flash_attn,
                                              f32_kv=f32_kv, n_seq=n_seq)
                 self.n_ubatch = self.budget.plan.n_ubatch
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,

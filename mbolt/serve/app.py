@@ -84,12 +84,12 @@ class _Reply:
         return out + (self.tools.finish(cut=end.get("finish_reason") == "length") if self.tools else [])
 
 
-def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str = "model") -> Starlette:
+def create_app(scheduler: Scheduler, *, api_key: str | None = None, model_name: str = "model") -> Starlette:
     page = files("mbolt.serve").joinpath("page.html").read_text(encoding="utf-8")
     created = int(time.time())
-    metrics = Metrics(engine.stats)
+    metrics = Metrics(scheduler.stats)
     # the family's tool-call format, told by the chat template the scheduler renders
-    fmt = T.tool_format(engine.chat_template)
+    fmt = T.tool_format(scheduler.chat_template)
 
     async def body_of(request: Request) -> dict:
         raw = await request.body()
@@ -103,16 +103,16 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
 
     def prepare(r: O.Request, keep_stops: bool = True) -> Job:
         """The job of a validated chat request (not submitted): RequestError when it cannot run."""
-        tokens, template_stop = engine.prepare_chat(r.messages, tools=r.tools)
+        tokens, template_stop = scheduler.prepare_chat(r.messages, tools=r.tools)
         stop = (r.stop if keep_stops else []) + [s for s in template_stop if s not in r.stop]
-        n_new = engine.check_fits(tokens, r.max_tokens)
+        n_new = scheduler.check_fits(tokens, r.max_tokens)
         return Job(tokens, n_new, r.sampling, stop, None, grammar=O.grammar_of(r, fmt))
 
     def submit(job: Job) -> asyncio.Queue:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         job.on_event = lambda k, d: loop.call_soon_threadsafe(events.put_nowait, (k, d))
-        if not engine.submit(job):
+        if not scheduler.submit(job):
             raise _Busy
         return events
 
@@ -134,7 +134,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                     return
         finally:
             if not done:  # the client went away (or the response was cancelled): stop the work
-                engine.cancel(job)
+                scheduler.cancel(job)
 
     def reply_of(r: O.Request, stops: list[str] | None = None) -> _Reply:
         names = {t["function"]["name"] for t in r.tools or []}
@@ -149,7 +149,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                 if k == "text":
                     parts += reply.feed(d)
                     if reply.matched is not None:  # a stop sequence matched here: the rest is not wanted
-                        engine.cancel(job)
+                        scheduler.cancel(job)
                 elif k == "error":
                     return None, d, None
                 else:
@@ -159,7 +159,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
             pass
         return None, None, None
 
-    busy = f"the server is busy: {engine.max_queue} requests are waiting"
+    busy = f"the server is busy: {scheduler.max_queue} requests are waiting"
 
     # ---- OpenAI ----
 
@@ -171,8 +171,8 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                 job = prepare(r)
             else:
                 r = O.text_request(body)
-                tokens = engine.prepare_text(r.prompt)
-                job = Job(tokens, engine.check_fits(tokens, r.max_tokens), r.sampling, r.stop, None)
+                tokens = scheduler.prepare_text(r.prompt)
+                job = Job(tokens, scheduler.check_fits(tokens, r.max_tokens), r.sampling, r.stop, None)
             events = submit(job)
         except RequestError as e:
             return error(400, str(e), param=e.param, code=e.code)
@@ -225,7 +225,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                     yield O.sse({"error": {"message": d, "type": "server_error", "param": None, "code": None}})
             yield b"data: [DONE]\n\n"
         finally:  # closed while it waits to send (the client left): the work stops (a no-op once ended)
-            engine.cancel(job)
+            scheduler.cancel(job)
 
     async def chat(request: Request):
         return await openai_run(request, "chat")
@@ -277,7 +277,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                 if k == "text":
                     b = out(reply.feed(d))
                     if reply.matched is not None:
-                        engine.cancel(job)
+                        scheduler.cancel(job)
                     if b:
                         yield b
                 elif k == "end":
@@ -285,12 +285,12 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
                 else:
                     yield A.event("error", {"error": {"type": "api_error", "message": d}})
         finally:
-            engine.cancel(job)
+            scheduler.cancel(job)
 
     async def count_tokens(request: Request):
         try:
             r = A.message_request(await body_of(request), count_only=True)
-            tokens, _ = engine.prepare_chat(r.messages, tools=r.tools)
+            tokens, _ = scheduler.prepare_chat(r.messages, tools=r.tools)
         except RequestError as e:
             return anthropic_error(400, str(e))
         return JSONResponse({"input_tokens": len(tokens)})
@@ -305,7 +305,7 @@ def create_app(engine: Scheduler, *, api_key: str | None = None, model_name: str
         return JSONResponse({"status": "ok"})
 
     async def stats(request: Request):
-        return JSONResponse(engine.stats())
+        return JSONResponse(scheduler.stats())
 
     async def metrics_text(request: Request):
         return Response(metrics.text(), media_type=CONTENT_TYPE)

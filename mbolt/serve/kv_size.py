@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from mbolt.gguf.config import PRESETS, SynthConfig
+from mbolt.synth.config import PRESETS, SynthConfig
 
 CELL_META = 12  # per cell: llama_pos, n_seq_id, one llama_seq_id
 

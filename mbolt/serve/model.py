@@ -53,7 +53,6 @@ def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None
     from mbolt.core.moe_map import moe_map
     from mbolt.runtime.budget import expected_decode_slots, plan_budget
     from mbolt.runtime.pages import ExpertPages
-    from mbolt.runtime.streamer import ENGINE_EXTRA, own_bytes
 
     mm = mm or moe_map(model_path)
     pages = ExpertPages(model_path, mm)
@@ -64,7 +63,7 @@ def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None
     for n in range(MAX_AUTO_PARALLEL, 1, -1):
         try:
             plan = plan_budget(model_path, mm, budget, n_ctx=n_ctx, n_ubatch=n_ubatch, dense_bytes=dense,
-                               engine_bytes=own_bytes() + ENGINE_EXTRA, n_seq=n)
+                               n_seq=n)
         except MboltError:
             continue
         if (plan.memory.kv_bytes * KV_SHARE <= budget

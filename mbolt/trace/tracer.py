@@ -25,7 +25,7 @@ from mbolt.core.moe_map import moe_map
 from mbolt.core.mbtrace import TraceWriter
 from mbolt.core.prompts import Prompt, read_prompts
 from mbolt.core.trace import DECODE, PREFILL
-from mbolt.engine.generate import greedy_decode
+from mbolt.reference.generate import greedy_decode
 
 ENGINES = ("reference", "llama.cpp")
 
@@ -34,8 +34,8 @@ class _Reference:
     weights = True
 
     def __init__(self, path, route, threads):
-        from mbolt.engine import load_model
-        from mbolt.engine.tokenizer import Tokenizer
+        from mbolt.reference import load_model
+        from mbolt.reference.tokenizer import Tokenizer
 
         self.m = load_model(path, route=route)
         self.tok = Tokenizer.from_header(self.m.header)

@@ -8,7 +8,7 @@ requires. The routing is planted (gguf/routing.py) or fitted to a real model's p
 gguf/config.py and gguf/mixes.py. This module lays out the tensors and writes the file.
 
 Vocabulary: "gpt2" with GPT-2's pre-tokenizer; ids 0..255 are the bytes, then one token per merge of
-gguf.vocabulary.BYTE_MERGES, then <|bos|> and <|eos|> (not added). Token topics and expert groups
+synth.vocabulary.BYTE_MERGES, then <|bos|> and <|eos|> (not added). Token topics and expert groups
 are recorded (`mbolt.synth.token_topic`; `mbolt.synth.groups`: int32 [n_layers*E], -1 dense).
 
 Expert weights: real mode: Gaussian weights (std gain/sqrt(fan_in)) quantized with `gguf.quants.quantize`.
@@ -41,15 +41,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from mbolt.core.atomic import atomic_output
 from mbolt.core.errors import warn
 from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
-from mbolt.gguf.blocks import Pools, coprime_stride, encode
-from mbolt.gguf.config import (  # noqa: F401  (re-exported: the public names of synth)
+from mbolt.synth.blocks import Pools, coprime_stride, encode
+from mbolt.synth.config import (  # noqa: F401  (re-exported: the public names of synth)
     DENSE_TYPES, EXPERT_TYPES, FILE_TYPE, FUSED_GATE_UP_ARCHS, GGUF_ARCH, K_I_TYPES, PRESETS,
     SHARED_BY_COUNT, SHARED_GATED, SYNTH_ARCHS, SynthConfig,
 )
-from mbolt.gguf.mixes import computed_type, dense_type
-from mbolt.gguf.routing import PlantedRouting, rng_for
-from mbolt.gguf.routing_like import RoutingLike
-from mbolt.gguf.vocabulary import borrowed_vocabulary, vocabulary
+from mbolt.synth.mixes import computed_type, dense_type
+from mbolt.synth.routing import PlantedRouting, rng_for
+from mbolt.synth.routing_like import RoutingLike
+from mbolt.synth.vocabulary import borrowed_vocabulary, vocabulary
 
 ATTN_OUT_GAIN = 1.0  # attention output scale: larger = more context-dependent routing, weaker groups
 GAIN = 0.5  # weight std = GAIN / sqrt(fan_in); output projections also / sqrt(n_layers)

@@ -1,7 +1,7 @@
 """Mixtral = llama.cpp `llama` with expert tensors: normal (adjacent-pair) RoPE, optional
 attention biases, softmax router with top-k weights renormalised to sum to 1."""
 
-from mbolt.engine.model import Model
+from mbolt.reference.model import Model
 
 
 class Mixtral(Model):

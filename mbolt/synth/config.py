@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from mbolt.core.errors import MboltError
-from mbolt.gguf.mixes import MIXES, mix_type
+from mbolt.synth.mixes import MIXES, mix_type
 
 SYNTH_ARCHS = {
     "qwen3moe": "Qwen3-MoE: GQA attention with per-head q/k RMSNorm, softmax top-k router",
@@ -271,7 +271,7 @@ class SynthConfig:
         if self.context < 0:
             bad(f"context must be >= 0, got {self.context}")
         if self.routing_like is not None:
-            from mbolt.gguf.routing_like import check
+            from mbolt.synth.routing_like import check
 
             check(self)
         if self.context and self.arch not in ("qwen3moe", "olmoe", "mixtral", "qwen2moe"):

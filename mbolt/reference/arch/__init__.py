@@ -1,4 +1,4 @@
-"""One module per architecture family; each is a small subclass of engine.model.Model.
+"""One module per architecture family; each is a small subclass of reference.model.Model.
 `load_model` opens a file as the class of its `general.architecture`."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.moe_map import MoeMap, moe_map
 
-from mbolt.engine.arch.glm4moe import Glm4MoE
-from mbolt.engine.arch.mixtral import Mixtral
-from mbolt.engine.arch.olmoe import OLMoE
-from mbolt.engine.arch.qwen2moe import Qwen2MoE
-from mbolt.engine.arch.qwen3moe import Qwen3MoE
-from mbolt.engine.model import HParams, Model
+from mbolt.reference.arch.glm4moe import Glm4MoE
+from mbolt.reference.arch.mixtral import Mixtral
+from mbolt.reference.arch.olmoe import OLMoE
+from mbolt.reference.arch.qwen2moe import Qwen2MoE
+from mbolt.reference.arch.qwen3moe import Qwen3MoE
+from mbolt.reference.model import HParams, Model
 
 # general.architecture -> model class ("llama" with expert tensors is how Mixtral ships)
 ARCHS = {

@@ -3,8 +3,8 @@ top-k weights, plus a shared SwiGLU expert scaled by sigmoid(ffn_gate_inp_shexp 
 
 import numpy as np
 
-from mbolt.engine.blocks import silu
-from mbolt.engine.model import Model
+from mbolt.reference.blocks import silu
+from mbolt.reference.model import Model
 
 
 class Qwen2MoE(Model):

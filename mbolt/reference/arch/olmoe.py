@@ -1,7 +1,7 @@
 """OLMoE (llama.cpp `olmoe`): RMSNorm over the whole Q and K projections (not per head), NeoX
 RoPE, softmax router with un-normalised top-k weights, SwiGLU experts."""
 
-from mbolt.engine.model import Model
+from mbolt.reference.model import Model
 
 
 class OLMoE(Model):

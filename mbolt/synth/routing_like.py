@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mbolt.core.errors import MboltError
-from mbolt.gguf.routing import PROBS_BIAS_STD, rng_for
-from mbolt.gguf.routing_fit import (KERNEL, MIN_WINDOW_PAIRS, THETA_MIN, WINDOW_KERNEL, ModelFit, fit_model,
+from mbolt.synth.routing import PROBS_BIAS_STD, rng_for
+from mbolt.synth.routing_fit import (KERNEL, MIN_WINDOW_PAIRS, THETA_MIN, WINDOW_KERNEL, ModelFit, fit_model,
                                     make_heads, window_pairs)
-from mbolt.gguf.routing_reuse import ReuseTarget, load_reuse
+from mbolt.synth.routing_reuse import ReuseTarget, load_reuse
 
 TOKEN_B, TOKEN_L = 0.3, 0.8  # shares of a token embedding along m and in the latent space
 LATENT_MAX = 512

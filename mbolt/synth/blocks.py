@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from mbolt.gguf.routing import rng_for
+from mbolt.synth.routing import rng_for
 
 POOL_BYTES = 8 << 20  # random-block pool per type (fast_random)
 

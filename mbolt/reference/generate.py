@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 
-from mbolt.engine.arch import load_model
-from mbolt.engine.model import Model
-from mbolt.engine.tokenizer import Tokenizer
+from mbolt.reference.arch import load_model
+from mbolt.reference.model import Model
+from mbolt.reference.tokenizer import Tokenizer
 from mbolt.core.errors import MboltError
 
 

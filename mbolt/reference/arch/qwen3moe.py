@@ -1,7 +1,7 @@
 """Qwen3-MoE (llama.cpp `qwen3moe`): per-head QK RMSNorm before NeoX RoPE, softmax router,
 top-k weights renormalised to sum to 1, SwiGLU experts, no shared expert."""
 
-from mbolt.engine.model import Model
+from mbolt.reference.model import Model
 
 
 class Qwen3MoE(Model):

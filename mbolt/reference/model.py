@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from mbolt.engine.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, sigmoid, silu, softmax
-from mbolt.engine.quant import check_supported, dequantize, q8_1_correction, round_activations
-from mbolt.engine.source import MmapExpertSource
+from mbolt.reference.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, sigmoid, silu, softmax
+from mbolt.reference.quant import check_supported, dequantize, q8_1_correction, round_activations
+from mbolt.reference.source import MmapExpertSource
 from mbolt.core.routemap import RouteMap
 from mbolt.core.checks import MAX_LAYERS, check_range
 from mbolt.core.errors import MboltError

@@ -9,7 +9,7 @@ defaults), normalisation from `glm4moe.expert_weights_norm` (false when absent).
 
 import numpy as np
 
-from mbolt.engine.model import Model
+from mbolt.reference.model import Model
 
 
 class Glm4MoE(Model):

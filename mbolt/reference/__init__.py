@@ -1,6 +1,6 @@
 """Reference engine: numpy MoE forward pass with llama.cpp parity (see engine/model.py)."""
 
-from mbolt.engine.arch import load_model
-from mbolt.engine.model import Model, Routing
+from mbolt.reference.arch import load_model
+from mbolt.reference.model import Model, Routing
 
 __all__ = ["Model", "Routing", "load_model"]

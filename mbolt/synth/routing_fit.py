@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mbolt.core.routing_stats import cut_lifts, cut_summary, set_counts
-from mbolt.gguf.routing_reuse import (ReuseTarget, consecutive_overlap, mean_reuse, reuse_error, reuse_stats,
+from mbolt.synth.routing_reuse import (ReuseTarget, consecutive_overlap, mean_reuse, reuse_error, reuse_stats,
                                       window_starts)
 
 CALIB_PROMPTS = 100  # the first lines of mbolt/data/prompts.jsonl calibrate; the rest stay unseen
