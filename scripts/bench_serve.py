@@ -86,12 +86,12 @@ class Served:
     """A server process (in a group, or not) and its client."""
 
     def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8, ubatch: int = 0,
-                 parallel: int = 1):
+                 parallel: int = 1, ctx: int = 4096, extra: tuple[str, ...] = ()):
         self.model = model
         self.port = _port()
-        argv = [sys.executable, "-m", "mbolt", "serve", str(model), "--port", str(self.port), "-c", "4096",
+        argv = [sys.executable, "-m", "mbolt", "serve", str(model), "--port", str(self.port), "-c", str(ctx),
                 "--queue", str(queue), "-np", str(parallel)] + (["--plain"] if plain else []) \
-            + (["-ub", str(ubatch)] if ubatch else [])
+            + (["-ub", str(ubatch)] if ubatch else []) + list(extra)
         kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.proc = group.popen(argv, **kw) if group is not None else subprocess.Popen(argv, **kw)
         self.err: list[str] = []
