@@ -18,7 +18,6 @@ from memory already read: what a miss costs on the CPU beyond its read.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import subprocess
 import sys
@@ -53,13 +52,11 @@ def _expert_costs(km, stock: str) -> dict:
     llama.cpp's repack of the stock bytes through ggml_backend_tensor_set."""
     from gguf import GGUFReader
 
-    from mbolt.runtime.binding import GgmlTensor, ggml_library
+    from mbolt.bench.warm_loop import repack_expert
 
     name = next(n for n in km.places if n.endswith("ffn_gate_exps.weight") and n.startswith("blk.0."))
     if name not in km.kernel.layouts:
         return {}
-    base = ggml_library()
-    base.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
     p = km.places[name]
     n_exp = next(t.ne[2] for t in km.kernel.header.tensors if t.name == name)
     slice_bytes = p.nbytes // n_exp
@@ -69,20 +66,14 @@ def _expert_costs(km, stock: str) -> dict:
     from mbolt.runtime.kernel_load import find_weights
 
     t_ptr = find_weights(km.L, km.model, {name})[name]
-    view = ctypes.create_string_buffer(512)
     reads, repacks = [], []
     for e in range(n_exp):
         km.fill(name, e * slice_bytes, slice_bytes)  # warm the page cache: time the copy alone
         ta = time.perf_counter()
         km.fill(name, e * slice_bytes, slice_bytes)
         reads.append(time.perf_counter() - ta)
-        ctypes.memmove(view, t_ptr, 400)  # the tensor with its repack traits, narrowed to one expert
-        v = GgmlTensor.from_buffer(view)
-        v.ne[2], v.nb[3], v.data = 1, slice_bytes, p.addr + e * slice_bytes
         src = np.array(raw[info[name] + e * slice_bytes: info[name] + (e + 1) * slice_bytes])
-        ta = time.perf_counter()
-        base.ggml_backend_tensor_set(ctypes.addressof(view), src.ctypes.data, 0, slice_bytes)
-        repacks.append(time.perf_counter() - ta)
+        repacks.append(repack_expert(t_ptr, p.addr + e * slice_bytes, slice_bytes, src))
     km.fill(name)  # the kernel file's bytes again (the repack wrote the same ones)
     return {"expert_bytes": slice_bytes, "read_into_rows_us": float(np.median(reads) * 1e6),
             "repack_us": float(np.median(repacks) * 1e6), "experts": int(n_exp)}

@@ -56,8 +56,6 @@ def run(path: str, mode: str) -> dict:
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    base = ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml-base.so"))
-    base.ggml_backend_tensor_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
 
     @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)
     def drop_as_loaded(progress, user):
@@ -96,21 +94,17 @@ def run(path: str, mode: str) -> dict:
     if mode == "filled":
         info = {t.name: int(t.data_offset) for t in GGUFReader(path).tensors}
         raw = np.memmap(path, dtype=np.uint8, mode="r")
-        view = ctypes.create_string_buffer(512)
+        from mbolt.bench.warm_loop import repack_expert
+
         t0 = time.perf_counter()
         for name, ptr in experts.items():
             g = GgmlTensor.from_address(ptr)
             e_bytes = int(g.nb[2])
             for e in range(int(g.ne[2])):
-                ctypes.memmove(view, ptr, 400)  # the whole ggml_tensor (with extra: the repack traits)
-                v = GgmlTensor.from_buffer(view)
-                v.ne[2], v.nb[3], v.data = 1, e_bytes, g.data + e * e_bytes
                 # the expert's bytes land in memory first (as a runtime's read would), then only
                 # the repack is timed
                 src = np.array(raw[info[name] + e * e_bytes: info[name] + (e + 1) * e_bytes])
-                ta = time.perf_counter()
-                base.ggml_backend_tensor_set(ctypes.addressof(view), src.ctypes.data, 0, e_bytes)
-                repack.append(time.perf_counter() - ta)
+                repack.append(repack_expert(ptr, g.data + e * e_bytes, e_bytes, src))
                 n += 1
         fill_s = time.perf_counter() - t0
     from mbolt.bench.warm_loop import prompt_then_steps
