@@ -381,6 +381,8 @@ CASES = [
     ("repack-restore-with-isa", lambda w: (["repack", "--restore", str(w / M), str(w / "o.gguf"), "--isa", "avx2"],
                                            "--isa")),
     ("repack-restore-damaged", _damaged_kernel),
+    ("repack-output-inspected", lambda w: (_two_runs(w, ["repack", str(w / M), str(w / "k.gguf"), "--isa", "avx2"])
+                                           and ["inspect", str(w / "k.gguf")], "mbolt repack --restore")),
 ]
 
 

@@ -214,6 +214,11 @@ def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
     arch = header.get("general.architecture")
     if not isinstance(arch, str):
         raise MboltError(f"{path}: no general.architecture in the metadata")
+    from mbolt.core.kernel_file import KERNEL_ARCH
+
+    if arch == KERNEL_ARCH:  # its weights are laid out for llama.cpp's kernels, not for reading as stock
+        raise MboltError(f"{path}: a kernel-layout file ({header.get('mbolt.kernel.build')}, written by mbolt "
+                         f"repack): `mbolt repack --restore` gives the stock file back for this command")
     n_experts = header.get_int(f"{arch}.expert_count")
     n_used = header.get_int(f"{arch}.expert_used_count")
     n_layers = n_layers_of(header)
