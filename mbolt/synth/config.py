@@ -47,6 +47,7 @@ PRESETS: dict[str, dict] = {
     "qwen3-30b-a3b": dict(  # Qwen/Qwen3-30B-A3B
         arch="qwen3moe", n_layers=48, n_experts=128, n_used=8, hidden=2048, expert_ff=768,
         n_heads=32, n_kv_heads=4, head_dim=128, dense_ff=6144, rope_base=1e6, expert_type="Q4_0",
+        context_length=40960,  # its max_position_embeddings: an agent's 8-20k-token prefix fits
         note="Qwen3-30B-A3B tensor shapes",
     ),
     "qwen3-next-80b-a3b": dict(  # Qwen/Qwen3-Next-80B-A3B-Instruct
