@@ -318,3 +318,17 @@ def _resident(places) -> int:
             assert libc.mincore(ctypes.c_void_p(a), b - a, vec) == 0
             total += int((np.frombuffer(vec, np.uint8) & 1).sum()) * page
     return total
+
+
+def test_a_source_with_bytes_in_its_padding_is_refused(files, tmp_path):
+    """A restore writes zeros between the header and the data: a source with anything else there
+    could not be given back bit for bit, so it is refused and nothing is written."""
+    src = read_header(files["q4_0"])
+    assert src.data_offset > src.header_size  # the padding this test writes into
+    raw = bytearray(open(files["q4_0"], "rb").read())
+    raw[src.header_size] = 1
+    bad = tmp_path / "padded.gguf"
+    bad.write_bytes(bytes(raw))
+    with pytest.raises(MboltError, match=f"non-zero bytes between tensors \\(at byte {src.header_size}\\)"):
+        write_kernel(bad, tmp_path / "k.gguf", AVX2)
+    assert not (tmp_path / "k.gguf").exists()

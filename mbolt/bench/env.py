@@ -121,9 +121,9 @@ def check_build(kind: str, system_info: str | None = None, cpu_flags: set[str] |
     if cpu_flags is None:
         with open("/proc/cpuinfo") as f:
             cpu_flags = set(next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), []))
-    import re
+    from mbolt.core.repack import features_on
 
-    on = {k for k, v in re.findall(r"([A-Z0-9_]+) = (\d+)", system_info) if v != "0"}
+    on = features_on(system_info)
     have = {name for flag, name in _ISA.items() if flag in cpu_flags}
     if kind == "native" and have - on:
         raise MboltError(f"llama.cpp is built without {', '.join(sorted(have - on))}, which this CPU has: the run "

@@ -428,23 +428,22 @@ def repack_cmd(
     has proven the round trip."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
-    from mbolt.core.header import read_header
     from mbolt.core.repack import build_named, this_build
     from mbolt.report.tables import human_bytes
     from mbolt.rewrite.kernel import restore_stock, write_kernel
 
     if restore and isa:
         raise MboltError("--isa names the build to repack for; --restore takes none")
-    size = read_header(src).file_size
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=err_console, transient=True) as bar:
         task = None
 
         def on_progress(d, t):  # the first call comes once every check has passed
             nonlocal task
-            if task is None:  # the output's size before anything is written (a second copy on the disk)
-                what = "restoring" if restore else "hashing the source, then writing"
-                task = bar.add_task(f"{what} {dst.name} ({human_bytes(size)}; the source stays)", total=t)
+            if task is None:  # about the output's size, before it is written (a second copy on the disk)
+                what = "restoring" if restore else "writing"
+                size = human_bytes(src.stat().st_size)
+                task = bar.add_task(f"{what} {dst.name} ({size}; the source stays)", total=t)
             bar.update(task, completed=d, total=t)
 
         if restore:

@@ -99,14 +99,21 @@ def check_build(k: KernelFile, build: Build) -> None:
                 f"or get the stock file back with `mbolt repack --restore`")
 
 
+def copied_kvs(h: GGUFHeader, head: bytes, architecture: str, drop=()) -> list[bytes]:
+    """`h`'s metadata pairs as its file holds them (`head`: its header bytes), with
+    `general.architecture` set to `architecture` and none of the mbolt.kernel records nor the keys
+    in `drop`: what both headers of the kernel layout keep of their source."""
+    return [encode_kv(kv.key, V.STRING, architecture) if kv.key == "general.architecture"
+            else head[kv.span[0]:kv.span[1]] for kv in h.kv.values()
+            if not kv.key.startswith(P) and kv.key not in drop]
+
+
 def llama_header(k: KernelFile) -> bytes:
     """The header llama.cpp loads a kernel-layout file with: its own keys and tensor infos (the
     same offsets), the real architecture, none of the mbolt.kernel records. Its data section is
     the kernel-layout file's, byte for byte."""
     h = k.header
     with open(h.path, "rb") as f:
-        head = f.read(h.header_size)
-    kvs = [encode_kv(kv.key, V.STRING, k.architecture) if kv.key == "general.architecture"
-           else head[kv.span[0]:kv.span[1]] for kv in h.kv.values() if not kv.key.startswith(P)]
+        kvs = copied_kvs(h, f.read(h.header_size), k.architecture)
     return encode_header_start(len(h.tensors), len(kvs), h.version) + b"".join(kvs) + b"".join(
         encode_tensor_info(t.name, t.ne, t.type, t.offset) for t in h.tensors)

@@ -146,9 +146,14 @@ class Build:
         return None
 
 
+def features_on(system_info: str) -> set[str]:
+    """The features llama.cpp's `llama_print_system_info()` says are on ("AVX2 = 1 | AVX512 = 0")."""
+    return {k for k, v in re.findall(r"([A-Z0-9_]+) = (\d+)", system_info) if v != "0"}
+
+
 def build_of(system_info: str) -> Build:
     """A Build from llama.cpp's `llama_print_system_info()` ("AVX2 = 1 | AVX512 = 1 | REPACK = 1")."""
-    on = {k for k, v in re.findall(r"([A-Z0-9_]+) = (\d+)", system_info) if v != "0"}
+    on = features_on(system_info)
     if "REPACK" not in on:
         return Build(frozenset())  # built without GGML_CPU_REPACK: nothing is repacked
     return Build(frozenset(on))

@@ -32,7 +32,7 @@ from mbolt.core.atomic import atomic_output, check_output
 from mbolt.core.errors import MboltError
 from mbolt.core.header import GGUFHeader, TensorInfo, encode_header_start, encode_kv, encode_tensor_info, \
     read_header
-from mbolt.core.kernel_file import KERNEL_ARCH, P, VERSION, KernelFile, is_kernel_file, read_kernel
+from mbolt.core.kernel_file import KERNEL_ARCH, P, VERSION, KernelFile, copied_kvs, is_kernel_file, read_kernel
 from mbolt.core.repack import Build, RepackType, layout_of, repack, unrepack
 
 ALIGN = 4096
@@ -60,55 +60,33 @@ class KernelResult:
 # ---- writing ----
 
 
-def _kvs(src: GGUFHeader, buf, build: Build, layouts: dict[str, RepackType], sha: str) -> list[bytes]:
-    out = []
-    for kv in src.kv.values():
-        if kv.key == "general.architecture":
-            out.append(encode_kv(kv.key, V.STRING, KERNEL_ARCH))
-        elif kv.key != "general.alignment" and not kv.key.startswith(P):
-            out.append(bytes(buf[kv.span[0]:kv.span[1]]))  # verbatim, as the rewriter copies keys
+def _kvs(src: GGUFHeader, head: bytes, build: Build, layouts: dict[str, RepackType], sha: str) -> list[bytes]:
     names = list(layouts)
-    out += [encode_kv("general.alignment", V.UINT32, ALIGN),
-            encode_kv(P + "version", V.UINT32, VERSION),
-            encode_kv(P + "architecture", V.STRING, str(src.get("general.architecture"))),
-            encode_kv(P + "build", V.STRING, build.name),
-            encode_kv(P + "tensors", V.ARRAY, names, V.STRING),
-            encode_kv(P + "layouts", V.ARRAY, [layouts[n].name for n in names], V.STRING),
-            encode_kv(P + "source.header", V.ARRAY, np.frombuffer(bytes(buf[:src.header_size]), np.uint8), V.UINT8),
-            encode_kv(P + "source.size", V.UINT64, src.file_size),
-            encode_kv(P + "source.sha256", V.STRING, sha)]
-    return out
+    return copied_kvs(src, head, KERNEL_ARCH, drop=("general.alignment",)) + [
+        encode_kv("general.alignment", V.UINT32, ALIGN),
+        encode_kv(P + "version", V.UINT32, VERSION),
+        encode_kv(P + "architecture", V.STRING, str(src.get("general.architecture"))),
+        encode_kv(P + "build", V.STRING, build.name),
+        encode_kv(P + "tensors", V.ARRAY, names, V.STRING),
+        encode_kv(P + "layouts", V.ARRAY, [layouts[n].name for n in names], V.STRING),
+        encode_kv(P + "source.header", V.ARRAY, np.frombuffer(head, np.uint8), V.UINT8),
+        encode_kv(P + "source.size", V.UINT64, src.file_size),
+        encode_kv(P + "source.sha256", V.STRING, sha)]
 
 
 def _in_file_order(h: GGUFHeader) -> list[TensorInfo]:
     return sorted(h.tensors, key=lambda t: t.data_offset)
 
 
-def _source_sha256(src: GGUFHeader, fd: int, progress: Progress | None) -> str:
-    """SHA-256 of the whole source, with its padding checked: a restore writes zeros there."""
-    sha = hashlib.sha256()
-    pos, done = 0, 0
-    for t in _in_file_order(src) + [None]:
-        start = src.file_size if t is None else t.data_offset
-        gap = os.pread(fd, start - pos, pos) if start > pos else b""
-        if pos >= src.header_size and gap.strip(b"\0"):
-            raise MboltError(f"{src.path}: non-zero bytes between tensors (at byte {pos}): a restore could not "
-                             f"give this file back bit for bit")
-        if pos < src.header_size:  # the header, then its padding
-            pad = gap[src.header_size - pos:]
-            if pad.strip(b"\0"):
-                raise MboltError(f"{src.path}: non-zero padding after the header")
-        sha.update(gap)
-        if t is None:
-            break
-        for off in range(0, t.nbytes, CHUNK):
-            b = os.pread(fd, min(CHUNK, t.nbytes - off), t.data_offset + off)
-            sha.update(b)
-            done += len(b)
-            if progress:
-                progress(done, 2 * sum(x.nbytes for x in src.tensors))
-        pos = t.data_offset + t.nbytes
-    return sha.hexdigest()
+def _gap(src: GGUFHeader, fd: int, pos: int, end: int) -> bytes:
+    """The source's bytes in [pos, end) between two tensors (or after the header), which must be
+    zeros: a restore writes zeros there."""
+    gap = os.pread(fd, end - pos, pos) if end > pos else b""
+    padding = gap[max(0, src.header_size - pos):]  # the header itself is not padding
+    if padding.strip(b"\0"):
+        raise MboltError(f"{src.path}: non-zero bytes between tensors (at byte {max(pos, src.header_size)}): a "
+                         f"restore could not give this file back bit for bit")
+    return gap
 
 
 def _row_chunk(t: TensorInfo, lay: RepackType | None) -> int:
@@ -121,8 +99,9 @@ def _row_chunk(t: TensorInfo, lay: RepackType | None) -> int:
 
 def write_kernel(src: str | os.PathLike, dst: str | os.PathLike, build: Build, *, force: bool = False,
                  progress: Progress | None = None) -> KernelResult:
-    """Write `dst`, the kernel layout of `src` for `build`. `src` is read twice: once for its
-    SHA-256 (recorded, so that a restore proves itself), once to write."""
+    """Write `dst`, the kernel layout of `src` for `build`, in one pass over the source: its
+    SHA-256 (recorded, so that a restore proves itself) is taken as it is read, and the header,
+    whose length does not depend on the hash, is written last."""
     src, dst = Path(src), Path(dst)
     h = read_header(src)
     if h.get("split.count") is not None and h.get_int("split.count") > 1:
@@ -141,40 +120,46 @@ def write_kernel(src: str | os.PathLike, dst: str | os.PathLike, build: Build, *
         elif t.name.endswith(".weight") and len(t.ne) >= 2 and t.type.name not in ("F32", "F16", "BF16"):
             res.kept[t.type.name] = res.kept.get(t.type.name, 0) + 1
             res.kept_names.append(t.name)
+    order = _in_file_order(h)
+    offsets, pos = {}, 0
+    for t in order:
+        pos = -(-pos // ALIGN) * ALIGN
+        offsets[t.name] = pos
+        pos += t.nbytes
+
+    def header(sha: str) -> bytes:
+        kvs = _kvs(h, head, build, layouts, sha)
+        return encode_header_start(len(h.tensors), len(kvs), h.version) + b"".join(kvs) + b"".join(
+            encode_tensor_info(t.name, t.ne, t.type, offsets[t.name]) for t in h.tensors)
+
     fd = os.open(src, os.O_RDONLY)
     try:
-        with open(src, "rb") as f:
-            head = f.read(h.header_size)
-        sha = _source_sha256(h, fd, progress)
-        kvs = _kvs(h, head, build, layouts, sha)
-        order = _in_file_order(h)
-        offsets, pos = {}, 0
-        for t in order:
-            pos = -(-pos // ALIGN) * ALIGN
-            offsets[t.name] = pos
-            pos += t.nbytes
-        header = encode_header_start(len(h.tensors), len(kvs), h.version) + b"".join(kvs) + b"".join(
-            encode_tensor_info(t.name, t.ne, t.type, offsets[t.name]) for t in h.tensors)
-        data_start = -(-len(header) // ALIGN) * ALIGN
-        done = sum(t.nbytes for t in h.tensors)  # the hash pass was the first half
-        total = 2 * done
+        head = os.pread(fd, h.header_size, 0)
+        data_start = -(-len(header("0" * 64)) // ALIGN) * ALIGN
+        sha, pos, done, total = hashlib.sha256(), 0, 0, sum(t.nbytes for t in h.tensors)
         with atomic_output(dst, force=True) as out:
-            out.write(header + bytes(data_start - len(header)))
             for t in order:
+                sha.update(_gap(h, fd, pos, t.data_offset))
                 lay = layouts.get(t.name)
                 out.seek(data_start + offsets[t.name])
                 step = _row_chunk(t, lay)
                 for off in range(0, t.nbytes, step):
                     b = os.pread(fd, min(step, t.nbytes - off), t.data_offset + off)
+                    sha.update(b)
                     out.write(repack(np.frombuffer(b, np.uint8), lay, t.ne[0]).tobytes() if lay else b)
                     done += len(b)
                     if progress:
                         progress(done, total)
+                pos = t.data_offset + t.nbytes
+            sha.update(_gap(h, fd, pos, h.file_size))
             out.truncate(out.tell())
             res.size = out.tell()
+            res.sha256 = sha.hexdigest()
+            out.seek(0)
+            first = header(res.sha256)  # a hex SHA-256 is 64 characters: the length reserved above
+            out.write(first + bytes(data_start - len(first)))
     finally:
         os.close(fd)
-    res.sha256 = sha
     return res
 
 

@@ -32,14 +32,12 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.kernel_file import KernelFile, check_build, llama_header, read_kernel
+from mbolt.core.pagecache import libc
 from mbolt.core.repack import Build, build_of
 from mbolt.runtime.binding import GgmlTensor, captured_log, lib, set_fields
 
 MADV_DONTNEED = 4
 PAGE = mmap.PAGESIZE
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
 M_MMAP_THRESHOLD = -3  # mallopt: allocations from this size up get maps of their own
 
 
@@ -78,7 +76,7 @@ def _untouched_runs(spans: list[tuple[int, int]], least: int) -> list[tuple[int,
     for a, b in spans:
         n = (b - a) // PAGE
         vec = (ctypes.c_ubyte * n)()
-        if n < least // PAGE or _libc.mincore(ctypes.c_void_p(a), b - a, vec) != 0:
+        if n < least // PAGE or libc().mincore(ctypes.c_void_p(a), b - a, vec) != 0:
             continue
         res = np.frombuffer(vec, np.uint8) & 1
         edges = np.flatnonzero(np.diff(np.concatenate([[1], res, [1]])))  # starts and ends of zero runs
@@ -96,14 +94,12 @@ class _LoadDrops:
         self.before = _writable_anonymous()
         self.least = least
         self.runs: list[tuple[int, int]] | None = None
-        self.dropped = 0
 
     def __call__(self, progress, user) -> bool:
         if self.runs is None:
             self.runs = _untouched_runs(_minus(_writable_anonymous(), self.before), self.least)
         for a, b in self.runs:
-            _libc.madvise(a, b - a, MADV_DONTNEED)
-        self.dropped += 1
+            libc().madvise(a, b - a, MADV_DONTNEED)
         return True
 
 
@@ -142,7 +138,7 @@ class KernelModel:
         a = -(-(p.addr + start) // PAGE) * PAGE
         b = (p.addr + start + n) // PAGE * PAGE
         if b > a:
-            _libc.madvise(a, b - a, MADV_DONTNEED)
+            libc().madvise(a, b - a, MADV_DONTNEED)
         return max(0, b - a)
 
     def fill_all(self, experts: bool = True) -> int:
@@ -210,7 +206,7 @@ def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) ->
         drops = _LoadDrops(least=2 << 20)
         # every buffer a fresh map while llama.cpp loads: glibc would otherwise serve one below its
         # dynamic threshold (up to 32 MiB) from heap pages already touched, which the drops miss
-        _libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
+        libc().mallopt(M_MMAP_THRESHOLD, 1 << 20)
         on_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(drops)
         with captured_log(L) as lines:
             mp = L.llama_model_default_params()
@@ -224,7 +220,7 @@ def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) ->
             names = {t.name for t in k.header.tensors}
             addr = {n: int(GgmlTensor.from_address(t).data) for n, t in find_weights(L, model, names).items()}
     finally:
-        _libc.mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold (now fixed)
+        libc().mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold (now fixed)
         os.close(shadow)
     missing = sorted(names - set(addr))
     if missing:
