@@ -96,6 +96,13 @@ class _Hooks:
             h.on_topk(layer, rows)
 
 
+def common_prefix(a, b) -> int:
+    """How many first tokens two token sequences (lists or arrays) share."""
+    m = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:m], dtype=np.int64) != np.asarray(b[:m], dtype=np.int64))
+    return int(diff[0]) if diff.size else m
+
+
 class Driver:
     """A llama.cpp context driven by mbolt, with `arm` (a StreamRuntime or a PlainLlama) in it;
     `n_seq` sequences of the arm's n_ctx tokens each. `watchers` (begin, on_topk, end: a routing
@@ -141,12 +148,21 @@ class Driver:
         turn of the same conversation) and forget the rest; returns the tokens still to evaluate
         (at least one: its logits are the answer)."""
         held = self.tokens[seq]
-        n = 0
-        while n < min(len(held), len(tokens) - 1) and held[n] == tokens[n]:
-            n += 1
+        n = min(common_prefix(held, tokens), len(tokens) - 1)
         self.runner.truncate(seq, n)
         del held[n:]
         return [int(t) for t in tokens[n:]]
+
+    def hold(self, seq: int, tokens: list[int], n: int) -> bool:
+        """The sequence's KV cache now holds `tokens` (a state loaded or copied into it behind
+        llama_decode's back): keep their first `n`; False, the sequence cleared, where llama.cpp
+        cannot cut it there (a recurrent state)."""
+        self.runner.pos[seq] = len(tokens)
+        if not self.runner.truncate(seq, n):
+            self.forget(seq)
+            return False
+        self.tokens[seq] = [int(t) for t in tokens[:n]]
+        return True
 
     def prompt_pass(self, seq: int, tokens: list[int], feeds: list[tuple[int, int]] = ()) -> None:
         """Evaluate the next tokens of a prompt (at most n_ubatch: one pass) on a sequence, with

@@ -190,11 +190,14 @@ class LlamaRunner:
         else:
             self.truncate(seq, 0)
 
-    def truncate(self, seq: int, n: int) -> None:
-        """Keep the first `n` tokens of a sequence (a follow-up turn reuses that prefix)."""
+    def truncate(self, seq: int, n: int) -> bool:
+        """Keep the first `n` tokens of a sequence (a follow-up turn reuses that prefix); False when
+        llama.cpp cannot cut it there (a recurrent state keeps no earlier positions)."""
         if n < self.pos[seq]:
-            self.L.llama_memory_seq_rm(self.L.llama_get_memory(self.ctx), seq, n, -1)
+            ok = bool(self.L.llama_memory_seq_rm(self.L.llama_get_memory(self.ctx), seq, n, -1))
             self.pos[seq] = n
+            return ok
+        return True
 
     def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
         raw = text.encode("utf-8")

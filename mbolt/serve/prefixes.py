@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mbolt.serve.prompt_cache import MIN_TOKENS, PromptCache, common_prefix, hold
+from mbolt.runtime.driver import common_prefix
+from mbolt.serve.prompt_cache import MIN_TOKENS, PromptCache
 
 
 @dataclass
@@ -27,7 +28,7 @@ def copy_prefix(driver, src: int, dst: int, n: int) -> bool:
     r = driver.runner
     driver.forget(dst)
     r.L.llama_memory_seq_cp(r.L.llama_get_memory(r.ctx), src, dst, -1, -1)
-    return hold(driver, dst, driver.tokens[src], n)
+    return driver.hold(dst, driver.tokens[src], n)
 
 
 def reuse(driver, seq: int, tokens: list[int], cache: PromptCache | None, copied_from: set[int]) -> Reuse:
@@ -38,7 +39,7 @@ def reuse(driver, seq: int, tokens: list[int], cache: PromptCache | None, copied
     this one is added."""
     limit = len(tokens) - 1
     t = np.asarray(tokens, dtype=np.int32)
-    held = [common_prefix(np.asarray(h, dtype=np.int32), t) if h else 0 for h in driver.tokens]
+    held = [common_prefix(h, t) for h in driver.tokens]
     own = min(held[seq], limit)
     other = max((s for s in range(len(held)) if s != seq), key=lambda s: held[s], default=None)
     best_mem = min(held[other], limit) if other is not None else 0
@@ -70,5 +71,5 @@ def turn_start(template, messages: list[dict], tools, tool_choice, tokenize, ids
         before = tokenize(res.prompt, res.added_special)
     except Exception:  # a template may refuse a conversation that does not end with a user turn
         return None
-    n = common_prefix(np.asarray(before, dtype=np.int32), np.asarray(ids, dtype=np.int32))
+    n = common_prefix(before, ids)
     return n if n >= MIN_TOKENS else None

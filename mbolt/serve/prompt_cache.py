@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.atomic import pid_alive
+from mbolt.runtime.driver import common_prefix
 
 MAGIC = b"MBOLTKV\x01"
 SUFFIX = ".kv"
@@ -90,12 +91,6 @@ def one_stream(r) -> bool:
 def _name(tokens) -> str:
     arr = np.asarray(tokens, dtype="<i4")
     return f"{hashlib.sha256(arr.tobytes()).hexdigest()[:24]}-{len(arr)}{SUFFIX}"
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    m = min(len(a), len(b))
-    diff = np.flatnonzero(a[:m] != b[:m])
-    return int(diff[0]) if diff.size else m
 
 
 @dataclass
@@ -280,7 +275,7 @@ class PromptCache:
             driver.forget(seq)
             self._skip(e.path.name, e.ident, CacheFileError("llama", f"{e.path}: llama.cpp refused the state"))
             return False
-        if not hold(driver, seq, [int(x) for x in e.tokens], n):
+        if not driver.hold(seq, [int(x) for x in e.tokens], n):
             return False
         with contextlib.suppress(OSError):  # evicted by another server meanwhile: nothing to touch
             os.utime(e.path)  # recently used: the last to be evicted
@@ -435,19 +430,6 @@ def _frame(mm, offset: int, state: dict | None, seq: int, n: int, nbytes: int) -
     mm[start:offset + _ROOM] = bytes.fromhex(state["head"]) + struct.pack("<I", n) + bytes(4 * seq)
     mm[end:end + 4 * (n - seq - 1)] = bytes(4 * (n - seq - 1))
     return start, end + 4 * (n - seq - 1) - start
-
-
-def hold(driver, seq: int, tokens: list[int], n: int) -> bool:
-    """The sequence holds these tokens' KV (restored or copied): keep its first `n` (False, the
-    sequence cleared, when llama.cpp cannot cut it there: a recurrent state)."""
-    r = driver.runner
-    mem = r.L.llama_get_memory(r.ctx)
-    if n < len(tokens) and not r.L.llama_memory_seq_rm(mem, seq, n, -1):
-        driver.forget(seq)
-        return False
-    r.pos[seq] = n
-    driver.tokens[seq] = [int(t) for t in tokens[:n]]
-    return True
 
 
 def _unlink(path: str) -> bool:

@@ -34,6 +34,7 @@ import time
 from dataclasses import dataclass, field
 
 from mbolt.core.errors import MboltError
+from mbolt.runtime.driver import common_prefix
 from mbolt.serve.text import ReplyText
 
 SAMPLING_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_penalty": 1.0}
@@ -249,7 +250,7 @@ class Scheduler:
             if job.cancelled.is_set():
                 continue
             held = self.driver.tokens
-            slot = max(free, key=lambda s: _common(held[s.seq], job.tokens))
+            slot = max(free, key=lambda s: common_prefix(held[s.seq], job.tokens))
             free.remove(slot)
             out.append((slot, job))
         return out
@@ -429,12 +430,3 @@ class Scheduler:
         c = self.counters
         out = {**scheduler_stats(self), "cached_tokens": c.cached_tokens, "kv_copies": c.kv_copies}
         return {**out, **self.cache.stats()} if self.cache is not None else out
-
-
-def _common(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
