@@ -6,16 +6,58 @@ as of the previous token are hits; then every requested expert becomes most rece
 request (rank) order, and the least recently used unpinned experts beyond N leave. So a token
 never evicts an expert it needs itself, and k > N keeps the last N requested.
 
-`touch` is the per-access variant nuthatch's replay counts (each access checks and updates the
+Where the rule lives: once, in C, `mbolt_lru_admit` in core/lru.c. It has two bindings over the
+same arrays: `ArrayLru` here (through ctypes; the store's cache) and the runtime's C filter
+(runtime/native.c, compiled with lru.c, which answers decode steps without Python). ArrayLru's
+pure-Python body is only the fallback where no C compiler exists. tests/test_lru_bindings.py
+replays real and synthetic traces through the C binding, the fallback and SlotLru and compares
+every hit and victim.
+
+`SlotLru` is the same rule over any hashable keys (the OS policy keys by (layer, expert)) in an
+OrderedDict, kept in Python for the replay and the evaluator, whose loops call it per token and
+layer (a ctypes call there would cost more than the rule); the same test holds it to the C rule.
+Its `touch` is the per-access variant nuthatch's replay counts (each access checks and updates the
 cache, so an expert can leave between two accesses of one token); only the reproduction of its
 reference table uses it.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections import OrderedDict
+from pathlib import Path
 
 import numpy as np
+
+from mbolt.core.clib import load_c_library
+
+_HERE = Path(__file__).parent
+# the rule in C, as text: compiled alone here, and with the runtime's filter (runtime.native)
+C_SOURCES = {"lru.h": (_HERE / "lru.h").read_text(), "lru.c": (_HERE / "lru.c").read_text()}
+
+_ADMIT = False  # mbolt_lru_admit through ctypes; False: not tried yet; None: no C compiler
+
+
+def c_admit():
+    """`mbolt_lru_admit` of core/lru.c through ctypes, or None where no C compiler exists. The
+    rule is compiled here, in core, rather than looked up in the runtime's library: core imports
+    nothing above it, and the store's cache then runs the C rule whether or not the runtime's
+    filter was ever built (core.clib compiles both from the same lru.c)."""
+    global _ADMIT
+    if _ADMIT is False:
+        lib = load_c_library("lru", C_SOURCES)
+        _ADMIT = None if lib is None else bind_admit(lib)
+    return _ADMIT
+
+
+def bind_admit(lib: ctypes.CDLL):
+    """`mbolt_lru_admit` of a library that holds core/lru.c (this module's, or the runtime's)."""
+    fn = lib.mbolt_lru_admit
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    # cached, stamp, n_keys, clock, count, slots, pinned, keys, n, victims
+    fn.argtypes = [p, p, i64, p, p, i64, p, p, i64, p]
+    fn.restype = i64
+    return fn
 
 
 class SlotLru:
@@ -72,24 +114,58 @@ class SlotLru:
 
 
 class ArrayLru:
-    """One layer's slot cache under the same rule as SlotLru, its state in arrays that C code can
-    update: `cached[e]` (uint8) and `stamp[e]` (int64, last use) for integer keys 0..E-1, and a
-    shared `clock`. A use stamps `++clock`, so admitting keys in order leaves them most recently
-    used in that order, exactly as SlotLru moves them to the end; eviction takes the smallest
-    stamps among the unpinned. The runtime's C filter (runtime.native) answers a decode step's
-    layer whose experts are all cached by stamping them itself, without Python: its hits then
-    reorder this cache as `admit` would have (tests/test_runtime_hotpath.py holds the two classes to
-    the same hits and victims). The count of cached keys lives in `count` (an int64 array of one
-    element) because the C filter also admits misses and evicts under this rule (runtime.native)."""
+    """One layer's slot cache under the one rule (core/lru.c), its state in arrays the C code
+    updates: `cached[e]` (uint8) and `stamp[e]` (int64, last use) for integer keys 0..E-1, a
+    shared `clock` (int64 [1]: a use stamps ++clock, so admitting keys in order leaves them most
+    recently used in that order) and `count` (int64 [1], the cached keys), fixed at construction
+    (C holds their addresses). The runtime's C filter (runtime/native.c) updates the same arrays
+    with the same C function, without Python.
 
-    __slots__ = ("slots", "cached", "stamp", "clock", "pinned", "count")
+    `binding`: "c" (`mbolt_lru_admit` through ctypes; an error where no C compiler exists),
+    "python" (the fallback body), or None: C when it compiles, else Python."""
 
-    def __init__(self, slots: int, cached, stamp, clock, pinned=(), count=None):
+    __slots__ = ("slots", "cached", "stamp", "clock", "count", "_pinned", "_pin_mask", "_pin_ptr", "_admit_c",
+                 "_victims", "_victims_ptr", "_args")
+
+    def __init__(self, slots: int, cached, stamp, clock, pinned=(), count=None, binding: str | None = None):
         self.slots = max(int(slots), 0)
         self.cached, self.stamp, self.clock = cached, stamp, clock
-        self.pinned = set(pinned)
         self.count = np.zeros(1, np.int64) if count is None else count
         self.count[0] = int(cached.sum())
+        if binding not in (None, "c", "python"):
+            raise ValueError(f"binding: c, python or None, not {binding!r}")
+        self._admit_c = None if binding == "python" else c_admit()
+        if self._admit_c is not None:
+            for name, a, dt in (("cached", cached, np.uint8), ("stamp", stamp, np.int64), ("clock", clock, np.int64),
+                                ("count", self.count, np.int64)):
+                if a.dtype != dt or not a.flags.c_contiguous:
+                    raise ValueError(f"ArrayLru: {name} must be a C-contiguous {np.dtype(dt).name} array")
+            if not len(stamp) == len(cached):
+                raise ValueError("ArrayLru: cached and stamp must have one entry per key")
+            self._victims = np.zeros(len(cached), np.int32)
+            # the addresses, once: a ctypes view of an array costs about 2 us, the rule itself less
+            self._args = (cached.ctypes.data, stamp.ctypes.data, len(cached), clock.ctypes.data, self.count.ctypes.data)
+            self._victims_ptr = self._victims.ctypes.data
+        elif binding == "c":
+            raise RuntimeError("ArrayLru: the C binding needs a C compiler (cc, gcc or $CC)")
+        self.pinned = pinned
+
+    @property
+    def binding(self) -> str:
+        return "python" if self._admit_c is None else "c"
+
+    @property
+    def pinned(self) -> set:
+        return self._pinned
+
+    @pinned.setter
+    def pinned(self, keys) -> None:
+        self._pinned = {int(k) for k in keys}
+        self._pin_mask, self._pin_ptr = None, None  # C reads a mask; NULL when nothing is pinned
+        if self._pinned:
+            self._pin_mask = np.zeros(len(self.cached), np.uint8)
+            self._pin_mask[list(self._pinned)] = 1
+            self._pin_ptr = self._pin_mask.ctypes.data
 
     @property
     def _n(self) -> int:
@@ -108,13 +184,26 @@ class ArrayLru:
     @property
     def order(self) -> list[int]:
         """The cached keys, least recently used first."""
-        import numpy as np
-
         keys = np.flatnonzero(self.cached)
         return keys[np.argsort(self.stamp[keys], kind="stable")].tolist()
 
     def admit(self, keys) -> list:
         """Make `keys` most recently used in order; returns the keys that left (LRU first)."""
+        if self._admit_c is None:
+            return self._admit_python(keys)
+        keys = keys.reshape(-1).tolist() if isinstance(keys, np.ndarray) else list(keys)
+        if keys and (min(keys) < 0 or max(keys) >= self._args[2]):  # here: ctypes would wrap a huge one
+            raise IndexError(f"a key out of 0..{self._args[2] - 1}: {keys}")
+        n = self._admit_c(*self._args, self.slots, self._pin_ptr, (ctypes.c_int64 * len(keys))(*keys), len(keys),
+                          self._victims_ptr)
+        return self._victims[:n].tolist()
+
+    def _admit_python(self, keys) -> list:
+        """The fallback where no C compiler exists: the rule of mbolt_lru_admit (core/lru.c) in Python."""
+        E = len(self.cached)
+        keys = [int(key) for key in keys]
+        if any(not 0 <= key < E for key in keys):
+            raise IndexError(f"a key out of 0..{E - 1}: {keys}")
         if self.slots <= 0:
             return []
         cached, stamp, clock = self.cached, self.stamp, self.clock
@@ -126,7 +215,7 @@ class ArrayLru:
                 self._n += 1
         if self._n <= self.slots:
             return []
-        gone = [k for k in self.order if k not in self.pinned][: self._n - self.slots]
+        gone = [k for k in self.order if k not in self._pinned][: self._n - self.slots]
         for k in gone:
             cached[k] = 0
         self._n -= len(gone)

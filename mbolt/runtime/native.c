@@ -1,6 +1,6 @@
 /* mbolt's eval-callback filter and decode-layer reads in C (runtime.native builds and loads it
-   with drops.c). PREFIX and PREFIX_LEN are replaced with the selection nodes' name prefix before
-   compiling. */
+   with drops.c and core/lru.c, the expert cache rule both of its paths call). PREFIX and
+   PREFIX_LEN are replaced with the selection nodes' name prefix before compiling. */
 #include "native.h"
 
 /* a computed ffn_moe_topk-N node: n rows of k int32 positions, rows strided by `stride` bytes (a
@@ -27,33 +27,49 @@ static const int32_t * row_of(const struct selection * s, int64_t j) {
     return (const int32_t *) (s->data + j * s->stride);
 }
 
-/* every use stamped in row order, then rank order (what core.lru's admit does: the last use the
-   most recent); returns the distinct experts (a batched step's rows share experts: the union is
-   what the store counts) */
-static int64_t stamp_rows(struct mbolt_filter * f, int layer, const struct selection * s) {
+/* the selection's distinct experts (original ids, through the perm) into f->keys, by last use, the
+   last used last: the keys of the cache rule's admit (core/lru.c), as Python admits a step
+   (runtime.streamer: the perm of core.lru.by_last_use). Every use stamped in row order, then rank
+   order, leaves the cache in this order. -1: an id out of range (the selection is Python's). */
+static int64_t selection_keys(struct mbolt_filter * f, int layer, const struct selection * s) {
     const int32_t * perm = f->perm + (int64_t) layer * f->n_experts;
-    int64_t * stamp = f->stamp + (int64_t) layer * f->n_experts;
-    const int64_t start = *f->clock;
-    int64_t distinct = 0;
-    for (int64_t j = 0; j < s->n; j++) {
+    int64_t n = 0;
+    bool bad = false;
+    for (int64_t j = s->n - 1; j >= 0 && !bad; j--) {
         const int32_t * row = row_of(s, j);
-        for (int64_t i = 0; i < s->k; i++) {
-            int64_t * st = stamp + perm[row[i]];
-            distinct += *st <= start;
-            *st = ++*f->clock;
+        for (int64_t i = s->k - 1; i >= 0; i--) {
+            if (row[i] < 0 || row[i] >= f->n_experts) {
+                bad = true;
+                break;
+            }
+            const int32_t e = perm[row[i]];
+            if (!f->marks[e]) {
+                f->marks[e] = 1;
+                f->keys[n++] = e;
+            }
         }
     }
-    return distinct;
+    for (int64_t i = 0; i < n; i++) {
+        f->marks[f->keys[i]] = 0;
+    }
+    for (int64_t a = 0, b = n - 1; a < b; a++, b--) {  /* first seen from the end -> last used last */
+        const int64_t e = f->keys[a];
+        f->keys[a] = f->keys[b];
+        f->keys[b] = e;
+    }
+    return bad ? -1 : n;
 }
 
-/* every id of the computed selection is a cached expert: stamp them and go on without Python */
+/* every id of the computed selection is a cached expert: the cache rule's admit, without Python.
+   Nothing enters, so nothing has to leave (the cache holds at most its slots, which Python keeps
+   without a budget): its first half alone, the stamps (core/lru.c's mbolt_lru_use). */
 static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
     struct selection s;
     if (!read_selection(f, t, layer, &s)) {
         return false;
     }
     const int32_t * perm = f->perm + (int64_t) layer * f->n_experts;
-    const uint8_t * cached = f->cached + (int64_t) layer * f->n_experts;
+    uint8_t * cached = f->cached + (int64_t) layer * f->n_experts;
     for (int64_t j = 0; j < s.n; j++) {
         const int32_t * row = row_of(&s, j);
         for (int64_t i = 0; i < s.k; i++) {
@@ -62,8 +78,10 @@ static bool all_cached(struct mbolt_filter * f, const char * t, int layer) {
             }
         }
     }
+    const int64_t n = selection_keys(f, layer, &s);
+    mbolt_lru_use(cached, f->stamp + (int64_t) layer * f->n_experts, f->clock, f->keys, n);
     f->fast_layers += 1;
-    f->fast_experts += stamp_rows(f, layer, &s);
+    f->fast_experts += n;  /* a batched step's rows share experts: the union is what the store counts */
     return true;
 }
 
@@ -168,10 +186,11 @@ static bool resident(struct mbolt_filter * f, int layer, int32_t e) {
    arrays): cached experts the kernel reclaimed in part are read again (what is left of them
    dropped); the misses' slices merged per tensor (core.ranges.merge_ranges: a hole of at most
    merge_gap joins) and submitted with WILLNEED tensor by tensor in llama.cpp's use order (use_order;
-   else in file order), each in file order (llama.cpp's faults wait for pages in flight); every
-   selected expert stamped in row order; the least recently used beyond the slots
-   leave the cache, mapping and page cache at once. Python (runtime.streamer) does the same when
-   this is off, and whenever a step selects more experts than the cache holds. */
+   else in file order), each in file order (llama.cpp's faults wait for pages in flight); then the
+   cache rule's admit (core/lru.c, the one Python's store calls too): the misses in, the least
+   recently used beyond the slots out of the cache, and out of the mapping and page cache at once.
+   Python (runtime.streamer) does the same when this is off, and whenever a step selects more
+   experts than the cache holds. */
 static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
     struct mbolt_misses * m = f->misses;
     struct selection s;
@@ -181,7 +200,6 @@ static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
     const int64_t E = f->n_experts;
     const int32_t * perm = f->perm + (int64_t) layer * E;
     uint8_t * cached = f->cached + (int64_t) layer * E;
-    const int64_t * stamp = f->stamp + (int64_t) layer * E;
     int64_t nsel = 0;
     for (int64_t j = 0; j < s.n; j++) {
         const int32_t * row = row_of(&s, j);
@@ -240,31 +258,14 @@ static bool with_misses(struct mbolt_filter * f, const char * t, int layer) {
     }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     m->io_ns += (t1.tv_sec - t0.tv_sec) * 1000000000LL + (t1.tv_nsec - t0.tv_nsec);
-    /* the LRU: every use stamped (as all_cached does), the misses in the cache */
-    const int64_t start = *f->clock;
-    stamp_rows(f, layer, &s);
-    for (int64_t i = 0; i < nmiss; i++) {
-        cached[m->sel[i]] = 1;
-    }
-    m->count[layer] += nmiss;
-    /* the least recently used beyond the slots leave (never one of this step's: their stamps are newer) */
-    int64_t nvict = 0;
-    int32_t * victims = m->sel + nsel;  /* sel has room for every expert */
-    while (m->count[layer] > m->slots) {
-        int32_t v = -1;
-        for (int32_t e = 0; e < E; e++) {
-            if (cached[e] && stamp[e] <= start && (v < 0 || stamp[e] < stamp[v])) {
-                v = e;
-            }
-        }
-        if (v < 0) {
-            break;
-        }
-        cached[v] = 0;
-        m->count[layer]--;
-        victims[nvict++] = v;
-    }
-    if (nvict) {
+    /* the LRU's admit, no pins (the streamer keeps this path off with pins). Only entries older
+       than this step leave: its keys are stamped after all others and fit in the slots (nsel <=
+       slots above), so the count - slots least recently used are all from before it. */
+    const int64_t nkeys = selection_keys(f, layer, &s);
+    int32_t * victims = m->sel + nsel;  /* sel has room for every expert after the selected ones */
+    const int64_t nvict = mbolt_lru_admit(cached, f->stamp + (int64_t) layer * E, E, f->clock, m->count + layer,
+                                          m->slots, NULL, f->keys, nkeys, victims);
+    if (nvict > 0) {
         drop(f, layer, victims, nvict, true);
     }
     for (int64_t i = 0; i < nsel; i++) {

@@ -1,7 +1,8 @@
 #ifndef MBOLT_NATIVE_H
 #define MBOLT_NATIVE_H
 /* What mbolt's C filter (native.c) and its drop thread (drops.c) share: the filter's state and a
-   decode layer's miss path, laid out as runtime.native's ctypes structures are. */
+   decode layer's miss path, laid out as runtime.native's ctypes structures are. The expert cache
+   rule both paths of the filter apply is core/lru.c's (lru.h, compiled with them). */
 #define _GNU_SOURCE
 #include <fcntl.h>
 #include <pthread.h>
@@ -11,6 +12,8 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <time.h>
+
+#include "lru.h"
 
 typedef bool (*eval_cb)(void * t, bool ask, void * user);
 
@@ -29,6 +32,8 @@ struct mbolt_filter {
     int64_t fast_layers;     /* selections answered here (cumulative) */
     int64_t fast_experts;    /* distinct experts those selections used (cumulative) */
     struct mbolt_misses * misses;  /* NULL: a selection with a miss goes to Python */
+    int64_t * keys;          /* scratch [n_experts]: a selection's distinct experts, the LRU's keys */
+    uint8_t * marks;         /* scratch [n_experts], all 0 between selections */
 };
 
 /* a decode layer with misses, under a budget (runtime.streamer with asynchronous reads): the

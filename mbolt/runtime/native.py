@@ -12,37 +12,38 @@ all cached (the LRU's update, counters) as much again: on a 16-layer toy model w
 cached that was 0.2 ms per layer and token, where llama.cpp's split of the graph at the node costs
 about 10 us. So in decode steps (`fast`) the filter itself checks the selection against the expert
 cache's arrays (core.lru.ArrayLru: in the cache, by original id through the route map's perm) and,
-when every expert is cached, stamps their last use as the LRU's admit would and returns: Python
-sees only selections with a miss. Its counts (`take_counts`) are added to the store's after each step.
+when every expert is cached, stamps their last use (core/lru.c, the LRU's own code) and returns:
+Python sees only selections with a miss. Its counts (`take_counts`) are added to the store's after
+each step.
 
 Under a budget (asynchronous reads, no pins) the filter answers a decode layer with misses too
-(`with_misses`): the same LRU rule on the same arrays, the misses' slices merged per tensor and
-submitted with WILLNEED, the victims unmapped and dropped. In Python that layer cost about 200 us
-on q72 (the LRU's admit, the merge in numpy, a mincore per cached expert, one drop per victim
-through ctypes): about 20 ms of a 35 ms token, on the path between the selection and the
+(`with_misses`): the LRU's admit (core/lru.c) on the same arrays, the misses' slices merged per
+tensor and submitted with WILLNEED, the victims unmapped and dropped. In Python that layer cost
+about 200 us on q72 (the LRU's admit, the merge in numpy, a mincore per cached expert, one drop per
+victim through ctypes): about 20 ms of a 35 ms token, on the path between the selection and the
 matmuls. In C it costs the syscalls alone. Python keeps the path when a step selects more
 experts than the cache holds, and `StreamRuntime(native_misses=False)` keeps it always (the A/B).
 
 The C source is `native.c` beside this file, with `drops.c` (the thread that drops a decode
-layer's victims behind it) and `native.h` (what the two share).
+layer's victims behind it), `native.h` (what the two share) and the expert cache rule itself,
+core/lru.c (`mbolt_lru_admit`, the one rule core.lru.ArrayLru binds too: both of the filter's
+paths call it, so the C filter and Python's store cannot disagree on a victim).
 
-It is compiled once with the system C compiler into ``$XDG_CACHE_HOME/mbolt`` (the file name
-carries a hash of the source; the tensor-name offset is passed at run time). Without a compiler `topk_filter`
-returns None and the runner keeps the Python callback (slower, same routing).
+It is compiled once with the system C compiler into ``$XDG_CACHE_HOME/mbolt`` (core.clib: the file
+name carries a hash of the source; the tensor-name offset is passed at run time). Without a
+compiler `topk_filter` returns None and the runner keeps the Python callback (slower, same routing).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import mmap
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from mbolt.core import lru
+from mbolt.core.clib import load_c_library
 
 PAGE = mmap.PAGESIZE
 
@@ -52,7 +53,8 @@ _HERE = Path(__file__).parent
 SOURCES = {"native.h": (_HERE / "native.h").read_text(),  # what the two files share
            "native.c": ((_HERE / "native.c").read_text()
                         .replace("PREFIX_LEN", str(len(TOPK_PREFIX))).replace("PREFIX", TOPK_PREFIX.decode())),
-           "drops.c": (_HERE / "drops.c").read_text()}
+           "drops.c": (_HERE / "drops.c").read_text(),
+           **lru.C_SOURCES}  # the expert cache rule (core/lru.c), which native.c calls
 
 
 class _Filter(ctypes.Structure):
@@ -61,7 +63,8 @@ class _Filter(ctypes.Structure):
                 ("fast", ctypes.c_int32), ("n_layers", ctypes.c_int32), ("n_experts", ctypes.c_int32),
                 ("perm", ctypes.c_void_p), ("cached", ctypes.c_void_p), ("stamp", ctypes.c_void_p),
                 ("clock", ctypes.c_void_p), ("seen", ctypes.c_void_p), ("fast_layers", ctypes.c_int64),
-                ("fast_experts", ctypes.c_int64), ("misses", ctypes.c_void_p)]
+                ("fast_experts", ctypes.c_int64), ("misses", ctypes.c_void_p), ("keys", ctypes.c_void_p),
+                ("marks", ctypes.c_void_p)]
 
 
 MISS_COUNTS = ("layers", "experts", "hits", "misses", "reads", "bytes", "useful", "io_ns", "reclaimed", "victims",
@@ -81,35 +84,10 @@ class _Misses(ctypes.Structure):
 _LIB: ctypes.CDLL | None | bool = False  # False: not tried yet; None: no compiler
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mbolt"
-
-
 def _library() -> ctypes.CDLL | None:
     global _LIB
-    if _LIB is not False:
-        return _LIB
-    _LIB = None
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        return None
-    tag = hashlib.sha256("".join(SOURCES.values()).encode()).hexdigest()[:12]
-    so = _cache_dir() / f"topk_filter-{tag}.so"
-    try:
-        if not so.exists():
-            so.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-                for name, text in SOURCES.items():
-                    (Path(tmp) / name).write_text(text)
-                out = Path(tmp) / "f.so"
-                subprocess.run([cc, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(out),
-                                *(str(Path(tmp) / n) for n in SOURCES if n.endswith(".c"))], check=True,
-                               capture_output=True, timeout=120)
-                os.replace(out, so)  # complete or not at all; a concurrent build writes the same bytes
-        _LIB = ctypes.CDLL(str(so))
-    except (OSError, subprocess.SubprocessError):
-        _LIB = None
+    if _LIB is False:
+        _LIB = load_c_library("topk_filter", SOURCES)
     return _LIB
 
 
@@ -139,8 +117,10 @@ class TopkFilter:
         u = self.user
         u.n_layers, u.n_experts = perm.shape
         self.seen = np.zeros(perm.shape[0], np.uint8)
-        u.perm, u.cached, u.stamp, u.clock, u.seen = (a.ctypes.data for a in (perm, cached, stamp, clock, self.seen))
-        self._arrays = (perm, cached, stamp, clock, self.seen)  # alive as long as C may read them
+        keys, marks = np.zeros(perm.shape[1], np.int64), np.zeros(perm.shape[1], np.uint8)  # the filter's scratch
+        u.perm, u.cached, u.stamp, u.clock, u.seen, u.keys, u.marks = (
+            a.ctypes.data for a in (perm, cached, stamp, clock, self.seen, keys, marks))
+        self._arrays = (perm, cached, stamp, clock, self.seen, keys, marks)  # alive as long as C may read them
 
     def share_store_reads(self, store, pages, drop_behind: bool = True) -> None:
         """`share_reads` with a runtime.store.ExpertStore's LRU, descriptors and merge, and a
