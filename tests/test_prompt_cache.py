@@ -374,21 +374,19 @@ def test_two_servers_on_one_directory(model, tmp_path):
 def test_a_copied_prefix_gives_llama_cpps_logits(model):
     """A prefix copied from another slot (llama_memory_seq_cp, then cut): the next token's logits
     are, bit for bit, those of the slot that computed it continuing itself; another prefix's differ."""
-    from mbolt.serve.prefixes import copy_prefix
-
     ids = _template_ids(model, _chat(SYS, "What is two plus two?"))
     held = _template_ids(model, _chat(SYS, "Name three colours."))
     n = next(i for i, (x, y) in enumerate(zip(ids, held)) if x != y)
     with Open(model, None, parallel=2) as o:
         d = o.loaded.driver
         d.prompt(held, seq=0)
-        assert copy_prefix(d, 0, 1, n) and d.tokens[1] == ids[:n]
+        assert d.copy_sequence(0, 1, n) and d.tokens[1] == ids[:n]
         copied = d.runner.eval(ids[n:], seq=1)
         assert d.keep_prefix(0, ids) == ids[n:]
         itself = d.runner.eval(ids[n:], seq=0)
         d.forget()
         d.prompt(_template_ids(model, _chat(SYS_B, "Name three colours.")), seq=0)
-        assert copy_prefix(d, 0, 1, n)
+        assert d.copy_sequence(0, 1, n)
         wrong = d.runner.eval(ids[n:], seq=1)
     np.testing.assert_array_equal(copied, itself)
     assert np.abs(wrong - itself).max() > 1e-2

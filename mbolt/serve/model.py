@@ -83,7 +83,6 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     from mbolt.core.moe_map import moe_map
     from mbolt.runtime.driver import open_driver
     from mbolt.runtime.memory import resolve_ctx
-    from mbolt.runtime.native import AbortFlag
 
     mm = moe_map(path)
     limit, where = (None, "") if plain else find_budget(ram)
@@ -98,8 +97,7 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
         d = open_driver(path, reads=True, mm=mm, budget=limit, qd=4, asynchronous=True, n_ctx=n_ctx,
                         n_ubatch=n_ubatch, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
     try:
-        abort = AbortFlag(d.runner.L)
-        d.runner.L.llama_set_abort_callback(d.runner.ctx, abort.cb, abort.data)
+        abort = d.abort_flag()
         d.make_cold()
         header = open_model_header(path)
         template = header.get("tokenizer.chat_template")
@@ -107,4 +105,4 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     except BaseException:
         d.close()
         raise
-    return Loaded(d, abort, d.runner.n_ctx, d.n_ubatch, limit, where, meta)
+    return Loaded(d, abort, d.n_ctx_seq, d.n_ubatch, limit, where, meta)

@@ -21,16 +21,6 @@ class Reuse:
     source: str  # "slot", "copy", "disk" or "none"
 
 
-def copy_prefix(driver, src: int, dst: int, n: int) -> bool:
-    """Sequence `dst` takes the first `n` tokens of what `src` holds (llama_memory_seq_cp: between
-    the streams of a context that is not unified, llama.cpp copies the stream's buffers at the next
-    llama_decode, before the batch is computed)."""
-    r = driver.runner
-    driver.forget(dst)
-    r.L.llama_memory_seq_cp(r.L.llama_get_memory(r.ctx), src, dst, -1, -1)
-    return driver.hold(dst, driver.tokens[src], n)
-
-
 def reuse(driver, seq: int, tokens: list[int], cache: PromptCache | None, copied_from: set[int]) -> Reuse:
     """The longest prefix of `tokens` held anywhere put into sequence `seq`: its own KV, another
     sequence's (copied), or a file of the cache (restored); the tokens left to evaluate (at least
@@ -52,7 +42,7 @@ def reuse(driver, seq: int, tokens: list[int], cache: PromptCache | None, copied
             return Reuse([int(x) for x in tokens[disk[1]:]], disk[1], "disk")
         tried.add(disk[0].path)  # skipped: the next best (this sequence is empty now)
         own = 0
-    if other is not None and best_mem >= own + MIN_TOKENS and copy_prefix(driver, other, seq, best_mem):
+    if other is not None and best_mem >= own + MIN_TOKENS and driver.copy_sequence(other, seq, best_mem):
         copied_from.add(other)
         return Reuse([int(x) for x in tokens[best_mem:]], best_mem, "copy")
     todo = driver.keep_prefix(seq, tokens)

@@ -73,19 +73,17 @@ def layout_of(driver) -> dict:
     """What a state must have been saved under to be loaded into this context."""
     import llama_cpp
 
-    r, arm = driver.runner, driver.arm
-    return {"model": arm.mm.fingerprint, "arch": arm.mm.arch, "n_layer": int(r.L.llama_model_n_layer(r.model)),
-            "kv_type": "f32" if arm.f32_kv else "f16", "flash_attn": bool(r.flash_attn),
-            "streams": "any" if one_stream(r) else int(r.n_seq), "llama_cpp": llama_cpp.__version__}
+    arm = driver.arm
+    return {"model": arm.mm.fingerprint, "arch": arm.mm.arch, "n_layer": driver.n_layer,
+            "kv_type": "f32" if arm.f32_kv else "f16", "flash_attn": bool(arm.flash_attn),
+            "streams": "any" if one_stream(driver) else int(driver.n_seq), "llama_cpp": llama_cpp.__version__}
 
 
-def one_stream(r) -> bool:
-    """A sequence's state is one stream's block between empty ones (a plain KV cache: not recurrent,
+def one_stream(driver) -> bool:
+    """A sequence's state is one stream's block between empty ones (a KV cache alone: not recurrent,
     hybrid or with a sliding window), so the file keeps the block alone and it loads into a context
     of any number of slots; else the state is kept whole, for a context of as many slots."""
-    L = r.L
-    return (r.n_seq <= MAX_STREAMS and not L.llama_model_is_recurrent(r.model) and not L.llama_model_is_hybrid(r.model)
-            and int(L.llama_model_n_swa(r.model)) == 0)
+    return driver.n_seq <= MAX_STREAMS and driver.kv_cache_only
 
 
 def _name(tokens) -> str:
@@ -241,7 +239,6 @@ class PromptCache:
     def restore(self, driver, seq: int, e: Entry, n: int) -> bool:
         """Load a file's state into sequence `seq` and keep its first `n` tokens; False (the
         sequence empty, the file skipped) when it does not load."""
-        r = driver.runner
         t0 = time.perf_counter()
         driver.forget(seq)
         try:
@@ -262,9 +259,9 @@ class PromptCache:
                     self._skip(e.path.name, e.ident, CacheFileError("checksum", f"{e.path}: the state's checksum "
                                                                                 "does not match"))
                     return False
-                start, nbytes = _frame(mm, e.offset, e.header.get("state"), seq, r.n_seq, nbytes)
+                start, nbytes = _frame(mm, e.offset, e.header.get("state"), seq, driver.n_seq, nbytes)
                 buf = (ctypes.c_uint8 * nbytes).from_buffer(mm, start)
-                got = r.L.llama_state_seq_set_data(r.ctx, buf, nbytes, seq)
+                got = driver.load_state(seq, buf)
                 del buf
             finally:
                 mm.close()
@@ -291,19 +288,18 @@ class PromptCache:
     def save(self, driver, seq: int) -> None:
         """Save what sequence `seq` holds (in the worker: the state copied into the file's mapping;
         the checksum, fsync and rename in the writer thread)."""
-        r = driver.runner
         tokens = list(driver.tokens[seq])
         if len(tokens) < MIN_TOKENS or self.covers(tokens):
             return
         final = self.directory / _name(tokens)
-        nbytes = int(r.L.llama_state_seq_get_size(r.ctx, seq))
+        nbytes = driver.state_size(seq)
         if not nbytes:
             self._failed(f"{final}: llama.cpp gave no state for sequence {seq}")
             return
-        n, one = int(r.n_seq), self.layout["streams"] == "any"
+        n, one = int(driver.n_seq), self.layout["streams"] == "any"
         block = nbytes - 12 - 4 * (n - 1)  # one stream's: its cell count, cells' metadata, K and V rows
         stored = _ROOM + block + 4 * MAX_STREAMS if one else nbytes
-        head = {"layout": self.layout, "n_ctx": int(r.n_ctx), "n_tokens": len(tokens),
+        head = {"layout": self.layout, "n_ctx": int(driver.n_ctx_seq), "n_tokens": len(tokens),
                 "tokens_crc32": f"{zlib.crc32(np.asarray(tokens, dtype='<i4').tobytes()):08x}",
                 "payload_bytes": stored, "payload_crc32": "00000000", "saved": time.time(),
                 "state": {"head": "0" * 16, "block": block} if one else None}
@@ -323,7 +319,7 @@ class PromptCache:
             mm[offset - 4 * len(tokens):offset] = np.asarray(tokens, dtype="<i4").tobytes()
             at = offset + _ROOM - 12 - 4 * seq if one else offset  # one stream's block lands at offset + _ROOM
             buf = (ctypes.c_uint8 * nbytes).from_buffer(mm, at)
-            got = r.L.llama_state_seq_get_data(r.ctx, buf, nbytes, seq)
+            got = driver.save_state(seq, buf)
             del buf
             why = f"llama.cpp wrote {got} of {nbytes} state bytes" if got != nbytes else None
             if one and why is None:

@@ -45,7 +45,7 @@ class RoutingRecorder:
         self._rows, self._decode_rows = list(requests), int(decode_rows)
 
     def begin(self, phase, n_rows: int) -> None:
-        from mbolt.runtime.runner import Phase
+        from mbolt.runtime.driver import Phase
 
         self._decode = phase is Phase.DECODE
         self._step = {}

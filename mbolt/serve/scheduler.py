@@ -128,8 +128,7 @@ class Scheduler:
         template = self.loaded.metadata.get("tokenizer.chat_template")
         if not template:
             return None
-        L, vocab = self.driver.runner.L, self.driver.runner.vocab
-        eos, bos = L.llama_vocab_eos(vocab), L.llama_vocab_bos(vocab)
+        eos, bos = self.driver.eos_token, self.driver.bos_token
         return Jinja2ChatFormatter(template=template, eos_token=self.driver.token_text(eos),
                                    bos_token=self.driver.token_text(bos), stop_token_ids=[eos])
 
@@ -149,12 +148,12 @@ class Scheduler:
             res = self._template(messages=messages, tools=tools, tool_choice=tool_choice)
         except Exception as e:  # a template may raise on a conversation it does not accept
             raise RequestError(f"the model's chat template refused the messages: {e}", "messages") from None
-        ids = self.driver.runner.tokenize(res.prompt, add_special=not res.added_special, parse_special=True)
+        ids = self.driver.tokenize(res.prompt, add_special=not res.added_special, parse_special=True)
         if self.cache is not None:  # where the cache saves this prompt: before its last user turn
             from mbolt.serve.prefixes import turn_start
 
             def tokenize(text: str, added: bool) -> list[int]:
-                return self.driver.runner.tokenize(text, add_special=not added, parse_special=True)
+                return self.driver.tokenize(text, add_special=not added, parse_special=True)
 
             n = turn_start(self._template, messages, tools, tool_choice, tokenize, ids)
             with self._cv:
@@ -166,11 +165,11 @@ class Scheduler:
 
     def prepare_text(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
-            n_vocab = self.driver.runner.n_vocab
+            n_vocab = self.driver.n_vocab
             if not prompt or any(not isinstance(t, int) or not 0 <= t < n_vocab for t in prompt):
                 raise RequestError(f"prompt token ids must be integers in 0..{n_vocab - 1}", "prompt")
             return list(prompt)
-        return self.driver.runner.tokenize(prompt, add_special=True, parse_special=True)
+        return self.driver.tokenize(prompt, add_special=True, parse_special=True)
 
     def check_fits(self, tokens: list[int], max_tokens: int | None) -> int:
         """The number of tokens to generate: max_tokens, or what the context leaves; refused
@@ -300,7 +299,7 @@ class Scheduler:
         replying = [s for s in self.slots if s.job is not None and not s.todo and s.last is not None]
         if prompting:
             s = min(prompting, key=lambda s: s.job.submitted)
-            if self.driver.runner.n_batch > len(replying):
+            if self.driver.n_batch > len(replying):
                 self._prompt_pass(s, replying)
                 return
             self._prompt_pass(s, [])  # a micro-batch of fewer rows than the replies: the pass, then the step
@@ -309,7 +308,7 @@ class Scheduler:
 
     def _prompt_pass(self, s: Slot, replying: list[Slot]) -> None:
         d, job = self.driver, s.job
-        n = d.runner.n_batch - len(replying)
+        n = d.n_batch - len(replying)
         held = len(d.tokens[s.seq])
         if held < s.save_at:
             n = min(n, s.save_at - held)  # the pass ends where the cache saves
@@ -346,11 +345,11 @@ class Scheduler:
             s.save_at = 0
         if replying:
             c.mixed_passes += 1
-            self._replies(replying, [r.sampler.sample(d.runner.ctx, len(chunk) + j) for j, r in enumerate(replying)],
+            self._replies(replying, [d.sample(r.sampler, len(chunk) + j) for j, r in enumerate(replying)],
                           dt, now)
         if not s.todo:
             s.t_first = now
-            self._emit(s, s.sampler.sample(d.runner.ctx, len(chunk) - 1))
+            self._emit(s, d.sample(s.sampler, len(chunk) - 1))
 
     def _decode(self, replying: list[Slot]) -> None:
         d = self.driver
@@ -358,7 +357,7 @@ class Scheduler:
             self.recorder.rows([s.request for s in replying])
         t0 = time.perf_counter()
         d.step([(s.seq, s.last) for s in replying], want_logits=False)
-        tokens = [s.sampler.sample(d.runner.ctx, i) for i, s in enumerate(replying)]
+        tokens = [d.sample(s.sampler, i) for i, s in enumerate(replying)]
         now = time.perf_counter()
         c = self.counters
         c.decode_steps += 1

@@ -95,7 +95,6 @@ class _Llama:
         self.cap = _Capture()
         self.d = open_driver(path, reads=False, evict=False, mm=self.mm, n_ctx=n_ctx, n_threads=threads,
                              watchers=[self.cap])
-        self.r = self.d.runner
         self.eos = None
         try:
             self.eos = int(self.mm.header.get("tokenizer.ggml.eos_token_id"))
@@ -103,17 +102,17 @@ class _Llama:
             pass
 
     def encode(self, text):
-        return self.r.tokenize(text, add_special=True)
+        return self.d.tokenize(text, add_special=True)
 
     def start(self):
         self.d.forget()
 
     def run(self, ids):
-        room = self.r.n_ctx - self.r.n_past
+        room = self.d.n_ctx_seq - len(self.d.tokens[0])
         if len(ids) > room:
             ids = ids[:max(room, 0)]
             if not ids:
-                raise MboltError(f"llama.cpp context of {self.r.n_ctx} tokens is full")
+                raise MboltError(f"llama.cpp context of {self.d.n_ctx_seq} tokens is full")
         self.cap.rows = {}
         logits, _, _ = self.d.prompt(ids)
         n, L, k = len(ids), self.mm.n_layers, self.mm.n_used
