@@ -34,13 +34,9 @@ load average. --dry-run checks that and prints the plan.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import json
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_memlimit import paths  # noqa: E402
-from mbolt.bench.prereg import gate_run, run_record, write_result  # noqa: E402
-from mbolt.core.errors import MboltError  # noqa: E402
+from mbolt.bench.prereg import run_record, write_result  # noqa: E402
+from mbolt.bench.served import Served, bench_model, gate, in_parallel, log, log_errors  # noqa: E402,F401
 from mbolt.core.memlimit import MemoryGroup, readahead  # noqa: E402
 from mbolt.core.pagecache import evict  # noqa: E402
 
@@ -62,16 +57,6 @@ PLAIN_UBATCH = (512, 2048)  # plain at its better micro-batch: both run, the bet
 GOAL_KEYS = ("decode_over_plain_min", "first_ttft_over_warm_max")
 
 
-def log(*a):
-    print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def session_text_ids(model: Path, tokens: int = 0) -> list[int]:
     """The held-out text: enough for the session and the load run, and at least `tokens` tokens
     (the concurrency workload's client windows)."""
@@ -80,84 +65,6 @@ def session_text_ids(model: Path, tokens: int = 0) -> list[int]:
     session = FIRST + APPEND * TURNS
     return load_prompt_ids(str(model), None, 1, engine="llama.cpp", forced=FIRST, n_new=APPEND * TURNS,
                            followup=max(LOAD_PROMPT * LOAD_CLIENTS, tokens - session))[0]
-
-
-class Served:
-    """A server process (in a group, or not) and its client."""
-
-    def __init__(self, model: Path, plain: bool, group: MemoryGroup | None, queue: int = 8, ubatch: int = 0,
-                 parallel: int = 1, ctx: int = 4096, extra: tuple[str, ...] = ()):
-        self.model = model
-        self.port = _port()
-        argv = [sys.executable, "-m", "mbolt", "serve", str(model), "--port", str(self.port), "-c", str(ctx),
-                "--queue", str(queue), "-np", str(parallel)] + (["--plain"] if plain else []) \
-            + (["-ub", str(ubatch)] if ubatch else []) + list(extra)
-        kw = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.proc = group.popen(argv, **kw) if group is not None else subprocess.Popen(argv, **kw)
-        self.err: list[str] = []
-        threading.Thread(target=lambda: self.err.extend(self.proc.stderr), daemon=True).start()
-        import openai
-
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="-", max_retries=0,
-                                    timeout=3600)
-        t0 = time.time()
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server ended: {''.join(self.err)[-2000:]}")
-            try:
-                import urllib.request
-
-                urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.2)
-        self.load_s = time.time() - t0
-
-    def metrics(self) -> dict:
-        import urllib.request
-
-        return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{self.port}/stats").read())
-
-    def turn(self, prompt: list[int], n: int, seed: int, on_first: threading.Event | None = None) -> dict:
-        """One streamed completion, timed by the client: TTFT is the request to the first streamed
-        event that carries a token (a choice; its text may be empty while a UTF-8 character is
-        still incomplete), decode tok/s the tokens after the first over the wall time after it.
-        The token count is the server's usage (the reply must be exactly `n`: `ignore_eos`, as
-        llama-server's benchmarks ask, so that a sampled end-of-generation token does not end it)."""
-        t0 = time.perf_counter()
-        first, text, usage = None, [], None
-        for ch in self.client.completions.create(model="m", prompt=prompt, max_tokens=n, temperature=1.0,
-                                                 top_p=1.0, seed=seed, stream=True,
-                                                 stream_options={"include_usage": True},
-                                                 extra_body={"top_k": 0, "min_p": 0.0, "ignore_eos": True}):
-            if ch.choices and first is None:
-                first = time.perf_counter() - t0
-                if on_first is not None:
-                    on_first.set()
-            if ch.choices and ch.choices[0].text:
-                text.append(ch.choices[0].text)
-            if ch.usage:
-                usage = ch.usage
-        t_end = time.perf_counter()
-        wall = t_end - t0
-        n_out = usage.completion_tokens if usage else None
-        return {"t_start": t0, "t_first": t0 + first if first is not None else None, "t_end": t_end,
-                "prompt_tokens": len(prompt), "ttft_s": first, "ttft_source": "client: first streamed token event",
-                "wall_s": wall, "completion_tokens": n_out, "max_tokens": n,
-                "tokens_exact": n_out == n, "overrun": (n_out - n) if n_out is not None and n_out > n else 0,
-                "decode_tokens_per_s": (n_out - 1) / (wall - first) if n_out and n_out > 1 and first is not None
-                and wall > first else None,
-                "text_sha256": hashlib.sha256("".join(text).encode()).hexdigest(), "text": "".join(text)}
-
-    def stop(self) -> str:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        time.sleep(0.2)
-        return "".join(self.err)
 
 
 def session(srv: Served, ids: list[int], turns: int = TURNS, reply: int = REPLY, seed: int = SEED,
@@ -206,18 +113,6 @@ def load_run(srv: Served, ids: list[int]) -> dict:
             "other": [c for c in codes if c not in (200, 503)], "client_errors": errors, "seconds": seconds}
 
 
-def in_parallel(client, n: int) -> float:
-    """client(0..n-1), each on a thread of its own, all started at once; the wall seconds until the
-    last ends."""
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
-    t0 = time.time()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return time.time() - t0
-
-
 def run_arm(model: Path, mode: str, ram: int, ids: list[int], with_load: bool = False) -> dict:
     evict(model)
     if mode == "warm":
@@ -227,7 +122,7 @@ def run_arm(model: Path, mode: str, ram: int, ids: list[int], with_load: bool = 
             turns = session(srv, ids)
         finally:
             err = srv.stop()
-        return {"mode": mode, "load_s": srv.load_s, "turns": turns, "log_errors": _errors(err)}
+        return {"mode": mode, "load_s": srv.load_s, "turns": turns, "log_errors": log_errors(err)}
     with MemoryGroup(ram) as g:
         plain = mode.startswith("plain")
         srv = Served(model, plain, g, queue=LOAD_QUEUE if with_load else 8, ubatch=int(mode.split("-")[1]) if plain else 0)
@@ -239,14 +134,10 @@ def run_arm(model: Path, mode: str, ram: int, ids: list[int], with_load: bool = 
         finally:
             err = srv.stop()
         out = {"mode": mode, "load_s": srv.load_s, "turns": turns, "stats": stats, "peak_after_load_bytes": g.peak(),
-               "oom_kills": g.oom_kills(), "log_errors": _errors(err)}
+               "oom_kills": g.oom_kills(), "log_errors": log_errors(err)}
         if load is not None:
             out["load"] = load
         return out
-
-
-def _errors(text: str) -> list[str]:
-    return [ln for ln in text.splitlines() if "Traceback" in ln or ln.lower().startswith("error")]
 
 
 PLAIN_ARMS = tuple(f"plain-{ub}" for ub in PLAIN_UBATCH)
@@ -293,33 +184,17 @@ def reply_lengths(rounds: list[dict]) -> dict:
     return {"max_tokens": REPLY, "all_exact": not off, "not_exact": off}
 
 
-def gate(prereg: Path, goal_keys, dst: Path, dry_run: bool):
-    """The pre-registration checked (bench.prereg) before anything runs: one error line otherwise."""
-    try:
-        pr, lock = gate_run(prereg, ROOT, goal_keys, dst, count_run=not dry_run)
-    except MboltError as e:
-        raise SystemExit(f"error: {e}") from None
-    return pr, lock
-
-
-def bench_model(name: str) -> tuple[Path, int, int]:
-    """The benchmark model made by bench_memlimit.py prepare, its size and the 40% budget."""
-    model = paths(name)["stock"]
-    if not model.exists():
-        raise SystemExit(f"{model}: run `python scripts/bench_memlimit.py prepare --models {name}` first")
-    size = model.stat().st_size
-    return model, size, int(0.4 * size)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="q864")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--prereg", type=Path, default=ROOT / "prereg" / "serve.toml")
     ap.add_argument("--dry-run", action="store_true", help="check the pre-registration and print the plan")
-    ap.add_argument("--workload", choices=("session", "concurrency"), default="session",
+    ap.add_argument("--workload", choices=("session", "concurrency", "agent"), default="session",
                     help="session: the 4-turn session against plain and warm; concurrency: 1..N clients at once "
-                         "(scripts/serve_concurrency.py; default --prereg prereg/serve_concurrency.toml)")
+                         "(scripts/serve_concurrency.py; default --prereg prereg/serve_concurrency.toml); agent: an "
+                         "8,000-token prefix restored from --prompt-cache after a restart (bench.agent; default "
+                         "--prereg prereg/serve_agent.toml)")
     ap.add_argument("--clients", default="1,2,4,8", help="concurrency: the client counts")
     ap.add_argument("--turns", type=int, default=TURNS, help="concurrency: turns per conversation")
     ap.add_argument("--reply", type=int, default=REPLY, help="concurrency: tokens per reply")
@@ -331,6 +206,8 @@ def main() -> None:
         ap.error(f"--readahead {a.readahead}: give a window in KiB from 4 to 65536")
     if a.workload == "concurrency":
         return concurrency(a)
+    if a.workload == "agent":
+        return agent(a)
     dst = ROOT / "results" / f"serve_{a.model}.json"
     pr, lock = gate(a.prereg, GOAL_KEYS, dst, a.dry_run)
     if a.dry_run:
@@ -388,6 +265,33 @@ def main() -> None:
         log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
     for x in out["reply_lengths"]["not_exact"]:
         log(f"  reply not {REPLY} tokens: {x}")
+
+
+def agent(a) -> None:
+    from mbolt.bench import agent as ag
+
+    prereg = ROOT / "prereg" / "serve_agent.toml" if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg
+    dst = ROOT / "results" / f"serve_agent_{a.model}.json"
+    pr, lock = gate(prereg, ag.GOAL_KEYS, dst, a.dry_run)
+    if a.dry_run:
+        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {a.rounds} round(s): warm "
+              f"once, then cold, cold (A/A), restored, restored (A/A), four clients ({ag.PREFIX}-token prefix, "
+              f"{ag.TURN}-token turn, {ag.REPLY}-token reply, readahead {a.readahead} KiB)")
+        return
+    model, size, ram = bench_model(a.model)
+    rec = run_record(pr, lock, ROOT, model)
+    ids = session_text_ids(model, tokens=ag.PREFIX + 7 * ag.TURN)
+    with readahead(model, a.readahead) as ra:
+        out = ag.run(model, ids, a.rounds, ram)
+    out = {"benchmark": "an agent's prefix restored from the prompt cache under a real memory limit (issue 55)",
+           "script": "scripts/bench_serve.py --workload agent", "model": a.model, "file_bytes": size,
+           "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra, "text": "held-out text of prompts.jsonl",
+           "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, fixed seed, ignore_eos", **out}
+    out["goals"] = ag.goals(out, pr)
+    write_result(pr, rec, dst, out, default=float)
+    log("wrote", dst)
+    for goal in out["goals"]:
+        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
 
 
 def concurrency(a) -> None:

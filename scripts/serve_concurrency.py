@@ -107,7 +107,7 @@ def run_clients(bs, model, arm: str, clients: int, parallel: int, ram: int, ids:
            "newcomer_ttft_s": new, "requests": turns * clients, "answered": codes.count(200),
            "refused_503": codes.count(503), "other": [c for c in codes if c not in (200, 503)],
            "lost": turns * clients - codes.count(200) - codes.count(503),
-           "peak_after_load_bytes": peak, "oom_kills": kills, "log_errors": bs._errors(err),
+           "peak_after_load_bytes": peak, "oom_kills": kills, "log_errors": bs.log_errors(err),
            "stats": {k: stats.get(k) for k in ("slots", "rows_per_step", "expert_union_per_step") if k in stats},
            "clients_detail": results}
     new_s = f", newcomer ttft {new:.2f} s" if new is not None else ""

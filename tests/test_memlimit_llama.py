@@ -298,9 +298,9 @@ def test_the_compute_buffer_is_given_back_after_a_prompt(model, monkeypatch):
     assert r["tokens"] == kept["tokens"] == _llama_predictions(model["stock"], [ids], 512, N_NEW, n_ctx=1024)
     # a buffer the runtime cannot give back (not the one llama.cpp logged): decode gives up the
     # slots it had counted on, once the prompt is done
-    import mbolt.runtime.streamer as streamer
+    import mbolt.runtime.memory as memory
 
-    monkeypatch.setattr(streamer, "give_back", lambda buffer, compute_bytes: False)
+    monkeypatch.setattr(memory, "give_back", lambda buffer, compute_bytes: False)  # runtime.arm.BudgetedArm's
     failed = run()
     assert failed["releases"] == 0
     assert failed["decode_after"] == max(failed["prefill"], failed["decode"] - math.ceil(freed))

@@ -29,11 +29,13 @@ import shutil
 import subprocess
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 import numpy as np
 
 from mbolt.bench.arms import Arm, ArmJob, RoundResult
 from mbolt.runtime.driver import open_driver, check_llama_streamable
+from mbolt.runtime.kernel_stream import is_kernel_path
 from mbolt.bench.env import wait_quiet
 from mbolt.core.errors import MboltError
 from mbolt.core.memlimit import reset_own_peak
@@ -52,6 +54,11 @@ def check_llama_arms(arms: list[Arm], info: dict, mode: str, ram: int = 0, drive
             raise MboltError(f"arm {a.name}: an os arm reads through page faults and has no slot cache (drop cache=)")
         if a.warm and a.cache_slots:
             raise MboltError(f"arm {a.name}: a warm arm keeps everything resident: cache= means nothing there")
+        if a.repacked and (a.mode != "os" or not a.warm):
+            raise MboltError(f"arm {a.name}: repacked is llama.cpp's default load, which copies the experts into its "
+                             "own memory: an os arm, warm (a model larger than RAM cannot load that way)")
+        if a.inline and not (a.mode != "os" and Path(a.path).exists() and is_kernel_path(a.path)):
+            raise MboltError(f"arm {a.name}: inline is a way to read a kernel-layout file (mbolt repack)")
         if a.asynchronous and a.mode == "os":
             raise MboltError(f"arm {a.name}: async is a way to issue explicit reads; an os arm issues none")
         if a.resident_frac is not None:
@@ -225,7 +232,7 @@ def worker_main() -> int:
     job = ArmJob(**spec["job"])
     home = become_ordinary_user() if arm.user else None
     try:
-        res = llama_round(arm, moe_map(arm.path), job)
+        res = llama_round(arm, moe_map(arm.path, kernel_ok=True), job)
     except MboltError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -247,11 +254,13 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                          pins=arm.pins, n_ctx=job.n_ctx, n_ubatch=arm.n_ubatch or job.n_ubatch,
                          native_misses=not arm.py_misses, drop_behind=not arm.drops_now,
                          give_back_compute=not arm.keep_compute, n_seq=arm.parallel,
-                         overlay=not arm.page_cache_passes, use_order=not arm.file_order)
+                         overlay=not arm.page_cache_passes, use_order=not arm.file_order,
+                         **({"repacked": True} if arm.repacked else {}), **({"read_behind": False} if arm.inline else {}))
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()
         if arm.warm:
+            stream.hold_all()
             note = "warm arm: every page resident by design (not a cold measurement)"
             if stream.budget:  # the cache sized from the budget, nothing dropped: the hot path under a budget
                 stream.fit_budget()
@@ -271,7 +280,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                             if reads else "plain llama.cpp (nothing dropped, nothing locked)"))
             if arm.user:
                 note += (f"; as uid {os.geteuid()} ({ORDINARY_UID}), RLIMIT_MEMLOCK {ORDINARY_MEMLOCK} B, "
-                         f"C filter {'built by it' if stream.runner.native_filter else 'absent (Python callback)'}")
+                         f"C filter {'built by it' if stream.native_filter else 'absent (Python callback)'}")
         peak_load = reset_own_peak() if job.ram else None  # the load touched the whole group: what follows counts
         io, marks = None, []
         if job.drive:
@@ -304,21 +313,39 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                        n_ctx=stream.n_ctx, n_ubatch=stream.n_ubatch, followup_bytes=run.followup_bytes,
                        peak_load_bytes=peak_load, reclaimed=stream.reclaimed,
                        tokens_sha256=hashlib.sha256(json.dumps(run.generated).encode()).hexdigest(),
+                       kernels="mapped" if stream.repacking == "off" else "repacked",
                        dense_copied_bytes=stream.copied_bytes, decode_slots=stream.decode_slots or 0,
                        **(dict(zip(("drive_decode_bytes", "drive_decode_reads", "drive_decode_tokens"), decode_served))
                           if decode_served else {}))
 
 
 def check_same_tokens(rounds: list[RoundResult]) -> None:
-    """Every arm of every round generated the same greedy tokens, or the result is refused."""
-    ref = next((r for r in rounds if r.generated is not None), None)
+    """Every arm of every round computed by the same kernels generated the same greedy tokens, or the
+    result is refused. llama.cpp's repacked kernels sum in another order than its kernels over the
+    file's pages, so their logits differ in the last bits, and a near tie can go the other way:
+    those are compared within their kind (`tokens_agreement` says how far the kinds agree)."""
+    refs: dict[str, RoundResult] = {}
     for r in rounds:
+        ref = refs.setdefault(r.kernels, r) if r.generated is not None else None
         if r.generated is None or r.generated == ref.generated:
             continue
         where = next((f"prompt {p}, token {i}" for p, (x, y) in enumerate(zip(ref.generated, r.generated))
                       for i, (u, v) in enumerate(zip(x, y)) if u != v), "token counts")
         raise MboltError(f"arm {r.arm} round {r.round} generated other tokens than arm {ref.arm} round {ref.round} "
                          f"(first difference at {where}): the arms do not compute the same model, refusing the result")
+
+
+def tokens_agreement(rounds: list[RoundResult]) -> float | None:
+    """The share of greedy tokens the repacked kernels' arms and the mapped ones' agree on (None:
+    one kind only)."""
+    kinds = {}
+    for r in rounds:
+        if r.generated is not None:
+            kinds.setdefault(r.kernels, r.generated)
+    if len(kinds) < 2:
+        return None
+    a, b = (sum(kinds[k], []) for k in sorted(kinds))
+    return sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
 
 
 def llama_summary(arms: list[Arm], rounds: list[RoundResult], summary: list[dict]) -> list[dict]:
@@ -348,7 +375,9 @@ def llama_summary(arms: list[Arm], rounds: list[RoundResult], summary: list[dict
                                          if all(r.device_bytes is not None for r in rs) else None)
         if a.mode == "os":
             row["mb_per_s"] = None  # page faults happen inside the compute: no read time to divide by
-        row["tokens_identical"] = True
+        row["tokens_identical"] = True  # within its kernels (check_same_tokens)
+        row["kernels"] = rs[0].kernels
+        row["tokens_agreement_across_kernels"] = tokens_agreement(rounds)
         row["engine"] = "llama.cpp"
     return summary
 

@@ -34,6 +34,8 @@ class Arm:
     parallel: int = 1  # --engine llama.cpp: prompts decoded this many at a time, one token of each per step
     page_cache_passes: bool = False  # --ram: prompt passes read through the page cache (not laid over with O_DIRECT)
     file_order: bool = False  # --engine llama.cpp: decode misses read in the file's tensor order, not llama.cpp's
+    repacked: bool = False  # --engine llama.cpp, os arm: llama.cpp's default load (weights repacked into its buffers)
+    inline: bool = False  # a kernel-layout file: a layer's up and down rows read before its matmuls, not behind them
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -44,20 +46,21 @@ ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
             "callback": bool, "async": bool, "pins": bool, "ubatch": int, "user": bool,
             "pymisses": bool, "dropsnow": bool, "keepcompute": bool, "parallel": int, "passcache": bool,
-            "fileorder": bool}
+            "fileorder": bool, "repacked": bool, "inline": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
     frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins, ubatch, user, pymisses,
-    dropsnow, keepcompute, parallel, passcache, fileorder."""
+    dropsnow, keepcompute, parallel, passcache, fileorder, repacked, inline."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
         k, eq, v = item.partition("=")
         if k not in ARM_KEYS:
             raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, "
-                             "async, pins, ubatch, user, pymisses, dropsnow, keepcompute, parallel, passcache, fileorder)")
+                             "async, pins, ubatch, user, pymisses, dropsnow, keepcompute, parallel, passcache, fileorder, "
+                             "repacked, inline)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)
@@ -152,7 +155,8 @@ class RoundResult:
     followup_bytes: int = 0  # read by the runtime's pass reader during the follow-up turn
     peak_load_bytes: int | None = None  # --ram: the group's peak through the load (then reset: peak_bytes is after it)
     reclaimed: int = 0  # cached experts the kernel reclaimed (read again)
-    tokens_sha256: str = ""  # of the generated tokens (the same in every arm, or the run is refused)
+    tokens_sha256: str = ""  # of the generated tokens (the same in every arm of its kernels, or the run is refused)
+    kernels: str = "mapped"  # llama.cpp's kernels for the repackable weights: mapped (the file's pages) or repacked
     dense_copied_bytes: int = 0  # dense weights held as anonymous copies (mlock refused: an ordinary user)
     decode_slots: int = 0  # --ram, mbolt's runtime: expert slots per layer at the end (after any given back)
     drive_served_bytes: int | None = None  # --drive: what the device served the arm's group (the kernel's count)
@@ -171,7 +175,7 @@ def check_same_model(arms: list[Arm]) -> dict[str, tuple[MoeMap, str]]:
     for a in arms:
         if not Path(a.path).exists():
             raise MboltError(f"{a.path}: no such file")
-        mm = moe_map(a.path)
+        mm = moe_map(a.path, kernel_ok=True)  # an arm may stream a kernel-layout file
         rm = mm.route_map
         fp = rm.source_fingerprint
         if ref is None:

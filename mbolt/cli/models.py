@@ -225,16 +225,16 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
     limit, where = budget(ram) if (stream and not drop_every_token and not cache_slots) else (None, "")
     with open_driver(model, reads=stream, evict=stream, cache_slots=cache_slots, qd=qd, gap=gap, budget=limit,
                      asynchronous=stream and not blocking, pins=pins, n_ctx=ctx_size, n_ubatch=ubatch) as s:
-        ids = s.runner.tokenize(prompt, add_special=True)
+        ids = s.tokenize(prompt, add_special=True)
         if not ids:
             raise MboltError("the prompt has no tokens")
-        if len(ids) + n > s.runner.n_ctx:
+        if len(ids) + n > s.n_ctx_seq:
             raise MboltError(f"the prompt's {len(ids)} tokens and {n} new ones do not fit a context of "
-                             f"{s.runner.n_ctx} tokens: give a larger --ctx-size/-c")
+                             f"{s.n_ctx_seq} tokens: give a larger --ctx-size/-c")
         if stream:
             s.make_cold()
         if not as_json:
-            err_console.print(f"[dim]llama.cpp: {REPACK_NOTE}[/]")
+            err_console.print(f"[dim]llama.cpp: {REPACK_NOTE if s.repacking == 'off' else 'repacking ' + s.repacking}[/]")
             if limit:
                 err_console.print(f"[dim]budget {limit / 2**30:.2f} GiB ({where}): {s.describe_budget()}[/]",
                                   highlight=False)
@@ -245,7 +245,7 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
         text = s.detokenize(run.generated[0])
     tok = max(run.decode_tokens, 1)
     res = {"engine": "llama.cpp", "stream": stream, "cache_slots": s.cache_slots, "budget_bytes": limit,
-           "budget_from": where or None, "repacking": "off", "qd": qd, "gap": gap, "async_reads": stream and not blocking,
+           "budget_from": where or None, "repacking": s.repacking, "qd": qd, "gap": gap, "async_reads": stream and not blocking,
            "drop_every_token": drop_every_token, "pinned_per_layer": s.pinned_per_layer,
            "n_ctx": s.n_ctx, "n_ubatch": s.n_ubatch, "flash_attn": s.flash_attn,
            "dense_locked_bytes": s.locked_bytes, "dense_copied_bytes": s.copied_bytes,
@@ -262,7 +262,9 @@ def _generate_llama(model, prompt, n, stream, ram, cache_slots, drop_every_token
         return
     console.print(prompt, end="", highlight=False, markup=False)
     console.print(text, style="bold", highlight=False, markup=False)
-    how = (f"mbolt streaming ({'blocking reads QD%d' % qd if blocking else 'async reads'}, gap {gap} B, "
+    reads = ("kernel layout, reads into llama.cpp's buffers QD%d" % qd if s.repacking != "off"
+             else 'blocking reads QD%d' % qd if blocking else 'async reads')
+    how = (f"mbolt streaming ({reads}, gap {gap} B, "
            f"{s.cache_slots} cache slots/layer"
            f"{f' ({s.prefill_slots} during the prompt)' if s.prefill_slots and s.prefill_slots != s.cache_slots else ''}"
            f"{', every expert dropped after every token' if drop_every_token else ''})"

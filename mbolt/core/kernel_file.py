@@ -108,6 +108,19 @@ def copied_kvs(h: GGUFHeader, head: bytes, architecture: str, drop=()) -> list[b
             if not kv.key.startswith(P) and kv.key not in drop]
 
 
+def stock_view(k: KernelFile) -> GGUFHeader:
+    """The kernel-layout file's own header as the model it holds: the real architecture, every
+    tensor where this file holds it (what the runtime reads experts from, runtime.kernel_stream),
+    and the source's fingerprint (the same model as the stock file it was made from)."""
+    from dataclasses import replace
+
+    from mbolt.core.header import KV
+
+    kv = {key: v for key, v in k.header.kv.items() if not key.startswith(P)}
+    kv["general.architecture"] = KV("general.architecture", V.STRING, k.architecture)
+    return replace(k.header, kv=kv, fingerprint=k.source.fingerprint)
+
+
 def llama_header(k: KernelFile) -> bytes:
     """The header llama.cpp loads a kernel-layout file with: its own keys and tensor infos (the
     same offsets), the real architecture, none of the mbolt.kernel records. Its data section is

@@ -206,16 +206,20 @@ def _packed_virtuals(blob: TensorInfo, pl, n_experts: int, path) -> list[ExpertT
     return out
 
 
-def moe_map(src: str | os.PathLike | GGUFHeader) -> MoeMap:
+def moe_map(src: str | os.PathLike | GGUFHeader, kernel_ok: bool = False) -> MoeMap:
     """Build the MoE map of a GGUF file or split set (given any shard); raises MboltError for
-    non-MoE or damaged files and incomplete or mixed sets."""
+    non-MoE or damaged files and incomplete or mixed sets. A kernel-layout file (`mbolt repack`)
+    is refused unless `kernel_ok` (the runtime, which streams it: the map of the model it holds,
+    its tensors where the file holds them)."""
     header = src if isinstance(src, GGUFHeader) else open_model_header(src)
     path = header.path
     arch = header.get("general.architecture")
     if not isinstance(arch, str):
         raise MboltError(f"{path}: no general.architecture in the metadata")
-    from mbolt.core.kernel_file import KERNEL_ARCH
+    from mbolt.core.kernel_file import KERNEL_ARCH, read_kernel, stock_view
 
+    if arch == KERNEL_ARCH and kernel_ok:
+        return moe_map(stock_view(read_kernel(path)))
     if arch == KERNEL_ARCH:  # its weights are laid out for llama.cpp's kernels, not for reading as stock
         raise MboltError(f"{path}: a kernel-layout file ({header.get('mbolt.kernel.build')}, written by mbolt "
                          f"repack): `mbolt repack --restore` gives the stock file back for this command")

@@ -11,6 +11,9 @@ prefill   long background reads of a prompt pass's experts
 arm       what both arms share (the streamable check, prompt counters, this process's memory)
 streamer  the streaming arm: what mbolt does at each layer's expert selection (reads and drops)
 plain     the plain arm: llama.cpp with the file mapped, what the runtime is measured against
+kernel_load    a kernel-layout file (mbolt repack) into llama.cpp's own buffers, nothing repacked
+rows           a kernel-layout file's experts as rows of those buffers: where, read in, given back
+kernel_stream  the streaming arm over a kernel-layout file (reads into rows, the same budget and rule)
 sampling  llama.cpp's sampler chain (grammar, penalties, top-k/p, min-p, temperature)
 driver    the decode driver: prompts, decode steps, sequences, and the measured generate loop
 """

@@ -12,7 +12,16 @@ from mbolt.core.moe_map import MoeMap
 
 class Arm:
     """What both arms are as objects: a model opened and checked, its context's size resolved;
-    closed by `close`, also as a context manager."""
+    closed by `close`, also as a context manager. `llama_model`: a model the arm loaded itself
+    (runtime.kernel_stream), else None and the driver's runner loads `model_path`."""
+
+    llama_model: int | None = None
+    repacking = "off"  # where the weights' repacked layout comes from: off (pages of the mapped file) or the file
+    load_mode: str | None = "mmap"  # how the runner loads model_path (runtime.runner.LlamaRunner; None: llama.cpp's default)
+
+    def hold_all(self) -> None:
+        """Every expert resident before a warm measurement (a mapped file's pages are the page cache's:
+        nothing to do here)."""
 
     def _open(self, path, mm: MoeMap | None, n_ctx: int | None, n_ubatch: int, f32_kv: bool,
               flash_attn: bool | None) -> None:
@@ -39,6 +48,48 @@ class Arm:
 
     def __exit__(self, *exc):
         self.close()
+
+
+class BudgetedArm(Arm):
+    """What both streaming arms (runtime.streamer, runtime.kernel_stream) share about their budget
+    (runtime.budget.Budget, or None without one) and llama.cpp's compute buffer: `tap` (the eval
+    callback, which knows the buffer once a graph ran), `memory` (what llama.cpp logged) and
+    `_computed` (a graph ran since the buffer's pages were last given back)."""
+
+    budget = tap = memory = None
+    give_back_compute = True
+    compute_releases = 0  # prompts after which the compute buffer's pages were given back
+    _computed = False
+
+    @property
+    def plan(self):
+        return self.budget.plan if self.budget else None
+
+    @property
+    def prefill_slots(self) -> int | None:
+        return self.budget.prefill_slots if self.budget else None
+
+    @property
+    def decode_slots(self) -> int | None:
+        return self.budget.decode_slots if self.budget else None
+
+    def release_compute(self) -> bool:
+        """The compute buffer's pages given back (runtime.memory.give_back); False when it is not
+        known (no graph reached the callback) or not the one llama.cpp logged."""
+        from mbolt.runtime.memory import give_back
+
+        buf = self.tap.buffer if self.tap is not None else None
+        if buf is None or self.memory is None or not give_back(buf, self.memory.compute_bytes):
+            return False
+        self._computed = False
+        self.compute_releases += 1
+        return True
+
+    def compute_pending(self) -> tuple[int, int]:
+        """The compute buffer's bytes not resident now that a prompt pass, and a decode step, will
+        touch (a decode step touches its own graph's part: the buffer is given back after each prompt)."""
+        pending = self.memory.compute_bytes if (not self._computed and self.memory is not None) else 0
+        return pending, (min(pending, self.plan.decode_compute_bytes) if self.give_back_compute else pending)
 
 
 def check_llama_streamable(mm: MoeMap, path: str) -> None:

@@ -120,9 +120,9 @@ class Driver:
         hooks = _Hooks([arm, *watchers])
         try:
             self.runner = LlamaRunner(arm.model_path, n_ctx=arm.n_ctx, n_threads=n_threads, capture=False,
-                                      on_topk=hooks.on_topk if arm.uses_callback else None, load_mode="mmap",
+                                      on_topk=hooks.on_topk if arm.uses_callback else None, load_mode=arm.load_mode,
                                       f32_kv=arm.f32_kv, flash_attn=arm.flash_attn, n_batch=arm.n_ubatch,
-                                      n_seq=n_seq)
+                                      n_seq=n_seq, model=arm.llama_model)
             self.runner.hooks = hooks
             arm.attach(self.runner.memory, self.runner.tap)
         except BaseException:
@@ -140,6 +140,11 @@ class Driver:
     @property
     def n_seq(self) -> int:
         return self.runner.n_seq
+
+    @property
+    def native_filter(self) -> bool:
+        """The eval callback's C filter was built (else Python answers every selection)."""
+        return self.runner.native_filter
 
     # ---- sequences ----
 
@@ -221,6 +226,83 @@ class Driver:
         self.runner.reset(seq)
         for s in (range(self.n_seq) if seq is None else [seq]):
             self.tokens[s] = []
+
+    # ---- for the server (nothing above the driver reaches the runner) ----
+
+    @property
+    def n_ctx_seq(self) -> int:
+        """The tokens one sequence holds at most: llama.cpp's context per sequence, which it pads
+        up to a multiple of 256 (so it can exceed the arm's n_ctx, what was asked)."""
+        return self.runner.n_ctx
+
+    @property
+    def n_batch(self) -> int:
+        """Rows of one llama_decode (a prompt pass's tokens plus the replies' decode rows)."""
+        return self.runner.n_batch
+
+    @property
+    def n_vocab(self) -> int:
+        return self.runner.n_vocab
+
+    @property
+    def n_layer(self) -> int:
+        """The model's layers as llama.cpp counts them (what a saved state was laid out for)."""
+        return int(self.runner.L.llama_model_n_layer(self.runner.model))
+
+    @property
+    def bos_token(self) -> int:
+        return int(self.runner.L.llama_vocab_bos(self.runner.vocab))
+
+    @property
+    def eos_token(self) -> int:
+        return int(self.runner.L.llama_vocab_eos(self.runner.vocab))
+
+    def tokenize(self, text: str, add_special: bool = False, parse_special: bool = False) -> list[int]:
+        return self.runner.tokenize(text, add_special=add_special, parse_special=parse_special)
+
+    def sample(self, sampler: "Sampler", row: int) -> int:
+        """The token `sampler` draws from output `row` of the last llama_decode (a step's row i is
+        its i-th feed; a prompt pass's rows are told by `prompt_pass`)."""
+        return sampler.sample(self.runner.ctx, row)
+
+    def abort_flag(self):
+        """A flag (native.AbortFlag) that, set, stops the llama_decode under way at its next node
+        (it then fails); kept here too: llama.cpp calls it until the context is freed."""
+        from mbolt.runtime.native import AbortFlag
+
+        flag = AbortFlag(self.runner.L)
+        self.runner.L.llama_set_abort_callback(self.runner.ctx, flag.cb, flag.data)
+        self._abort_flag = flag
+        return flag
+
+    def copy_sequence(self, src: int, dst: int, n: int) -> bool:
+        """Sequence `dst` takes the first `n` tokens of what `src` holds (llama_memory_seq_cp:
+        between the streams of a context that is not unified, llama.cpp copies the stream's buffers
+        at the next llama_decode, before the batch is computed); False as `hold`."""
+        L = self.runner.L
+        self.forget(dst)
+        L.llama_memory_seq_cp(L.llama_get_memory(self.runner.ctx), src, dst, -1, -1)
+        return self.hold(dst, self.tokens[src], n)
+
+    @property
+    def kv_cache_only(self) -> bool:
+        """The context's memory is a KV cache alone (not a recurrent state, a hybrid, or a sliding
+        window): a sequence's state is the cells of its own stream."""
+        L, model = self.runner.L, self.runner.model
+        return (not L.llama_model_is_recurrent(model) and not L.llama_model_is_hybrid(model)
+                and int(L.llama_model_n_swa(model)) == 0)
+
+    def state_size(self, seq: int) -> int:
+        return int(self.runner.L.llama_state_seq_get_size(self.runner.ctx, seq))
+
+    def save_state(self, seq: int, buf) -> int:
+        """A sequence's state into `buf` (a ctypes byte array of `state_size` bytes); bytes written."""
+        return int(self.runner.L.llama_state_seq_get_data(self.runner.ctx, buf, len(buf), seq))
+
+    def load_state(self, seq: int, buf) -> int:
+        """A saved state into sequence `seq`; bytes read, 0 when llama.cpp refuses it (`hold` then
+        tells the driver its tokens)."""
+        return int(self.runner.L.llama_state_seq_set_data(self.runner.ctx, buf, len(buf), seq))
 
     # ---- the measured loop ----
 
@@ -354,17 +436,21 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     gap, qd, cache_slots, budget, asynchronous, pins; `evict=False` a warm control), else plain
     llama.cpp (`evict`: drop every expert page after each decode step, the emulation without a
     limit; `callback`: the eval callback alone; `record`: keep each step's selections)."""
+    from mbolt.runtime.kernel_stream import is_kernel_path, kernel_arm
     from mbolt.runtime.memory import default_ubatch
     from mbolt.runtime.plain import PlainLlama
 
     common = dict(mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch or default_ubatch(reads, n_seq), f32_kv=f32_kv, flash_attn=flash_attn,
                   record=record)
-    if reads:
+    if is_kernel_path(path):
+        arm = kernel_arm(path, reads, evict, n_seq, common, runtime_options)
+    elif reads:
         arm = StreamRuntime(path, evict=evict, n_seq=n_seq, **common, **runtime_options)
     else:
         if runtime_options.get("pins"):
             raise MboltError("pins keep experts the runtime reads: they need explicit reads")
-        arm = PlainLlama(path, drop_after_step=evict, callback=bool(callback), **common)
+        arm = PlainLlama(path, drop_after_step=evict, callback=bool(callback),
+                         repacked=bool(runtime_options.get("repacked")), **common)
     try:
         return Driver(arm, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
     except BaseException:

@@ -26,6 +26,7 @@ import ctypes
 import mmap
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -185,43 +186,56 @@ def find_weights(L, model, names: set[str]) -> dict[str, int]:
     return found
 
 
+@contextmanager
+def stand_in(k: KernelFile):
+    """A path llama.cpp loads for the kernel-layout file `k`: its header with the real architecture
+    (core.kernel_file.llama_header) over a data section of holes (read as zeros, no I/O), in a
+    memfd that lives as long as the block (what a load, or llama.cpp's memory-fit pass, reads)."""
+    header = llama_header(k)
+    start = -(-len(header) // k.header.alignment) * k.header.alignment
+    fd = os.memfd_create("mbolt-kernel-header")
+    try:
+        os.write(fd, header)
+        os.ftruncate(fd, start + (k.header.file_size - k.header.data_offset))
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
+
+
+def this_build(L) -> Build:
+    info = L.llama_print_system_info()
+    return build_of(info.decode() if isinstance(info, bytes) else str(info))
+
+
 def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) -> KernelModel:
     """Load a kernel-layout file into llama.cpp (nothing filled yet: see `fill`/`fill_all`)."""
     L = lib()
     L.llama_backend_init()
     k = read_kernel(path)
-    if build is None:
-        info = L.llama_print_system_info()
-        build = build_of(info.decode() if isinstance(info, bytes) else str(info))
-    check_build(k, build)
-    header = llama_header(k)
-    start = -(-len(header) // k.header.alignment) * k.header.alignment
-    shadow = os.memfd_create("mbolt-kernel-header")
+    check_build(k, build or this_build(L))
     t0, c0 = time.perf_counter(), time.process_time()
     try:
-        os.write(shadow, header)
-        os.ftruncate(shadow, start + (k.header.file_size - k.header.data_offset))  # holes: read as zeros, no I/O
-        # a run this long is a model buffer (the smallest weight's size would do; 1 MiB leaves out
-        # the loader's 1 MiB staging buffers)
-        drops = _LoadDrops(least=2 << 20)
-        # every buffer a fresh map while llama.cpp loads: glibc would otherwise serve one below its
-        # dynamic threshold (up to 32 MiB) from heap pages already touched, which the drops miss
-        libc().mallopt(M_MMAP_THRESHOLD, 1 << 20)
-        on_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(drops)
-        with captured_log(L) as lines:
-            mp = L.llama_model_default_params()
-            set_fields(mp, n_gpu_layers=0, load_mode=L.LLAMA_LOAD_MODE_NONE, use_extra_bufts=True,
-                       progress_callback=on_progress)
-            model = L.llama_model_load_from_file(f"/proc/self/fd/{shadow}".encode(), mp)
-            if not model:
-                tail = [ln for ln in lines if "error" in ln.lower()][-1:] or ["(no message)"]
-                raise MboltError(f"{k.header.path}: llama.cpp could not load it: {tail[0].strip()}")
-            load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
-            names = {t.name for t in k.header.tensors}
-            addr = {n: int(GgmlTensor.from_address(t).data) for n, t in find_weights(L, model, names).items()}
+        with stand_in(k) as shadow_path:
+            # a run this long is a model buffer (the smallest weight's size would do; 1 MiB leaves out
+            # the loader's 1 MiB staging buffers)
+            drops = _LoadDrops(least=2 << 20)
+            # every buffer a fresh map while llama.cpp loads: glibc would otherwise serve one below its
+            # dynamic threshold (up to 32 MiB) from heap pages already touched, which the drops miss
+            libc().mallopt(M_MMAP_THRESHOLD, 1 << 20)
+            on_progress = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_float, ctypes.c_void_p)(drops)
+            with captured_log(L) as lines:
+                mp = L.llama_model_default_params()
+                set_fields(mp, n_gpu_layers=0, load_mode=L.LLAMA_LOAD_MODE_NONE, use_extra_bufts=True,
+                           progress_callback=on_progress)
+                model = L.llama_model_load_from_file(shadow_path.encode(), mp)
+                if not model:
+                    tail = [ln for ln in lines if "error" in ln.lower()][-1:] or ["(no message)"]
+                    raise MboltError(f"{k.header.path}: llama.cpp could not load it: {tail[0].strip()}")
+                load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
+                names = {t.name for t in k.header.tensors}
+                addr = {n: int(GgmlTensor.from_address(t).data) for n, t in find_weights(L, model, names).items()}
     finally:
         libc().mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold (now fixed)
-        os.close(shadow)
     missing = sorted(names - set(addr))
     if missing:
         L.llama_model_free(model)

@@ -15,6 +15,8 @@ refused), and the compute buffer's pages become resident during the first prompt
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from mbolt.core.errors import MboltError
@@ -83,7 +85,11 @@ def simulate(path: str, n_ctx: int, n_ubatch: int = DEFAULT_UBATCH, *, flash_att
              f32_kv: bool = False, n_seq: int = 1) -> ContextMemory:
     """llama.cpp's own sizes for `n_seq` sequences of `n_ctx` tokens and `n_ubatch`-token passes over
     the model at `path` (its memory-fit pass: nothing allocated)."""
-    key = (str(path), int(n_ctx), int(n_ubatch), bool(flash_attn), bool(f32_kv), int(n_seq))
+    try:
+        st = os.stat(path)  # a file by its inode too: a kernel-layout file's stand-in is a memfd whose path recurs
+    except OSError as e:
+        raise MboltError(f"{path}: {e.strerror}") from None
+    key = (str(path), st.st_ino, st.st_mtime_ns, int(n_ctx), int(n_ubatch), bool(flash_attn), bool(f32_kv), int(n_seq))
     if key in _SIMULATED:
         return _SIMULATED[key]
     L = lib()

@@ -287,11 +287,30 @@ python:
 /* ggml_backend_sched_eval_callback: the scheduler asks about every node (ask), then hands over
    the ones we asked for once computed; only computed ffn_moe_topk-N nodes with an uncached expert
    reach Python */
+static int wait_node(const char * name) {
+    if (strncmp(name, "ffn_moe_gate-", 13) == 0) {
+        return 13;
+    }
+    if (strncmp(name, "ffn_moe_up-", 11) == 0) {
+        return 11;
+    }
+    return 0;
+}
+
 bool mbolt_topk_filter(void * t, bool ask, void * user) {
     struct mbolt_filter * f = (struct mbolt_filter *) user;
     const char * name = (const char *) t + f->name_offset;
     if (strncmp(name, "PREFIX", PREFIX_LEN) != 0) {
-        return !ask;
+        const int len = f->waits != NULL ? wait_node(name) : 0;
+        if (len == 0) {
+            return !ask;
+        }
+        if (ask) {
+            return true;
+        }
+        /* a gate or up matmul computed: Python waits there for the next one's rows, if any are due */
+        const int layer = atoi(name + len);
+        return (layer >= 0 && layer < f->n_layers && f->waits[layer]) ? f->python(t, ask, NULL) : true;
     }
     if (ask) {
         return true;

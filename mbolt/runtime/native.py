@@ -48,6 +48,9 @@ from mbolt.core.clib import load_c_library
 PAGE = mmap.PAGESIZE
 
 TOPK_PREFIX = b"ffn_moe_topk-"  # the graph nodes whose computed values are the selected experts
+# the expert matmuls before the last, in llama.cpp's order (build_moe_ffn: gate, up, then down):
+# once one is computed, the next one's rows must be there (runtime.kernel_stream reads behind them)
+WAIT_NODES = {b"ffn_moe_gate-": "gate", b"ffn_moe_up-": "up"}
 
 _HERE = Path(__file__).parent
 SOURCES = {"native.h": (_HERE / "native.h").read_text(),  # what the two files share
@@ -64,7 +67,7 @@ class _Filter(ctypes.Structure):
                 ("perm", ctypes.c_void_p), ("cached", ctypes.c_void_p), ("stamp", ctypes.c_void_p),
                 ("clock", ctypes.c_void_p), ("seen", ctypes.c_void_p), ("fast_layers", ctypes.c_int64),
                 ("fast_experts", ctypes.c_int64), ("misses", ctypes.c_void_p), ("keys", ctypes.c_void_p),
-                ("marks", ctypes.c_void_p)]
+                ("marks", ctypes.c_void_p), ("waits", ctypes.c_void_p)]
 
 
 MISS_COUNTS = ("layers", "experts", "hits", "misses", "reads", "bytes", "useful", "io_ns", "reclaimed", "victims",
@@ -121,6 +124,15 @@ class TopkFilter:
         u.perm, u.cached, u.stamp, u.clock, u.seen, u.keys, u.marks = (
             a.ctypes.data for a in (perm, cached, stamp, clock, self.seen, keys, marks))
         self._arrays = (perm, cached, stamp, clock, self.seen, keys, marks)  # alive as long as C may read them
+
+    def share_waits(self, waits: np.ndarray) -> None:
+        """Ask llama.cpp about each layer's ffn_moe_gate-N and ffn_moe_up-N nodes too (WAIT_NODES):
+        computed, they reach Python while `waits[layer]` (uint8 [n_layers], shared) is set, and are
+        answered here otherwise (runtime.kernel_stream: the next matmul's rows still arriving)."""
+        if waits.dtype != np.uint8 or not waits.flags.c_contiguous:
+            raise ValueError("waits must be a C-contiguous uint8 array")
+        self._waits = waits
+        self.user.waits = waits.ctypes.data
 
     def share_store_reads(self, store, pages, drop_behind: bool = True) -> None:
         """`share_reads` with a runtime.store.ExpertStore's LRU, descriptors and merge, and a

@@ -7,7 +7,9 @@ Variants for controlled measurements, all off by default:
 - `drop_after_step`: every expert page dropped after every decode step (the emulation of a model
   far larger than RAM, without a memory limit: every expert read every token);
 - `callback`: the eval callback installed at ffn_moe_topk-N, doing nothing (what it costs alone);
-- `record`: the callback keeps each decode step's selections (`step_routing`), as the runtime's.
+- `record`: the callback keeps each decode step's selections (`step_routing`), as the runtime's;
+- `repacked`: llama.cpp's default load (Q4_0/Q4_K/... experts repacked into its own memory), the
+  speed its fastest kernels give when the whole model fits (a warm reference, not a streaming arm).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ class PlainLlama(Arm):
 
     def __init__(self, path, *, mm: MoeMap | None = None, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
                  drop_after_step: bool = False, callback: bool = False, record: bool = False,
-                 f32_kv: bool = False, flash_attn: bool | None = None):
+                 f32_kv: bool = False, flash_attn: bool | None = None, repacked: bool = False):
         from mbolt.core.gguf_set import open_model_header
 
         self._open(path, mm, n_ctx, n_ubatch, f32_kv, flash_attn)
         self.drop_after_step, self.record = drop_after_step, record
+        if repacked:  # llama.cpp's default load: the repackable weights copied into its repack buffer
+            self.load_mode, self.repacking = None, "on (llama.cpp's default load)"
         self.uses_callback = bool(callback or record)
         self.model_path = str(open_model_header(self.path).path)
         self.memory: ContextMemory | None = None

@@ -19,12 +19,14 @@ from pathlib import Path
 import numpy as np
 
 from mbolt.core.errors import MboltError
+from mbolt.core.kernel_file import is_kernel_file
 from mbolt.runtime.binding import (GGML_TYPE_I32, NAME_OFFSET, TENSOR_OFFSETS, GgmlTensor, captured_log,
                                    check_tensor_layout, lib, quiet, set_fields)
 from mbolt.runtime.memory import DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, context_params, parse_log
-from mbolt.runtime.native import TOPK_PREFIX
+from mbolt.runtime.native import TOPK_PREFIX, WAIT_NODES
 
 _TOPK = re.compile(rb"^" + re.escape(TOPK_PREFIX) + rb"(\d+)$")
+_WAIT_HEADS = tuple(WAIT_NODES)
 
 
 class Phase(enum.Enum):
@@ -57,6 +59,8 @@ class TopkTap:
         self._cb = L.ggml_backend_sched_eval_callback(self._eval_cb)
         self.filter = topk_filter(self._cb, TENSOR_OFFSETS)  # names compared in C, when it builds
         self.native = self.filter is not None
+        self.on_wait = None  # on_wait(layer, role): a layer's gate or up matmul computed (share_waits)
+        self.waits: np.ndarray | None = None
 
     def fields(self) -> dict:
         """The llama_context_params fields that install it (before the context is created)."""
@@ -67,6 +71,14 @@ class TopkTap:
     def install(self, cp) -> None:
         set_fields(cp, **self.fields())
 
+    def share_waits(self, waits: np.ndarray, on_wait) -> None:
+        """Also ask about each layer's ffn_moe_gate-N and ffn_moe_up-N nodes (native.WAIT_NODES):
+        once computed, `on_wait(layer, role)` is called while `waits[layer]` is set (uint8
+        [n_layers], shared with the C filter), before the next expert matmul runs."""
+        self.waits, self.on_wait = waits, on_wait
+        if self.filter is not None:
+            self.filter.share_waits(waits)
+
     def raise_error(self) -> None:
         if self.error is not None:
             err, self.error = self.error, None
@@ -75,7 +87,10 @@ class TopkTap:
     def _eval_cb(self, t_ptr, ask, user):
         # called for every graph node (only for ffn_moe_topk-N behind the native filter): compare
         # the name's first bytes before building anything
-        if ctypes.string_at(t_ptr + NAME_OFFSET, len(TOPK_PREFIX)) != TOPK_PREFIX:
+        head = ctypes.string_at(t_ptr + NAME_OFFSET, len(TOPK_PREFIX))
+        if head != TOPK_PREFIX:
+            if self.on_wait is not None and head.startswith(_WAIT_HEADS):
+                return self._wait_node(t_ptr, ask)
             return not ask
         t = GgmlTensor.from_address(t_ptr)
         m = _TOPK.match(t.name)
@@ -87,6 +102,20 @@ class TopkTap:
             except BaseException as e:  # raised again by raise_error(); an exception cannot cross C
                 self.error = e
                 return False
+        return True
+
+    def _wait_node(self, t_ptr: int, ask: bool) -> bool:
+        name = GgmlTensor.from_address(t_ptr).name
+        head = next(h for h in WAIT_NODES if name.startswith(h))
+        if ask:
+            return True
+        try:
+            layer = int(name[len(head):])
+            if 0 <= layer < len(self.waits) and self.waits[layer]:
+                self.on_wait(layer, WAIT_NODES[head])
+        except BaseException as e:  # raised again by raise_error(); an exception cannot cross C
+            self.error = e
+            return False
         return True
 
     def _computed(self, t_ptr: int, t, layer: int) -> None:
@@ -116,12 +145,14 @@ class LlamaRunner:
     def __init__(self, path: str | os.PathLike, *, n_ctx: int = DEFAULT_CTX, n_threads: int | None = None,
                  f32_kv: bool = True, capture: bool = True, n_batch: int = DEFAULT_UBATCH, on_topk=None,
                  load_mode: str | None = None, vocab_only: bool = False, flash_attn: bool | None = None,
-                 all_logits: bool | None = None, n_seq: int = 1):
+                 all_logits: bool | None = None, n_seq: int = 1, model: int | None = None):
         """vocab_only: load the tokenizer alone (no tensors, no context): `tokenize` works, `eval` does not.
         n_batch: tokens per llama_decode, one graph each (n_ubatch = n_batch). flash_attn: default on,
         off with f32_kv (plain float32 attention). all_logits: eval(all_logits=True) is allowed (the
         compute buffer then holds n_batch rows of logits; default: with f32_kv, the parity setup).
         n_seq: sequences of n_ctx tokens each (a server's slots), decoded together by `decode_step`.
+        model: a llama_model already loaded (runtime.kernel_load), used instead of loading `path`
+        and not freed here (its loader owns it).
         `hooks` (set later: the runtime) is told what each llama_decode is before it runs
         (`begin(phase, n_rows)`) and that it is done (`end()`)."""
         L = self.L = lib()
@@ -130,7 +161,8 @@ class LlamaRunner:
         from mbolt.core.gguf_set import open_model_header
 
         # llama.cpp opens a split set from its first shard: check the set, hand it shard 1
-        path = self.path = Path(open_model_header(path).path)
+        header = open_model_header(path)
+        path = self.path = Path(header.path)
         mp = L.llama_model_default_params()
         # weights on the host: the runtime reads them through the file's mapping
         set_fields(mp, vocab_only=vocab_only, n_gpu_layers=0)
@@ -142,7 +174,14 @@ class LlamaRunner:
                 # weights into its own anonymous buffers at load time, so the expert matmuls never
                 # touch the mapped file and streaming would read for nothing
                 set_fields(mp, use_extra_bufts=False)
-        self.model = L.llama_model_load_from_file(str(path).encode(), mp)
+        self.owns_model = model is None
+        if model is None and is_kernel_file(header):
+            model = self._load_kernel_vocab(L, mp) if vocab_only else None
+            self.owns_model = True
+            if model is None:
+                raise MboltError(f"{path}: a kernel-layout file (mbolt repack): llama.cpp loads it through the "
+                                 "streaming runtime only (runtime.kernel_stream)")
+        self.model = L.llama_model_load_from_file(str(path).encode(), mp) if model is None else model
         if not self.model:
             raise MboltError(f"{path}: llama.cpp could not load the model")
         self.vocab = L.llama_model_get_vocab(self.model)
@@ -174,6 +213,14 @@ class LlamaRunner:
         self.batch = L.llama_batch_init(max(self.n_batch, self.n_seq), 0, 1)
         self.pos = [0] * self.n_seq  # tokens each sequence holds
         self.hooks = None
+
+    def _load_kernel_vocab(self, L, mp):
+        """The tokenizer of a kernel-layout file, from its stand-in header (runtime.kernel_load)."""
+        from mbolt.core.kernel_file import read_kernel
+        from mbolt.runtime.kernel_load import stand_in
+
+        with stand_in(read_kernel(self.path)) as p:
+            return L.llama_model_load_from_file(p.encode(), mp)
 
     # ---- use ----
 
@@ -324,7 +371,7 @@ class LlamaRunner:
         if getattr(self, "ctx", None):
             L.llama_free(self.ctx)
             self.ctx = None
-        if getattr(self, "model", None):
+        if getattr(self, "model", None) and self.owns_model:
             L.llama_model_free(self.model)
             self.model = None
 

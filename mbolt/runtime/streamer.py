@@ -43,9 +43,9 @@ from mbolt.core.errors import MboltError
 from mbolt.core.lru import by_last_use
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.pagecache import willneed_bytes
-from mbolt.runtime.arm import Arm, PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
+from mbolt.runtime.arm import BudgetedArm, PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
 from mbolt.runtime.budget import PREFETCH_SHARE, Budget, layer_bytes
-from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory, give_back
+from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
 from mbolt.runtime.pages import ExpertPages, can_move_pages
 from mbolt.runtime.prefill import LayerReader, PassOverlay, huge_pages, open_direct
 from mbolt.runtime.runner import Phase
@@ -54,7 +54,7 @@ from mbolt.runtime.store import ExpertStore
 PIN_SHARE = 0.75  # nuthatch's learned-pin default: that share of the slots pinned, the rest LRU
 
 
-class StreamRuntime(Arm):
+class StreamRuntime(BudgetedArm):
     """mbolt's reads and bounded expert memory inside a llama.cpp context (see the module docstring).
 
     gap, qd: the store's merge gap and read threads. cache_slots: per-layer LRU budget of experts
@@ -118,7 +118,6 @@ class StreamRuntime(Arm):
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
         self._computed = False  # no graph ran since the compute buffer's pages were last given back (or ever)
         self.tap = None  # the eval callback (it knows the compute buffer once a graph ran)
-        self.compute_releases = 0  # prompts after which the compute buffer's pages were given back
         self.prompt = PromptStats()
         moe = sorted(l.index for l in self.mm.moe_layers)
         self.moe_layers = set(moe)
@@ -148,20 +147,6 @@ class StreamRuntime(Arm):
         except BaseException:
             self.close()
             raise
-
-    # ---- what the budget decided (for the CLI, the benchmarks and /stats) ----
-
-    @property
-    def plan(self):
-        return self.budget.plan if self.budget else None
-
-    @property
-    def prefill_slots(self) -> int | None:
-        return self.budget.prefill_slots if self.budget else None
-
-    @property
-    def decode_slots(self) -> int | None:
-        return self.budget.decode_slots if self.budget else None
 
     # ---- the steps (called by the driver around each llama_decode) ----
 
@@ -262,16 +247,6 @@ class StreamRuntime(Arm):
             if self.give_back_compute and not self.release_compute():
                 self.budget.compute_kept()
             self._resize_cache(self.budget.decode_slots)
-
-    def release_compute(self) -> bool:
-        """The compute buffer's pages given back (runtime.memory.give_back); False when it is not
-        known (no graph reached the callback) or not the one llama.cpp logged."""
-        buf = self.tap.buffer if self.tap is not None else None
-        if buf is None or self.memory is None or not give_back(buf, self.memory.compute_bytes):
-            return False
-        self._computed = False
-        self.compute_releases += 1
-        return True
 
     # ---- a layer's reads and drops ----
 
@@ -440,9 +415,7 @@ class StreamRuntime(Arm):
             self.locked_bytes, self.copied_bytes = self.pages.hold_dense(lockable_bytes())
             self.pages.advise_experts()
         self.store.reserve(self.mm.n_used)
-        pending = self.memory.compute_bytes if (not self._computed and self.memory is not None) else 0
-        # a decode step touches its own graph's part of the buffer (given back after each prompt)
-        decode = min(pending, self.plan.decode_compute_bytes) if self.give_back_compute else pending
+        pending, decode = self.compute_pending()
         # the copied dense weights are anonymous: in own_bytes
         self.budget.fit(self.locked_bytes + own_bytes(), pending, decode)
         self.cache_slots = self.store.cache_slots = self.budget.decode_slots
