@@ -52,7 +52,7 @@ class KernelRuntime(BudgetedArm):
     def __init__(self, path, *, cache_slots: int = 0, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
                  mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, qd: int = 1,
-                 give_back_compute: bool = True, read_behind: bool = True):
+                 give_back_compute: bool = True, read_behind: bool = True, buffered: bool = False):
         from mbolt.core.kernel_file import read_kernel
         from mbolt.core.moe_map import moe_map
 
@@ -104,7 +104,7 @@ class KernelRuntime(BudgetedArm):
             self.km = load_kernel_model(path)
             self.llama_model = self.km.model
             self.rows = ExpertRows(self.mm, self.km)
-            self.reader = RowReader(self.path, qd)
+            self.reader = RowReader(self.path, qd, buffered=buffered)
             experts = {w.name for layer in self.mm.moe_layers for w in layer.weights}
             for name in self.km.places:  # the dense weights, once: they stay
                 if name not in experts:
@@ -171,6 +171,7 @@ class KernelRuntime(BudgetedArm):
             self.prompt.hits += len(ids) - len(missing)
             self.prompt.misses += len(missing)
         by_tensor = self.rows.runs_by_tensor(layer, missing)
+        self.reader.advise([r for t in by_tensor for r in t])  # buffered: every run queued with the drive now
         if self.waits is not None and missing:
             # the gate rows now; up and down on a thread while the gate, then the up matmul compute
             # (the callbacks at ffn_moe_gate-N and ffn_moe_up-N wait for them: _on_wait)

@@ -29,11 +29,15 @@ _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 class RowReader:
     """Reads byte runs of one file into memory: O_DIRECT into an aligned bounce buffer and one
-    copy (per thread), or buffered reads straight into place with the page cache dropped after."""
+    copy (per thread), or buffered reads straight into place with the page cache dropped after
+    (`buffered`, and where the filesystem has no O_DIRECT); buffered, `advise` queues a layer's
+    runs with the kernel at once (WILLNEED) before they are read in."""
 
-    def __init__(self, path: str, threads: int = 1):
+    def __init__(self, path: str, threads: int = 1, buffered: bool = False):
         self.path = path
         try:
+            if buffered:
+                raise OSError
             self.fd, self.direct = os.open(path, os.O_RDONLY | os.O_DIRECT), True
         except OSError:  # tmpfs and some filesystems have no O_DIRECT
             self.fd, self.direct = os.open(path, os.O_RDONLY), False
@@ -44,6 +48,13 @@ class RowReader:
         self._free = list(range(len(self._bounce)))
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self.counters = StoreCounters()
+
+    def advise(self, runs: list[tuple[int, int, int]]) -> None:
+        """Buffered: the kernel reads these runs now, all queued at once (WILLNEED); `read` then
+        copies what has arrived and waits for the rest. O_DIRECT: nothing (no page cache)."""
+        if not self.direct:
+            for off, _, n in runs:
+                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
 
     def read(self, runs: list[tuple[int, int, int]]) -> None:
         """Each run (file offset, address, bytes) read into place; returns when all are."""
