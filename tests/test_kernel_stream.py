@@ -146,7 +146,7 @@ def test_evicted_rows_leave_memory_and_shared_pages_stay(files):
         assert not ctypes.string_at(a, page).strip(b"\0")
 
 
-def _mbolt(*args, user=None):
+def _mbolt(*args):
     return subprocess.run([sys.executable, "-m", "mbolt", *map(str, args)], capture_output=True, text=True)
 
 

@@ -67,6 +67,16 @@ def resident_pages(path: str | os.PathLike) -> np.ndarray:
         os.close(fd)
 
 
+def memory_resident(a: int, b: int) -> np.ndarray | None:
+    """Per page of this process's memory [a, b) (page-aligned), whether it is resident (bool array,
+    mincore); None when mincore refuses the range."""
+    n = (b - a) // PAGE
+    vec = (ctypes.c_ubyte * max(n, 0))()
+    if n <= 0 or libc().mincore(ctypes.c_void_p(a), b - a, vec) != 0:
+        return None
+    return (np.frombuffer(vec, np.uint8) & 1).astype(bool)
+
+
 def residency_visible(path: str | os.PathLike) -> bool:
     """Whether this process may see the file's page-cache residency: the kernel answers mincore
     (and cachestat) for a file only to its owner, to whom may write it, or to root; anyone else

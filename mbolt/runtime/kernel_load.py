@@ -23,7 +23,6 @@ before each.
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 import time
 from contextlib import contextmanager
@@ -33,12 +32,10 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.kernel_file import KernelFile, check_build, llama_header, read_kernel
-from mbolt.core.pagecache import libc
+from mbolt.core.pagecache import MADV_DONTNEED, PAGE, libc, memory_resident
 from mbolt.core.repack import Build, build_of
 from mbolt.runtime.binding import GgmlTensor, captured_log, lib, set_fields
 
-MADV_DONTNEED = 4
-PAGE = mmap.PAGESIZE
 M_MMAP_THRESHOLD = -3  # mallopt: allocations from this size up get maps of their own
 
 
@@ -75,11 +72,9 @@ def _untouched_runs(spans: list[tuple[int, int]], least: int) -> list[tuple[int,
     structures) are written as soon as they are made, so they are never in a run."""
     runs = []
     for a, b in spans:
-        n = (b - a) // PAGE
-        vec = (ctypes.c_ubyte * n)()
-        if n < least // PAGE or libc().mincore(ctypes.c_void_p(a), b - a, vec) != 0:
+        res = memory_resident(a, b) if b - a >= least else None
+        if res is None:
             continue
-        res = np.frombuffer(vec, np.uint8) & 1
         edges = np.flatnonzero(np.diff(np.concatenate([[1], res, [1]])))  # starts and ends of zero runs
         for s, e in zip(edges[::2], edges[1::2]):
             if (e - s) * PAGE >= least:

@@ -156,6 +156,7 @@ class KernelRuntime(BudgetedArm):
         if spec.difference(ids):  # read ahead, not selected: given back before anything else is read
             self._drop(layer, spec.difference(ids))
         missing = [e for e in ids if e not in lru and e not in spec]
+        read_ahead = len(spec.intersection(ids))  # misses read before this layer asked
         gone = lru.admit(ids)
         now = [e for e in gone if e not in ids]
         if now:
@@ -165,8 +166,8 @@ class KernelRuntime(BudgetedArm):
         c = self.reader.counters
         c.calls += 1
         c.experts += len(ids)
-        c.hits += len(ids) - len(missing) - len(spec.intersection(ids))
-        c.misses += len(missing) + len(spec.intersection(ids))
+        c.hits += len(ids) - len(missing) - read_ahead
+        c.misses += len(missing) + read_ahead
         if self.phase is Phase.PROMPT:
             self.prompt.hits += len(ids) - len(missing)
             self.prompt.misses += len(missing)

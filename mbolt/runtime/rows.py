@@ -15,16 +15,13 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import USE_ORDER, MoeMap
-from mbolt.runtime.kernel_load import MADV_DONTNEED, KernelModel
+from mbolt.core.pagecache import MADV_DONTNEED, MADV_NOHUGEPAGE, PAGE, libc, memory_resident
+from mbolt.runtime.kernel_load import KernelModel
 from mbolt.runtime.store import StoreCounters
 
-PAGE = mmap.PAGESIZE
-MADV_NOHUGEPAGE = 15
 DIO = 4096  # O_DIRECT's offset and length unit (the drive's logical block, at most a page)
 BOUNCE = 8 << 20  # the bounce buffer of each read thread
 PIECE = int(os.environ.get("MBOLT_KERNEL_PIECE", 8 << 20))  # a merged run is read in pieces of this size, spread over the threads
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 
 
 class RowReader:
@@ -131,7 +128,7 @@ class ExpertRows:
         # memory), and khugepaged collapses a range around one resident page (max_ptes_none 511)
         for a, b in self.all_spans():
             lo, hi = a - a % PAGE, -(-b // PAGE) * PAGE
-            _libc.madvise(lo, hi - lo, MADV_NOHUGEPAGE)
+            libc().madvise(lo, hi - lo, MADV_NOHUGEPAGE)
 
     def runs_by_tensor(self, layer: int, experts) -> list[list[tuple[int, int, int]]]:
         """The merged (file offset, address, bytes) runs of these experts (original ids), one list
@@ -159,7 +156,7 @@ class ExpertRows:
                 if hi > b and (p == E - 1 or keep[p + 1]):
                     hi -= PAGE
                 if hi > lo:
-                    _libc.madvise(lo, hi - lo, MADV_DONTNEED)
+                    libc().madvise(lo, hi - lo, MADV_DONTNEED)
                     n += hi - lo
         return n
 
@@ -170,14 +167,10 @@ class ExpertRows:
         """Share of the expert tensors' whole pages resident (mincore)."""
         have = total = 0
         for a, b in self.all_spans():
-            lo, hi = -(-a // PAGE) * PAGE, b - b % PAGE
-            n = (hi - lo) // PAGE
-            if n <= 0:
-                continue
-            vec = (ctypes.c_ubyte * n)()
-            if _libc.mincore(ctypes.c_void_p(lo), hi - lo, vec) == 0:
-                have += int((np.frombuffer(vec, np.uint8) & 1).sum())
-            total += n
+            res = memory_resident(-(-a // PAGE) * PAGE, b - b % PAGE)
+            if res is not None:
+                have += int(res.sum())
+                total += res.size
         return have / total if total else 0.0
 
     mapped = resident  # anonymous rows: resident is mapped
