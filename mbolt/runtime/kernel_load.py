@@ -202,11 +202,12 @@ def this_build(L) -> Build:
     return build_of(info.decode() if isinstance(info, bytes) else str(info))
 
 
-def load_kernel_model(path: str | os.PathLike, *, build: Build | None = None) -> KernelModel:
-    """Load a kernel-layout file into llama.cpp (nothing filled yet: see `fill`/`fill_all`)."""
+def load_kernel_model(path: str | os.PathLike | KernelFile, *, build: Build | None = None) -> KernelModel:
+    """Load a kernel-layout file (its path, or its records already read) into llama.cpp (nothing
+    filled yet: see `fill`/`fill_all`)."""
     L = lib()
     L.llama_backend_init()
-    k = read_kernel(path)
+    k = path if isinstance(path, KernelFile) else read_kernel(path)
     check_build(k, build or this_build(L))
     t0, c0 = time.perf_counter(), time.process_time()
     try:

@@ -53,14 +53,14 @@ class KernelRuntime(BudgetedArm):
                  mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, qd: int = 1,
                  give_back_compute: bool = True, read_behind: bool = True, buffered: bool = False):
-        from mbolt.core.kernel_file import read_kernel
+        from mbolt.core.kernel_file import read_kernel, stock_view
         from mbolt.core.moe_map import moe_map
 
         self.km = self.reader = None
         self._ahead: Future | None = None
         self._pool = None
-        k = read_kernel(path)
-        self._open(path, mm or moe_map(path, kernel_ok=True), n_ctx, n_ubatch, f32_kv, flash_attn)
+        k = read_kernel(path)  # its header read once: the map, the budget's stand-in and the load use it
+        self._open(path, mm or moe_map(stock_view(k)), n_ctx, n_ubatch, f32_kv, flash_attn)
         self.record, self.evict, self.give_back_compute = record, evict or bool(budget), give_back_compute
         E = self.mm.n_experts
         if cache_slots and cache_slots < self.mm.n_used:
@@ -101,7 +101,7 @@ class KernelRuntime(BudgetedArm):
         self.waits: np.ndarray | None = None  # per layer: up and down rows still arriving (shared with the C filter)
         self._behind: dict[int, list[Future]] = {}  # layer -> the reads of its up and down rows, in that order
         try:
-            self.km = load_kernel_model(path)
+            self.km = load_kernel_model(k)
             self.llama_model = self.km.model
             self.rows = ExpertRows(self.mm, self.km)
             self.reader = RowReader(self.path, qd, buffered=buffered)
