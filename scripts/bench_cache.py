@@ -130,6 +130,9 @@ def print_real(res: dict) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()
     real = real_policies()
     dst = ROOT / "results" / "cache_real.json"

@@ -191,6 +191,9 @@ def print_table(res: dict) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     res = run()
     dst = ROOT / "results" / "cache_families.json"
     write_text_atomic(dst, json.dumps(res, indent=1) + "\n")

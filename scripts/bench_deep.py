@@ -57,6 +57,7 @@ import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
+from mbolt.bench.memlimit import SHARED, compact, json_default  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
 from mbolt.bench.prereg import gate_run, load_bench_prereg, run_record, write_result  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
@@ -64,7 +65,7 @@ from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402
 
 NAME = "q48"
-PROFILE = ml.SHARED / "coactivation_qwen3-30b-a3b.json"  # all 48 layers (the 8-layer reduction ships in git)
+PROFILE = SHARED / "coactivation_qwen3-30b-a3b.json"  # all 48 layers (the 8-layer reduction ships in git)
 SPEC = dict(preset="qwen3-30b-a3b", n_layers=48, fast_random=True, expert_type="Q4_K_M", dense_type="Q4_K_M")
 WORKLOAD = ml.Workload(64, 32, 0)
 READAHEAD_KB = 128
@@ -188,7 +189,7 @@ def run_warm(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
            "warm_limit_bytes": warm_ram, "rounds": rounds,
            "decode_tokens_per_s": {r_["arm"]: r_.get("decode_tokens_per_s") for r_ in warm["summary"]},
            "device_bytes_per_token": {r_["arm"]: r_.get("device_bytes_per_token") for r_ in warm["summary"]},
-           **warm_figures(warm, n_moe), "tokens_identical": tokens_identical(warm), "warm": ml._compact(warm)}
+           **warm_figures(warm, n_moe), "tokens_identical": tokens_identical(warm), "warm": compact(warm)}
     out["goals"] = [warm_goal(g, out["warm_over_plain_warm"]["median"]), aa_goal(g, out["aa"], "two"), tokens_goal(out)]
     return out
 
@@ -220,7 +221,7 @@ def run_tuned(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
            "decode_tokens_per_s": {r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]},
            "over_plain_tuned": pair_stats(lim, "mbolt-stock", "plain-stock"),
            "aa": {a: pair_ratio(lim, f"{a} (A/A)", a) for a in ("plain-stock", "mbolt-stock")},
-           "tokens_identical": tokens_identical(lim), "limited": ml._compact(lim),
+           "tokens_identical": tokens_identical(lim), "limited": compact(lim),
            "sweep_runs": {str(ra): v["ab"] for ra, v in swept.items()},
            "not_run": ["a warm stage (results/deep_q48.json and deep_q48_warm.json have it)"]}
     if peer:
@@ -267,7 +268,7 @@ def run(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
            "decode_tokens_per_s": {"warm": {r["arm"]: r.get("decode_tokens_per_s") for r in warm["summary"]},
                                    "limited": {r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]}},
            **warm_figures(warm, n_moe), "over_plain": pair_stats(lim, "mbolt-stock", "plain-stock"),
-           "tokens_identical": tokens_identical(warm, lim), "warm": ml._compact(warm), "limited": ml._compact(lim)}
+           "tokens_identical": tokens_identical(warm, lim), "warm": compact(warm), "limited": compact(lim)}
     out["aa"].update({a: pair_ratio(lim, f"{a} (A/A)", a) for a in ("plain-stock", "mbolt-stock")})
     if m.get("device_bytes_per_token"):
         rtc = 1.0 / (m["device_bytes_per_token"] / bw + compute_s)
@@ -335,7 +336,7 @@ def main() -> None:
         res = fn(a.rounds, pr)
         res.update({"benchmark": "the full-depth model under a real memory limit and warm (issue 35)",
                     "script": "scripts/bench_deep.py", "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
-        write_result(pr, rec, result, res, default=ml._json)
+        write_result(pr, rec, result, res, default=json_default)
         ml.log("wrote", result)
         for g in res["goals"]:
             v = g["value"]

@@ -44,7 +44,7 @@ from mbolt.bench.env import engine_builds  # noqa: E402
 from mbolt.core.atomic import write_text_atomic  # noqa: E402
 from mbolt.reference import load_model  # noqa: E402
 from mbolt.synth.synth import SynthConfig, write_synth  # noqa: E402
-from mbolt.runtime.runner import LlamaRunner  # noqa: E402
+from mbolt.runtime.driver import open_driver  # noqa: E402
 
 PROMPT = [116, 104, 101, 32, 116, 105, 110, 32]  # "the tin "
 
@@ -67,14 +67,14 @@ def decode_ref(m, n_warm, n):
     return n / (time.perf_counter() - t0)
 
 
-def decode_llama(r, n_warm, n):
-    r.reset()
-    logits = r.eval(PROMPT)
-    for _ in range(n_warm):
-        logits = r.eval([int(np.argmax(logits))])
+def decode_llama(d, n_warm, n):
+    """The driver's greedy loop (Driver.decode: the prompt pass, then decode steps), as the
+    commands run it; timed from the end of the warm-up steps."""
+    d.forget()
     t0 = time.perf_counter()
-    for _ in range(n):
-        logits = r.eval([int(np.argmax(logits))])
+    for i, _ in enumerate(d.decode(PROMPT, n_warm + n)):
+        if i == n_warm:
+            t0 = time.perf_counter()
     return n / (time.perf_counter() - t0)
 
 
@@ -117,12 +117,13 @@ def main() -> None:
             size = path.stat().st_size
             print(f"{name}: wrote {size / 1e6:.0f} MB in {time.perf_counter() - t0:.1f} s", flush=True)
             m = load_model(path)
-            with LlamaRunner(path, n_ctx=256, n_threads=args.threads, f32_kv=False, capture=False) as r:
+            # plain llama.cpp with its default load (the repacked kernels), as before the driver ran it
+            with open_driver(path, reads=False, evict=False, repacked=True, n_ctx=256, n_threads=args.threads) as d:
                 # side by side, alternating, two rounds each
                 ref, lla = [], []
                 for _ in range(2):
                     ref.append(decode_ref(m, args.warmup, args.tokens))
-                    lla.append(decode_llama(r, args.warmup, args.tokens))
+                    lla.append(decode_llama(d, args.warmup, args.tokens))
             prof, sec_per_tok = profile_ref(m, max(2, args.tokens // 4))
             g = {
                 "file_bytes": size, "n_layers": cfg.n_layers, "n_experts": cfg.n_experts, "k": cfg.n_used,

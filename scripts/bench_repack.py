@@ -41,23 +41,22 @@ def worker(arm: str, path: str, prompt: int, new: int, n_batch: int) -> dict:
     """One arm-round in this process: load, a prompt of `prompt` tokens, then `new` fed tokens."""
     from mbolt.data import path as data_path
     from mbolt.runtime.arm import own_bytes
-    from mbolt.runtime.runner import LlamaRunner, Phase
+    from mbolt.runtime.driver import open_driver
 
-    r = LlamaRunner(path, n_ctx=prompt + new + 16, f32_kv=False, capture=False, n_batch=n_batch,
-                    load_mode="mmap" if arm == "mapped" else None)
-    try:
-        ids = r.tokenize(Path(data_path("kl_text.txt")).read_text(), add_special=True)
+    # plain llama.cpp on the driver the commands use: mapped, or llama.cpp's default load
+    with open_driver(path, reads=False, evict=False, repacked=arm == "repacked", n_ctx=prompt + new + 16,
+                     n_ubatch=n_batch) as d:
+        ids = d.tokenize(Path(data_path("kl_text.txt")).read_text(), add_special=True)
         if len(ids) < prompt + new:
             raise MboltError(f"kl_text.txt gives {len(ids)} tokens, fewer than {prompt + new}")
         anon = own_bytes(("RssAnon:",))
+        steps = d.decode(ids[:prompt], new, fed=ids[prompt:prompt + new])  # teacher-forced
         t0 = time.perf_counter()
-        r.eval(ids[:prompt])
+        next(steps)  # the prompt's passes
         t1 = time.perf_counter()
-        for t in ids[prompt:prompt + new]:
-            r.eval([t], phase=Phase.DECODE)
+        for _ in steps:  # one decode step per fed token
+            pass
         t2 = time.perf_counter()
-    finally:
-        r.close()
     return {"arm": arm, "prompt_tokens_per_s": prompt / (t1 - t0), "decode_tokens_per_s": new / (t2 - t1),
             "rss_anon_bytes": anon}
 

@@ -192,7 +192,7 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="check the pre-registration and print the plan")
     ap.add_argument("--workload", choices=("session", "concurrency", "agent"), default="session",
                     help="session: the 4-turn session against plain and warm; concurrency: 1..N clients at once "
-                         "(scripts/serve_concurrency.py; default --prereg prereg/serve_concurrency.toml); agent: an "
+                         "(mbolt/bench/serve_concurrency.py; default --prereg prereg/serve_concurrency.toml); agent: an "
                          "8,000-token prefix restored from --prompt-cache after a restart (bench.agent; default "
                          "--prereg prereg/serve_agent.toml)")
     ap.add_argument("--clients", default="1,2,4,8", help="concurrency: the client counts")
@@ -295,7 +295,7 @@ def agent(a) -> None:
 
 
 def concurrency(a) -> None:
-    import serve_concurrency as sc
+    from mbolt.bench import serve_concurrency as sc
 
     clients = sorted({int(x) for x in a.clients.split(",")})
     prereg = ROOT / "prereg" / "serve_concurrency.toml" if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg

@@ -32,19 +32,22 @@ sys.path.insert(0, str(ROOT))
 N_PROMPT, N_DECODE, THREADS = 256, 48, 2
 
 
-def _measure(L, model) -> tuple[np.ndarray, float, float, float]:
-    from mbolt.bench.warm_loop import prompt_then_steps
+def _measure(stock: str, model) -> tuple[np.ndarray, float, float, float]:
+    """The prompt in one pass, then one decode step per token, on the runtime's driver (plain
+    llama.cpp over `model`, the stock file's map describing it)."""
+    from mbolt.runtime.driver import open_driver
 
-    cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = 1024, N_PROMPT, N_PROMPT
-    cp.n_threads = cp.n_threads_batch = THREADS
-    ctx = L.llama_init_from_model(model, cp)
     ids = [3 + (7 * i) % 240 for i in range(N_PROMPT + N_DECODE)]
-    c0 = time.process_time()
-    logits, prompt_s, steps_s = prompt_then_steps(L, ctx, ids, N_PROMPT)
-    cpu = time.process_time() - c0
-    L.llama_free(ctx)
-    return logits, N_PROMPT / prompt_s, N_DECODE / steps_s, cpu / (N_PROMPT + N_DECODE)
+    with open_driver(stock, reads=False, evict=False, repacked=True, llama_model=model, n_ctx=1024,
+                     n_ubatch=N_PROMPT, n_threads=THREADS) as d:
+        steps = d.decode(ids[:N_PROMPT], N_DECODE, fed=ids[N_PROMPT:])
+        c0, t0 = time.process_time(), time.perf_counter()
+        logits = [next(steps)[1]]
+        t1 = time.perf_counter()
+        logits += [lg for _, lg in steps]
+        t2 = time.perf_counter()
+        cpu = time.process_time() - c0
+    return np.stack(logits), N_PROMPT / (t1 - t0), N_DECODE / (t2 - t1), cpu / (N_PROMPT + N_DECODE)
 
 
 def _expert_costs(km, stock: str) -> dict:
@@ -105,7 +108,7 @@ def run_arm(arm: str, stock: str, kernel: str) -> dict:
             set_fields(mp, load_mode=L.LLAMA_LOAD_MODE_MMAP, use_extra_bufts=False)
         model = L.llama_model_load_from_file(stock.encode(), mp)
     rec["load_s"], rec["load_cpu_s"] = time.perf_counter() - t0, time.process_time() - c0
-    logits, rec["prompt_tok_s"], rec["decode_tok_s"], rec["cpu_s_per_token"] = _measure(L, model)
+    logits, rec["prompt_tok_s"], rec["decode_tok_s"], rec["cpu_s_per_token"] = _measure(stock, model)
     rec["anon_mb"] = own_bytes(("RssAnon:",)) >> 20
     if km is not None:
         rec["per_expert"] = _expert_costs(km, stock)

@@ -51,6 +51,8 @@ def run(path: str, mode: str) -> dict:
 
     from mbolt.runtime.arm import own_bytes
     from mbolt.runtime.binding import GgmlTensor, lib
+    from mbolt.runtime.driver import open_driver
+    from mbolt.runtime.kernel_load import find_weights
 
     L = lib()  # refuses a llama-cpp-python other than the one whose ggml_tensor layout this reads
 
@@ -63,58 +65,53 @@ def run(path: str, mode: str) -> dict:
             libc.madvise(a, b - a, MADV_DONTNEED)
         return True
 
-    experts: dict[str, int] = {}
-    seen = [False]
-
-    @ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p)
-    def find_experts(t, ask, user):
-        if not ask or seen[0]:
-            return not ask
-        for s in GgmlTensor.from_address(t).src:
-            if s and GgmlTensor.from_address(s).name.endswith(b"_exps.weight"):
-                experts[GgmlTensor.from_address(s).name.decode()] = s
-        return False
-
     L.llama_backend_init()
     mp = L.llama_model_default_params()
     if mode == "filled":
         mp.progress_callback = drop_as_loaded
     model = L.llama_model_load_from_file(path.encode(), mp)
-    anon_load = own_bytes(("RssAnon:",))
-    cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_threads, cp.n_threads_batch = 1024, N_PROMPT, N_PROMPT, 2, 2
-    cp.cb_eval = find_experts
-    ctx = L.llama_init_from_model(model, cp)
-    first = (ctypes.c_int32 * 1)(1)
-    if L.llama_decode(ctx, L.llama_batch_get_one(first, 1)) != 0:  # the first graph: find_experts sees them
-        raise SystemExit("llama_decode failed")
-    seen[0] = True
-    L.llama_memory_clear(L.llama_get_memory(ctx), True)
-    fill_s, n, repack = 0.0, 0, []
-    if mode == "filled":
+    if not model:
+        raise SystemExit(f"{path}: llama.cpp could not load the model")
+    try:
+        anon_load = own_bytes(("RssAnon:",))
         info = {t.name: int(t.data_offset) for t in GGUFReader(path).tensors}
-        raw = np.memmap(path, dtype=np.uint8, mode="r")
-        from mbolt.bench.warm_loop import repack_expert
+        # the expert tensors, from the sources of a first graph's nodes (runtime.kernel_load)
+        experts = find_weights(L, model, {name for name in info if name.endswith("_exps.weight")})
+        fill_s, n, repack = 0.0, 0, []
+        if mode == "filled":
+            raw = np.memmap(path, dtype=np.uint8, mode="r")
+            from mbolt.bench.warm_loop import repack_expert
 
-        t0 = time.perf_counter()
-        for name, ptr in experts.items():
-            g = GgmlTensor.from_address(ptr)
-            e_bytes = int(g.nb[2])
-            for e in range(int(g.ne[2])):
-                # the expert's bytes land in memory first (as a runtime's read would), then only
-                # the repack is timed
-                src = np.array(raw[info[name] + e * e_bytes: info[name] + (e + 1) * e_bytes])
-                repack.append(repack_expert(ptr, g.data + e * e_bytes, e_bytes, src))
-                n += 1
-        fill_s = time.perf_counter() - t0
-    from mbolt.bench.warm_loop import prompt_then_steps
-
-    ids = [3 + i % 240 for i in range(N_PROMPT + N_DECODE)]
-    logits, prompt_s, steps_s = prompt_then_steps(L, ctx, ids, N_PROMPT)
+            t0 = time.perf_counter()
+            for name, ptr in experts.items():
+                g = GgmlTensor.from_address(ptr)
+                e_bytes = int(g.nb[2])
+                for e in range(int(g.ne[2])):
+                    # the expert's bytes land in memory first (as a runtime's read would), then only
+                    # the repack is timed
+                    src = np.array(raw[info[name] + e * e_bytes: info[name] + (e + 1) * e_bytes])
+                    repack.append(repack_expert(ptr, g.data + e * e_bytes, e_bytes, src))
+                    n += 1
+            fill_s = time.perf_counter() - t0
+        ids = [3 + i % 240 for i in range(N_PROMPT + N_DECODE)]
+        # decoded as the commands decode: the runtime's driver (plain llama.cpp over this model), one
+        # prompt pass of N_PROMPT tokens, then the rest fed one decode step each
+        with open_driver(path, reads=False, evict=False, repacked=True, llama_model=model, n_ctx=1024,
+                         n_ubatch=N_PROMPT, n_threads=2) as d:
+            steps = d.decode(ids[:N_PROMPT], N_DECODE, fed=ids[N_PROMPT:])
+            t0 = time.perf_counter()
+            logits = [next(steps)[1]]
+            t1 = time.perf_counter()
+            logits += [lg for _, lg in steps]
+            prompt_s, steps_s = t1 - t0, time.perf_counter() - t1
+        logits = np.stack(logits)
+        fill_mb = sum(int(GgmlTensor.from_address(p).nb[3]) for p in experts.values()) >> 20 if n else 0
+    finally:
+        L.llama_model_free(model)
     out = Path(f"/tmp/probe_repack_fill.{mode}.npy")
     np.save(out, logits)
     return {"mode": mode, "anon_after_load_mb": anon_load >> 20, "experts_filled": n, "fill_s": fill_s,
-            "fill_mb": sum(int(GgmlTensor.from_address(p).nb[3]) for p in experts.values()) >> 20 if n else 0,
+            "fill_mb": fill_mb,
             "prompt_tokens_per_s": N_PROMPT / prompt_s, "decode_tokens_per_s": N_DECODE / steps_s,
             "repack_s": sum(repack), "repack_us_per_expert": float(np.median(repack) * 1e6) if repack else 0.0,
             "logits": str(out)}
@@ -124,9 +121,12 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--mode":
         print(json.dumps(run(sys.argv[3], sys.argv[2])))
         return 0
-    if len(sys.argv) != 2 or not Path(sys.argv[1]).is_file():
-        print("usage: python scripts/probe_repack_fill.py MODEL.gguf", file=sys.stderr)
-        return 2
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path, help="a GGUF with repackable expert types (Q4_0, Q4_K, IQ4_NL)")
+    if not ap.parse_args().model.is_file():
+        ap.error(f"{sys.argv[1]}: no such file")
     res = {}
     for mode in ("default", "filled"):
         r = subprocess.run([sys.executable, __file__, "--mode", mode, sys.argv[1]], capture_output=True, text=True)

@@ -1,4 +1,4 @@
-"""greedy_decode, the one decode loop: what it feeds, how many forwards, where it stops."""
+"""greedy_decode, the reference engine's decode loop: what it feeds, how many forwards, where it stops."""
 
 import numpy as np
 

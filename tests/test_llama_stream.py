@@ -140,7 +140,7 @@ def test_slot_budget_keeps_cached_experts_resident(files):
         run = s.generate([PROMPTS[0]], 4)
         # the slot cache serves hits, and exactly its experts stay resident
         assert run.hits > 0
-        cached = {layer.index: s.store.cached(layer.index) for layer in s.mm.moe_layers}
+        cached = {layer.index: s.arm.store.cached(layer.index) for layer in s.mm.moe_layers}
         kept = [sp for layer, slots in cached.items() for sp in s.pages.expert_spans_of(layer, slots)]
         assert s.pages.resident(kept) == 1.0
         # each expert's own pages (a page two experts share stays while either may be needed)

@@ -174,25 +174,25 @@ def test_budget_sizes_the_cache_and_refuses_too_small(model):
     layer = sum(w.slice_bytes for w in mm.moe_layers[0].weights) * mm.n_experts
     assert layer_bytes(mm) == layer
     with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, n_ubatch=512) as s:
-        assert s.n_ubatch == 512 and s.plan.prefetch  # a pass selects the whole layer: two layers reserved
-        assert s.plan.prefill_reserve == 2 * layer
+        assert s.n_ubatch == 512 and s.arm.plan.prefetch  # a pass selects the whole layer: two layers reserved
+        assert s.arm.plan.prefill_reserve == 2 * layer
         dense = sum(b - a for a, b in s.pages.dense_tensors)
-        s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer
+        s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.arm.memory.compute_bytes + 2 * layer
                     + 20 * per_slot)
         s.make_cold()
         assert 15 <= s.prefill_slots <= 21  # the pages held round dense tensors up to whole pages
         # the pass's reserve less a step's k experts, and the compute buffer less a decode step's
         # part of it (given back after each prompt)
-        extra = (2 * layer - step_bytes(mm) + s.memory.compute_bytes - s.plan.decode_compute_bytes) // per_slot
+        extra = (2 * layer - step_bytes(mm) + s.arm.memory.compute_bytes - s.arm.plan.decode_compute_bytes) // per_slot
         assert s.decode_slots in (min(64, s.prefill_slots + extra), min(64, s.prefill_slots + extra + 1))
         assert s.cache_slots == s.decode_slots > s.prefill_slots
         s.generate([list(range(65, 65 + 16))], 8, forced=8)  # a prompt pass, then decode steps
-        assert s.store.cache_slots == s.decode_slots
-        before = {l.index: s.store.cached(l.index) for l in mm.moe_layers}
-        s._resize_cache(s.prefill_slots)  # what the next prompt does first: shrink, victims gone
+        assert s.arm.store.cache_slots == s.decode_slots
+        before = {l.index: s.arm.store.cached(l.index) for l in mm.moe_layers}
+        s.arm._resize_cache(s.prefill_slots)  # what the next prompt does first: shrink, victims gone
         assert any(len(old) > s.prefill_slots for old in before.values())  # the shrink had work to do
         for layer_i, old in before.items():
-            now = s.store.cached(layer_i)
+            now = s.arm.store.cached(layer_i)
             assert len(now) <= s.prefill_slots and now == old[len(old) - len(now):]  # the most recent stay
             gone = [e for e in old if e not in now]
             if gone:
@@ -270,12 +270,12 @@ def test_the_compute_buffer_is_given_back_after_a_prompt(model, monkeypatch):
                 watcher.driver = s
             assert s.n_ubatch == 512
             dense = sum(b - a for a, b in s.pages.dense_tensors)  # room for a pass and 16 slots (of 64)
-            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer_bytes(mm)
+            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.arm.memory.compute_bytes + 2 * layer_bytes(mm)
                               + 16 * per_slot)
             s.make_cold()
             before = (s.prefill_slots, s.decode_slots)
             out = s.generate([ids], N_NEW, forced=512)
-            return dict(tokens=out.generated, releases=s.compute_releases, plan=s.plan, memory=s.memory,
+            return dict(tokens=out.generated, releases=s.arm.compute_releases, plan=s.arm.plan, memory=s.arm.memory,
                         prefill=before[0], decode=before[1], decode_after=s.decode_slots,
                         size=buffer_span(s.runner.tap.buffer)[1])
 
@@ -318,10 +318,10 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
     mm = model["mm"]
     per_slot = expert_bytes_all_layers(mm)
     with open_driver(str(model["stock"]), budget=1 << 40, qd=2, mm=mm, asynchronous=True) as s:
-        assert s.plan.prefill_reserve >= layer_bytes(mm) > 4 * per_slot  # the reserve is worth several slots
+        assert s.arm.plan.prefill_reserve >= layer_bytes(mm) > 4 * per_slot  # the reserve is worth several slots
         dense = sum(b - a for a, b in s.pages.dense_tensors)
         # room for every expert and half a pass's reserve: enough for all, not for all and the reserve
-        need = own_bytes() + dense + s.memory.compute_bytes + mm.n_experts * per_slot + s.plan.prefill_reserve // 2
+        need = own_bytes() + dense + s.arm.memory.compute_bytes + mm.n_experts * per_slot + s.arm.plan.prefill_reserve // 2
         limit = need
         while limit - margin(limit) < need:
             limit = need + margin(limit)
@@ -329,7 +329,7 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
         s.make_cold()
         assert s.prefill_slots == s.decode_slots == s.cache_slots == mm.n_experts
         s.generate([list(range(65, 65 + 24))], 8, forced=16)
-        first = {l.index: s.store.cached(l.index) for l in mm.moe_layers}
+        first = {l.index: s.arm.store.cached(l.index) for l in mm.moe_layers}
         assert any(len(v) > mm.n_used for v in first.values())
         # what the prompt read ahead for a layer that did not select it stays cached and resident
         # (dropped, decode read it back from the drive: 7 MB a token at 48 layers, the file in memory)
@@ -342,7 +342,7 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
             assert s.pages.resident(s.pages.expert_spans_of(layer, range(mm.n_experts))) == 1.0, layer
         s.generate([list(range(97, 97 + 24))], 8, forced=16)  # another conversation: a prompt pass, steps
         for layer, experts in first.items():
-            assert set(experts) <= set(s.store.cached(layer)), layer
+            assert set(experts) <= set(s.arm.store.cached(layer)), layer
             assert s.pages.resident(s.pages.expert_spans_of(layer, experts)) == 1.0, layer
 
 
@@ -509,10 +509,10 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
         with open_driver(path, budget=1 << 40, qd=2, mm=mm, n_ubatch=512, n_ctx=1024, asynchronous=True,
                          watchers=[w], overlay=overlay) as s:
             w.rt = s.arm
-            assert s.plan.prefetch and (s.arm.overlay is not None) == (available and overlay)
+            assert s.arm.plan.prefetch and (s.arm.overlay is not None) == (available and overlay)
             assert ("laid over: huge pages" in s.arm.describe_budget()) == (available and overlay)  # said to users
             dense = sum(b - a for a, b in s.pages.dense_tensors)
-            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.memory.compute_bytes + 2 * layer_bytes(mm)
+            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.arm.memory.compute_bytes + 2 * layer_bytes(mm)
                               + 20 * expert_bytes_all_layers(mm))
             s.make_cold()
             assert s.prefill_slots < mm.n_experts // 2

@@ -44,7 +44,7 @@ def _decode(model: Path) -> dict:
         runs = [d.generate([ids], 16, forced=16) for _ in range(2)]
         return {"uid": os.geteuid(), "tokens": [r.generated for r in runs], "misses": runs[0].misses,
                 "hits": runs[1].hits, "locked": d.locked_bytes, "copied": d.copied_bytes,
-                "native": d.runner.native_filter, "fast_layers": d.fast_layers,
+                "native": d.runner.native_filter, "fast_layers": d.arm.fast_layers,
                 "hidden": [str(w.message) for w in said if "hides its page-cache residency" in str(w.message)]}
 
 

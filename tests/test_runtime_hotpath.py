@@ -54,8 +54,8 @@ def _run(path, text_ids, **kw):
     with open_driver(path, reads=True, qd=2, asynchronous=True, n_ctx=256, **kw) as d:
         d.make_cold()
         runs = [d.generate([text_ids], 24, forced=16) for _ in range(2)]
-        lru = {layer: d.store.cached(layer) for layer in sorted(d.moe_layers)}
-        return runs, lru, d.fast_layers, d.runner.native_filter
+        lru = {layer: d.arm.store.cached(layer) for layer in sorted(d.arm.moe_layers)}
+        return runs, lru, d.arm.fast_layers, d.runner.native_filter
 
 
 @needs_llama
@@ -100,12 +100,12 @@ def test_a_batched_step_reads_the_union_once(toy):
         for s, p in enumerate(prompts):
             logits, _, _ = d.prompt(p, seq=s)
             outs.append([int(np.argmax(logits))])
-        c0 = d.store.counters.experts
+        c0 = d.arm.store.counters.experts
         for _ in range(5):
             logits = d.step([(s, outs[s][-1]) for s in range(4)])
             for s in range(4):
                 outs[s].append(int(np.argmax(logits[s])))
-        per_layer_step = (d.store.counters.experts - c0) / (5 * len(d.moe_layers))
+        per_layer_step = (d.arm.store.counters.experts - c0) / (5 * len(d.arm.moe_layers))
     assert outs == alone  # F32 weights and KV cache: batching changes no greedy token here
     assert d.mm.n_used <= per_layer_step <= 4 * d.mm.n_used  # a union: at most every row's k, at least one row's
 
@@ -151,12 +151,12 @@ def _run_small_cache(path, text_ids, slots: int, **kw):
         b.decode_slots = b.prefill_slots = slots
         d.arm._resize_cache(slots)
         first = d.generate([text_ids], 24, forced=16)
-        for layer in d.moe_layers:
-            d.pages.drop(d.pages.expert_spans_of(layer, d.store.cached(layer)))
+        for layer in d.arm.moe_layers:
+            d.pages.drop(d.pages.expert_spans_of(layer, d.arm.store.cached(layer)))
         second = d.generate([text_ids[8:]], 24, forced=16)
-        lru = {layer: d.store.cached(layer) for layer in sorted(d.moe_layers)}
+        lru = {layer: d.arm.store.cached(layer) for layer in sorted(d.arm.moe_layers)}
         resident = {layer: [e for e in range(d.mm.n_experts) if d.pages.expert_resident(layer, e)]
-                    for layer in sorted(d.moe_layers)}
+                    for layer in sorted(d.arm.moe_layers)}
         return [first, second], lru, resident, d.arm.native_layers, d.arm.reclaimed, d.arm.drop_behind_s
 
 

@@ -333,9 +333,11 @@ def test_anthropic_bad_requests_are_400_in_anthropics_shape(server, body, what):
 
 
 def test_the_agent_example_runs(server):
+    # greedy: sampled, this random-weight model may chain parallel calls past --max-tokens (the
+    # grammar allows any number), and the first turn would end cut, with no call to run
     p = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "agent_anthropic.py"), "--base-url",
                         server.base, "--api-key", KEY, "--tool-choice", "any", "--max-turns", "2", "--max-tokens", "200",
-                        "--system-tokens", "150"],
+                        "--system-tokens", "150", "--temperature", "0"],
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     assert "tool call: " in p.stdout and "tool result:" in p.stdout and "reply:" in p.stdout
@@ -353,7 +355,7 @@ def test_the_agent_example_starts_from_its_cached_prefix_after_a_restart(tool_mo
         try:
             p = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" / "agent_anthropic.py"), "--base-url",
                                 srv.base, "--api-key", KEY, "--tool-choice", "any", "--max-turns", "2",
-                                "--max-tokens", "200", "--system-tokens", "1000", "--json"],
+                                "--max-tokens", "200", "--system-tokens", "1000", "--json", "--temperature", "0"],
                                capture_output=True, text=True, timeout=600)
         finally:
             err = srv.stop()

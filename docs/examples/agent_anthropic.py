@@ -10,7 +10,8 @@ reads) and three tool schemas. Each turn: send the conversation; if the reply st
 `tool_use`, run the tools and send their results back as `tool_result` blocks; when it answers in
 text, print it and stop. `--tool-choice any` makes the first turn call a tool (mbolt constrains the
 reply with a grammar: with a small or random-weight model, the call is still a well-formed call of
-the tool's schema); later turns are `auto`.
+the tool's schema); later turns are `auto`. `--temperature 0` decodes greedily: the same replies
+every run (what the tests run; sampled, a random-weight model may chain calls past `--max-tokens`).
 
 Each turn prints `usage.cache_read_input_tokens`: the prompt tokens the server did not evaluate
 again. With `--prompt-cache` the prefix is kept on disk, so a second run of this agent, even after
@@ -117,6 +118,8 @@ def main() -> int:
     ap.add_argument("--tool-choice", choices=["auto", "any"], default="auto", help="the first turn's tool_choice")
     ap.add_argument("--max-turns", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy); "
+                    "default: the server's")
     ap.add_argument("--json", action="store_true", help="print the turns as JSON")
     a = ap.parse_args()
 
@@ -124,10 +127,12 @@ def main() -> int:
     system = system_prompt(a.system_tokens)
     messages = [{"role": "user", "content": a.question}]
     choice = {"type": a.tool_choice}
+    # the Messages API's temperature, which the 2.x client no longer takes as a parameter
+    sampling = {} if a.temperature is None else {"extra_body": {"temperature": a.temperature}}
     turns = []
     for _ in range(a.max_turns):
         reply = client.messages.create(model="mbolt", max_tokens=a.max_tokens, system=system, tools=TOOLS,
-                                       tool_choice=choice, messages=messages)
+                                       tool_choice=choice, messages=messages, **sampling)
         choice = {"type": "auto"}
         u = reply.usage
         turns.append({"input_tokens": u.input_tokens, "cache_read_input_tokens": u.cache_read_input_tokens or 0,

@@ -74,6 +74,15 @@ def paths(name: str) -> dict:
             "reorder": d / "reorder.gguf", "kernel": d / "reorder.kl.gguf"}
 
 
+def limit_of(name: str, frac: float, what: str = "") -> tuple[dict, int, int]:
+    """The model's files, its stock file's size and the memory limit at `frac` of it (logged)."""
+    p = paths(name)
+    size = p["stock"].stat().st_size
+    ram = int(size * frac)
+    log(f"{name}: {what}budget {100 * frac:.0f}% of {size / 2**30:.2f} GiB ({ram / 2**30:.2f} GiB)")
+    return p, size, ram
+
+
 def prepare(name: str) -> None:
     from mbolt.core.mbtrace import read_trace
     from mbolt.core.moe_map import moe_map

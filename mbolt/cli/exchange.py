@@ -39,6 +39,8 @@ def expert_map_cmd(
 
 
 _TRACES = typer.Argument(..., help="A .mbtrace or any importable trace (several of one model are merged).")
+_FORCE = typer.Option(False, "--force", help="Overwrite the output.")
+_SUMMARY_JSON = typer.Option(False, "--json", help="Print a summary as JSON.")
 
 
 @user_errors
@@ -47,8 +49,8 @@ def export_coact_cmd(
     out: Path = typer.Option(..., "-o", "--out", help="Where the profile goes (coactivation JSON)."),
     model: Path = typer.Option(None, "--model", help="The GGUF the trace was made on: checked, and its name and "
                                "quantisation fill the profile's model and quant fields."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an earlier profile."),
-    as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON."),
+    force: bool = _FORCE,
+    as_json: bool = _SUMMARY_JSON,
 ):
     """Write the trace's decode co-activation in the original mbolt's exchange format
     (coactivation_*.json: heat, strong pairs with lift, clusters, chain order per layer), the
@@ -92,8 +94,8 @@ def export_heat_cmd(
     engine: str = typer.Option(None, "--colibri-engine", help="colibri's engine name (e.g. qwen3_moe, glm_moe_dsa, olmoe): "
                                "its id goes in the header; without it colibri takes the file only as PIN=<path>."),
     phase: str = typer.Option("decode", "--phase", help="decode, prefill or all: which tokens count."),
-    force: bool = typer.Option(False, "--force", help="Overwrite an earlier export."),
-    as_json: bool = typer.Option(False, "--json", help="Print a summary as JSON."),
+    force: bool = _FORCE,
+    as_json: bool = _SUMMARY_JSON,
 ):
     """Write the trace's heat (tokens that selected each expert, per layer) as colibri's
     .coli_usage, so colibri pins from an mbolt trace."""
@@ -126,7 +128,7 @@ def import_trace_cmd(
     n_layers: int = typer.Option(None, "--layers", min=1, max=4096, help="Model layers (when the file implies fewer)."),
     n_experts: int = typer.Option(None, "--experts", min=1, max=32767, help="Experts per layer (when the file implies fewer)."),
     prefill_tokens: int = typer.Option(0, "--prefill-tokens", min=0, help="NUTHTRC1: leading positions that were the prompt."),
-    force: bool = typer.Option(False, "--force", help="Overwrite the output."),
+    force: bool = _FORCE,
     as_json: bool = typer.Option(False, "--json", help="Print what was written as JSON."),
 ):
     """Convert a routing trace from another tool into .mbtrace (flags and drops corrupt rows)."""

@@ -156,12 +156,13 @@ def chat_cmd(
     """Chat with a model larger than RAM in the terminal (Ctrl-C stops a reply, /exit ends)."""
     import sys
 
+    from gguf import Keys
+
+    from mbolt.core.gguf_set import open_model_header
     from mbolt.serve.chat import chat_loop
     from mbolt.serve.scheduler import Scheduler
 
-    from mbolt.core.gguf_set import open_model_header
-
-    if not open_model_header(model).get("tokenizer.chat_template"):
+    if not open_model_header(model).get(Keys.Tokenizer.CHAT_TEMPLATE):
         raise MboltError(f"{model}: the GGUF has no tokenizer.chat_template: chat needs one (mbolt generate "
                          "takes plain text)")
     if prompt_cache is None and prompt_cache_size is not None:

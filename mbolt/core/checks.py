@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import numpy as np
+from gguf import Keys
 
 from mbolt.core.errors import MboltError
 
@@ -87,16 +88,16 @@ def n_layers_of(header) -> int:
     """Layers of a model: `{arch}.block_count`, or one past the highest blk.N of its tensors when
     the key is missing. A layer index beyond block_count or MAX_LAYERS is a damaged file (and
     would make every per-layer loop run that long)."""
-    arch = header.get("general.architecture")
-    block_count = header.get_int(f"{arch}.block_count")
+    key = Keys.LLM.BLOCK_COUNT.format(arch=header.get(Keys.General.ARCHITECTURE))
+    block_count = header.get_int(key)
     if not 0 <= block_count <= MAX_LAYERS:
-        raise MboltError(f"{header.path}: {arch}.block_count is {block_count} (expected 1..{MAX_LAYERS})")
+        raise MboltError(f"{header.path}: {key} is {block_count} (expected 1..{MAX_LAYERS})")
     top = -1
     for t in header.tensors:
         m = _LAYER.match(t.name)
         if m and int(m.group(1)) > top:
             top = int(m.group(1))
             if top >= MAX_LAYERS or (block_count and top >= block_count):
-                limit = f"{arch}.block_count is {block_count}" if block_count else f"at most {MAX_LAYERS} layers"
+                limit = f"{key} is {block_count}" if block_count else f"at most {MAX_LAYERS} layers"
                 raise MboltError(f"{header.path}: tensor {t.name}: layer {top} is out of range ({limit})")
     return block_count or top + 1

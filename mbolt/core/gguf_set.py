@@ -32,11 +32,15 @@ import re
 from dataclasses import replace
 from pathlib import Path
 
+from gguf import Keys
+
 from mbolt.core.errors import MboltError
 from mbolt.core.header import GGUFHeader, read_header
 
 SHARD_RE = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
-SPLIT_KEYS = ("split.no", "split.count", "split.tensors.count")
+SPLIT_NO, SPLIT_COUNT = Keys.Split.LLM_KV_SPLIT_NO, Keys.Split.LLM_KV_SPLIT_COUNT
+SPLIT_TENSORS = Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT
+SPLIT_KEYS = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
 SET_ID_KEY = "mbolt.set.id"
 FILE_SHIFT = 48
 _MASK = (1 << FILE_SHIFT) - 1
@@ -107,7 +111,7 @@ def open_model_header(path: str | os.PathLike) -> GGUFHeader:
     """The header of the model at `path`: one file, or the whole set `path` is a shard of."""
     path = resolve_model_path(path)
     h = read_header(path)
-    count = _int_key(h, "split.count")
+    count = _int_key(h, SPLIT_COUNT)
     m = SHARD_RE.match(path.name)
     if count is None or count == 1:
         if m and int(m.group(3)) > 1:
@@ -133,11 +137,11 @@ def combine_shards(shards: list[GGUFHeader]) -> GGUFHeader:
     """Check that `shards` (headers in order) form one set and merge them into one header."""
     count = len(shards)
     first = shards[0]
-    total = _int_key(first, "split.tensors.count")
+    total = _int_key(first, SPLIT_TENSORS)
     set_id = first.get(SET_ID_KEY)
     seen: dict[str, int] = {}
     for i, s in enumerate(shards):
-        no, n, tc = _int_key(s, "split.no"), _int_key(s, "split.count"), _int_key(s, "split.tensors.count")
+        no, n, tc = _int_key(s, SPLIT_NO), _int_key(s, SPLIT_COUNT), _int_key(s, SPLIT_TENSORS)
         if no != i:
             raise MboltError(f"{s.path}: split.no is {no}, expected {i} (shard {i + 1} of {count}): shard of another set?")
         if n != count:
@@ -147,10 +151,9 @@ def combine_shards(shards: list[GGUFHeader]) -> GGUFHeader:
         if s.get(SET_ID_KEY) != set_id:
             raise MboltError(f"{s.path}: belongs to another set (mbolt.set.id {s.get(SET_ID_KEY)!r}, shard 1 has "
                              f"{set_id!r}): a mix of shards from different runs; rewrite the set")
-        arch = s.get("general.architecture")
-        if i and arch is not None and arch != first.get("general.architecture"):
-            raise MboltError(f"{s.path}: architecture {arch!r}, shard 1 has {first.get('general.architecture')!r}: "
-                             "shard of another set")
+        arch, first_arch = s.get(Keys.General.ARCHITECTURE), first.get(Keys.General.ARCHITECTURE)
+        if i and arch is not None and arch != first_arch:
+            raise MboltError(f"{s.path}: architecture {arch!r}, shard 1 has {first_arch!r}: shard of another set")
         for t in s.tensors:
             j = seen.setdefault(t.name, i)
             if j != i:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from mbolt.core.errors import MboltError
 
@@ -227,12 +227,12 @@ def parse_header(buf, path: Path, size: int) -> GGUFHeader:
         infos.append((name, ne, ttype, offset))
     header_size = c.pos
     alignment = 32
-    if "general.alignment" in kv:
+    if Keys.General.ALIGNMENT in kv:
         from mbolt.core.checks import as_int
 
-        alignment = as_int(kv["general.alignment"].value, f"{path}: general.alignment")
+        alignment = as_int(kv[Keys.General.ALIGNMENT].value, f"{path}: {Keys.General.ALIGNMENT}")
     if alignment <= 0 or alignment & (alignment - 1) or alignment > 1 << 30:
-        raise MboltError(f"{path}: invalid general.alignment {alignment}")
+        raise MboltError(f"{path}: invalid {Keys.General.ALIGNMENT} {alignment}")
     data_offset = -(-header_size // alignment) * alignment
     tensors = []
     for name, ne, ttype, offset in infos:

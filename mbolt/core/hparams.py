@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import Keys
 
 from mbolt.core.checks import MAX_LAYERS, as_int
 from mbolt.core.errors import MboltError
@@ -81,30 +82,33 @@ def _read(header, key: str, n_layers: int, per_layer: bool = False):
 
 def shape_numbers(header, arch: str, n_experts: int, n_used: int, n_layers: int) -> ShapeNumbers:
     """The tensor-shaping numbers of a model, with llama.cpp's defaults for the absent ones."""
-    def key(name, per_layer=False):
-        return _read(header, f"{arch}.{name}", n_layers, per_layer)
+    LLM, Att = Keys.LLM, Keys.Attention
+    keys = {name: template.format(arch=arch) for name, template in (
+        ("hidden", LLM.EMBEDDING_LENGTH), ("heads", Att.HEAD_COUNT), ("kv_heads", Att.HEAD_COUNT_KV),
+        ("key_length", Att.KEY_LENGTH), ("value_length", Att.VALUE_LENGTH),
+        ("expert_ff", LLM.EXPERT_FEED_FORWARD_LENGTH), ("vocab_size", LLM.VOCAB_SIZE),
+        ("n_tokens", Keys.Tokenizer.LIST), ("n_layers", LLM.BLOCK_COUNT), ("n_experts", LLM.EXPERT_COUNT))}
+    said = dict(keys)
 
-    said = {"hidden": f"{arch}.embedding_length", "heads": f"{arch}.attention.head_count",
-            "kv_heads": f"{arch}.attention.head_count_kv", "key_length": f"{arch}.attention.key_length",
-            "value_length": f"{arch}.attention.value_length", "expert_ff": f"{arch}.expert_feed_forward_length",
-            "vocab_size": f"{arch}.vocab_size", "n_tokens": "tokenizer.ggml.tokens",
-            "n_layers": f"{arch}.block_count", "n_experts": f"{arch}.expert_count"}
-    hidden, heads = key("embedding_length"), key("attention.head_count", per_layer=True)
-    kv_heads = key("attention.head_count_kv", per_layer=True)
+    def key(name, per_layer=False):
+        return _read(header, keys[name], n_layers, per_layer)
+
+    hidden, heads = key("hidden"), key("heads", per_layer=True)
+    kv_heads = key("kv_heads", per_layer=True)
     if kv_heads is None and heads is not None:
         kv_heads = list(heads)
         said["kv_heads"] += " (absent, so head_count's)"
-    key_length, value_length = key("attention.key_length"), key("attention.value_length")
+    key_length, value_length = key("key_length"), key("value_length")
     if hidden is not None and heads and heads[0]:
         for name in ("key_length", "value_length"):
             if (key_length if name == "key_length" else value_length) is None:
                 said[name] += " (absent, so embedding_length / head_count)"
         key_length = hidden // heads[0] if key_length is None else key_length
         value_length = hidden // heads[0] if value_length is None else value_length
-    tokens = header.kv.get("tokenizer.ggml.tokens")
+    tokens = header.kv.get(Keys.Tokenizer.LIST)
     n_tokens = len(tokens.value) if tokens is not None and isinstance(tokens.value, (list, np.ndarray)) else None
     return ShapeNumbers(arch, n_layers, n_experts, n_used, hidden, heads, kv_heads, key_length, value_length,
-                        key("expert_feed_forward_length"), key("vocab_size"), n_tokens, said)
+                        key("expert_ff"), key("vocab_size"), n_tokens, said)
 
 
 def check_hparams(header, arch: str, n_experts: int, n_layers: int, n_used: int = 1) -> ShapeNumbers:
@@ -195,7 +199,8 @@ def _check_experts(s: ShapeNumbers, header, p: str, bad) -> None:
 def _check_layers(header, s: ShapeNumbers) -> None:
     """block_count against the layers the tensors hold: core.checks.n_layers_of refuses a tensor
     past it; a layer with no tensor at all is a count too high (llama.cpp needs every layer's)."""
-    kv = header.kv.get(f"{s.arch}.block_count")
+    key = Keys.LLM.BLOCK_COUNT.format(arch=s.arch)
+    kv = header.kv.get(key)
     if kv is None or not 0 < s.n_layers <= MAX_LAYERS:
         return
     seen = set()
@@ -208,5 +213,5 @@ def _check_layers(header, s: ShapeNumbers) -> None:
     if missing is not None:
         last = max(seen, default=None)
         shown = f"the last layer with tensors is blk.{last}" if last is not None else "no blk.N tensors"
-        raise HparamError(f"{header.path}: {s.arch}.block_count = {s.n_layers} disagrees with the tensors: layer "
+        raise HparamError(f"{header.path}: {key} = {s.n_layers} disagrees with the tensors: layer "
                           f"{missing} has none ({shown})")

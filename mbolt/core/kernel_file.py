@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType as V
+from gguf import GGUFValueType as V, Keys
 
 from mbolt.core.errors import MboltError
 from mbolt.core.header import GGUFHeader, encode_header_start, encode_kv, encode_tensor_info, parse_header, \
@@ -41,15 +41,15 @@ class KernelFile:
 
 
 def is_kernel_file(h: GGUFHeader) -> bool:
-    return h.get("general.architecture") == KERNEL_ARCH
+    return h.get(Keys.General.ARCHITECTURE) == KERNEL_ARCH
 
 
 def read_kernel(path: str | os.PathLike) -> KernelFile:
     """A kernel-layout file's header and records, each checked against the others."""
     h = read_header(path)
     if not is_kernel_file(h):
-        raise MboltError(f"{h.path}: not a kernel-layout file (general.architecture is "
-                         f"{h.get('general.architecture')!r}; `mbolt repack` writes them)")
+        raise MboltError(f"{h.path}: not a kernel-layout file ({Keys.General.ARCHITECTURE} is "
+                         f"{h.get(Keys.General.ARCHITECTURE)!r}; `mbolt repack` writes them)")
     version = h.get_int(P + "version")
     if version != VERSION:
         raise MboltError(f"{h.path}: {P}version {version}; this mbolt reads version {VERSION}")
@@ -103,7 +103,7 @@ def copied_kvs(h: GGUFHeader, head: bytes, architecture: str, drop=()) -> list[b
     """`h`'s metadata pairs as its file holds them (`head`: its header bytes), with
     `general.architecture` set to `architecture` and none of the mbolt.kernel records nor the keys
     in `drop`: what both headers of the kernel layout keep of their source."""
-    return [encode_kv(kv.key, V.STRING, architecture) if kv.key == "general.architecture"
+    return [encode_kv(kv.key, V.STRING, architecture) if kv.key == Keys.General.ARCHITECTURE
             else head[kv.span[0]:kv.span[1]] for kv in h.kv.values()
             if not kv.key.startswith(P) and kv.key not in drop]
 
@@ -117,7 +117,7 @@ def stock_view(k: KernelFile) -> GGUFHeader:
     from mbolt.core.header import KV
 
     kv = {key: v for key, v in k.header.kv.items() if not key.startswith(P)}
-    kv["general.architecture"] = KV("general.architecture", V.STRING, k.architecture)
+    kv[Keys.General.ARCHITECTURE] = KV(Keys.General.ARCHITECTURE, V.STRING, k.architecture)
     return replace(k.header, kv=kv, fingerprint=k.source.fingerprint)
 
 

@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from gguf import Keys
+
 from mbolt.core.checks import MAX_EXPERTS, n_layers_of
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
@@ -213,9 +215,9 @@ def moe_map(src: str | os.PathLike | GGUFHeader, kernel_ok: bool = False) -> Moe
     its tensors where the file holds them)."""
     header = src if isinstance(src, GGUFHeader) else open_model_header(src)
     path = header.path
-    arch = header.get("general.architecture")
+    arch = header.get(Keys.General.ARCHITECTURE)
     if not isinstance(arch, str):
-        raise MboltError(f"{path}: no general.architecture in the metadata")
+        raise MboltError(f"{path}: no {Keys.General.ARCHITECTURE} in the metadata")
     from mbolt.core.kernel_file import KERNEL_ARCH, read_kernel, stock_view
 
     if arch == KERNEL_ARCH and kernel_ok:
@@ -223,15 +225,16 @@ def moe_map(src: str | os.PathLike | GGUFHeader, kernel_ok: bool = False) -> Moe
     if arch == KERNEL_ARCH:  # its weights are laid out for llama.cpp's kernels, not for reading as stock
         raise MboltError(f"{path}: a kernel-layout file ({header.get('mbolt.kernel.build')}, written by mbolt "
                          f"repack): `mbolt repack --restore` gives the stock file back for this command")
-    n_experts = header.get_int(f"{arch}.expert_count")
-    n_used = header.get_int(f"{arch}.expert_used_count")
+    count_key, used_key = Keys.LLM.EXPERT_COUNT.format(arch=arch), Keys.LLM.EXPERT_USED_COUNT.format(arch=arch)
+    n_experts = header.get_int(count_key)
+    n_used = header.get_int(used_key)
     n_layers = n_layers_of(header)
     if n_experts <= 1:
-        raise MboltError(f"{path}: not a MoE model ({arch}.expert_count is {n_experts or 'missing'})")
+        raise MboltError(f"{path}: not a MoE model ({count_key} is {n_experts or 'missing'})")
     if n_experts > MAX_EXPERTS:
-        raise MboltError(f"{path}: {arch}.expert_count is {n_experts} (at most {MAX_EXPERTS} supported)")
+        raise MboltError(f"{path}: {count_key} is {n_experts} (at most {MAX_EXPERTS} supported)")
     if n_used <= 0 or n_used > n_experts:
-        raise MboltError(f"{path}: {arch}.expert_used_count is {n_used}, expected 1..{n_experts}")
+        raise MboltError(f"{path}: {used_key} is {n_used}, expected 1..{n_experts}")
     # the numbers against the tensors before anything is built from them (one line naming both)
     numbers = check_hparams(header, arch, n_experts, n_layers, n_used)
     by_layer: dict[int, list[TensorInfo]] = {}

@@ -22,6 +22,7 @@ from functools import cached_property
 from pathlib import Path
 
 import numpy as np
+from gguf import Keys
 
 from mbolt.core.checks import MAX_EXPERTS, n_layers_of
 from mbolt.core.errors import MboltError
@@ -115,10 +116,10 @@ def check_perm(perm: np.ndarray, n_layers: int, n_experts: int, where: str) -> n
 
 
 def _model_shape(header: GGUFHeader) -> tuple[int, int]:
-    arch = header.get("general.architecture")
-    n_experts = header.get_int(f"{arch}.expert_count")
+    key = Keys.LLM.EXPERT_COUNT.format(arch=header.get(Keys.General.ARCHITECTURE))
+    n_experts = header.get_int(key)
     if not 0 <= n_experts <= MAX_EXPERTS:  # it sizes the route map
-        raise MboltError(f"{header.path}: {arch}.expert_count is {n_experts} (at most {MAX_EXPERTS} supported)")
+        raise MboltError(f"{header.path}: {key} is {n_experts} (at most {MAX_EXPERTS} supported)")
     return n_layers_of(header), n_experts
 
 

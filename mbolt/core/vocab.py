@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from gguf import Keys
+
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map."""
@@ -21,7 +23,7 @@ def byte_tokens(header, text: str) -> list[int]:
 
     Parity does not need a real tokenizer, only the same ids on both files; bytes missing from
     the vocabulary fall back to byte value modulo the vocabulary size."""
-    tokens = header.get("tokenizer.ggml.tokens") or []
+    tokens = header.get(Keys.Tokenizer.LIST) or []
     index = {t: i for i, t in enumerate(tokens)}
     n_vocab = len(tokens) or 256
     b2u = bytes_to_unicode()

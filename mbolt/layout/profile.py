@@ -121,9 +121,9 @@ def model_labels(mm) -> tuple[str, str]:
 
     import gguf
 
-    name = mm.header.get("general.name")
+    name = mm.header.get(gguf.Keys.General.NAME)
     name = name if isinstance(name, str) and name else Path(mm.path).stem
-    ft = mm.header.get("general.file_type")
+    ft = mm.header.get(gguf.Keys.General.FILE_TYPE)
     try:
         quant = gguf.LlamaFileType(int(ft)).name.removeprefix("MOSTLY_")
     except (TypeError, ValueError):

@@ -1,7 +1,7 @@
-"""Greedy decoding over any `forward`: `greedy_decode` (the reference engine's loop, and the one the
-tracer and llama.cpp parity run over a llama.cpp runner), and `generate` (what `mbolt generate` runs)
-on top of it with the reference engine. llama.cpp's other loops are runtime/driver.py's `generate`
-and the server's turn (serve/scheduler.py)."""
+"""The numpy reference engine's greedy decoding: `greedy_decode` over its `forward` (the loop of the
+reference tracer and of `routing_parity`), and `generate` (`mbolt generate --engine reference`) on
+top of it. llama.cpp decodes through runtime/driver.py alone (`Driver.decode`, `Driver.generate`,
+and the server's turn over the driver's steps)."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
+from gguf import GGMLQuantizationType as T, Keys
 
 from mbolt.reference.blocks import KVCache, RopeCache, apply_rope, attention, rms_norm, sigmoid, silu, softmax
 from mbolt.reference.quant import check_supported, dequantize, q8_1_correction, round_activations
@@ -65,10 +65,11 @@ class HParams:
                 raise MboltError(f"{h.path}: missing metadata {s.said[name]}")
             return check_range(v, f"{h.path}: {s.said[name]}", lo, hi)
 
-        def f(key, default):
-            v = h.get(f"{arch}.{key}", default)
+        def f(template, default):
+            key = template.format(arch=arch)
+            v = h.get(key, default)
             if isinstance(v, (bool, str, np.ndarray, list)) or not np.isfinite(v):
-                raise MboltError(f"{h.path}: {arch}.{key} is {v!r:.40}, expected a number")
+                raise MboltError(f"{h.path}: {key} is {v!r:.40}, expected a number")
             return float(v)
 
         hidden = n("hidden")
@@ -77,16 +78,17 @@ class HParams:
         if n("value_length") != hd:
             raise MboltError(f"{h.path}: {s.said['value_length']} differs from {s.said['key_length']}: the reference "
                              "engine needs one head size")
-        n_rot = h.get(f"{arch}.rope.dimension_count", hd)
+        rot_key = Keys.Rope.DIMENSION_COUNT.format(arch=arch)
+        n_rot = h.get(rot_key, hd)
         return cls(
             arch=arch, n_layers=n("n_layers", hi=MAX_LAYERS), hidden=hidden, n_heads=n_heads,
             n_kv_heads=n("kv_heads", hi=n_heads), head_dim=hd,
-            n_rot=check_range(n_rot, f"{h.path}: {arch}.rope.dimension_count", 0, hd),
-            rope_base=f("rope.freq_base", 10000.0),
-            rms_eps=f("attention.layer_norm_rms_epsilon", 1e-6),
+            n_rot=check_range(n_rot, f"{h.path}: {rot_key}", 0, hd),
+            rope_base=f(Keys.Rope.FREQ_BASE, 10000.0),
+            rms_eps=f(Keys.Attention.LAYERNORM_RMS_EPS, 1e-6),
             n_experts=s.n_experts, n_used=s.n_used, n_vocab=n_vocab,
-            weights_scale=f("expert_weights_scale", 0.0),
-            attn_scale=f("attention.scale", 0.0),
+            weights_scale=f(Keys.LLM.EXPERT_WEIGHTS_SCALE, 0.0),
+            attn_scale=f(Keys.Attention.SCALE, 0.0),
         )
 
 

@@ -14,6 +14,7 @@ stays a piece of its own.
 from __future__ import annotations
 
 import regex
+from gguf import Keys
 
 from mbolt.core.errors import MboltError, warn
 from mbolt.core.header import GGUFHeader
@@ -105,20 +106,21 @@ class Tokenizer:
 
     @classmethod
     def from_header(cls, h: GGUFHeader) -> "Tokenizer":
-        model = h.get("tokenizer.ggml.model")
+        T = Keys.Tokenizer
+        model = h.get(T.MODEL)
         if model != "gpt2":
             raise MboltError(f"{h.path}: tokenizer model {model!r} is not supported by the reference engine (only "
                              "byte-level BPE 'gpt2'): use --engine llama.cpp, which tokenizes every vocabulary "
                              "llama.cpp loads")
-        tokens = h.get("tokenizer.ggml.tokens")
+        tokens = h.get(T.LIST)
         if not tokens:
-            raise MboltError(f"{h.path}: no tokenizer.ggml.tokens")
-        types = h.get("tokenizer.ggml.token_type")
-        bos, eos = h.get("tokenizer.ggml.bos_token_id"), h.get("tokenizer.ggml.eos_token_id")
+            raise MboltError(f"{h.path}: no {T.LIST}")
+        types = h.get(T.TOKEN_TYPE)
+        bos, eos = h.get(T.BOS_ID), h.get(T.EOS_ID)
         return cls(list(tokens), None if types is None else [int(t) for t in types],
-                   list(h.get("tokenizer.ggml.merges") or []), str(h.get("tokenizer.ggml.pre", "default")),
+                   list(h.get(T.MERGES) or []), str(h.get(T.PRE, "default")),
                    None if bos is None else int(bos), None if eos is None else int(eos),
-                   bool(h.get("tokenizer.ggml.add_bos_token", False)))
+                   bool(h.get(T.ADD_BOS, False)))
 
     def _bpe(self, word: str) -> list[int]:
         hit = self._cache.get(word)

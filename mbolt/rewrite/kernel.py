@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
-from gguf import GGUFValueType as V
+from gguf import GGUFValueType as V, Keys
 
 from mbolt.core.atomic import atomic_output, check_output
 from mbolt.core.errors import MboltError
@@ -62,10 +62,10 @@ class KernelResult:
 
 def _kvs(src: GGUFHeader, head: bytes, build: Build, layouts: dict[str, RepackType], sha: str) -> list[bytes]:
     names = list(layouts)
-    return copied_kvs(src, head, KERNEL_ARCH, drop=("general.alignment",)) + [
-        encode_kv("general.alignment", V.UINT32, ALIGN),
+    return copied_kvs(src, head, KERNEL_ARCH, drop=(Keys.General.ALIGNMENT,)) + [
+        encode_kv(Keys.General.ALIGNMENT, V.UINT32, ALIGN),
         encode_kv(P + "version", V.UINT32, VERSION),
-        encode_kv(P + "architecture", V.STRING, str(src.get("general.architecture"))),
+        encode_kv(P + "architecture", V.STRING, str(src.get(Keys.General.ARCHITECTURE))),
         encode_kv(P + "build", V.STRING, build.name),
         encode_kv(P + "tensors", V.ARRAY, names, V.STRING),
         encode_kv(P + "layouts", V.ARRAY, [layouts[n].name for n in names], V.STRING),
@@ -104,7 +104,7 @@ def write_kernel(src: str | os.PathLike, dst: str | os.PathLike, build: Build, *
     whose length does not depend on the hash, is written last."""
     src, dst = Path(src), Path(dst)
     h = read_header(src)
-    if h.get("split.count") is not None and h.get_int("split.count") > 1:
+    if h.get(Keys.Split.LLM_KV_SPLIT_COUNT) is not None and h.get_int(Keys.Split.LLM_KV_SPLIT_COUNT) > 1:
         raise MboltError(f"{src}: a shard of a split set; `mbolt repack` takes one file (merge the set with "
                          f"llama.cpp's gguf-split --merge first)")
     if is_kernel_file(h):

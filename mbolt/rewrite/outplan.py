@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType
+from gguf import GGMLQuantizationType, GGUFValueType, Keys
 
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import SET_ID_KEY, split_vaddr, vaddr
@@ -308,9 +308,9 @@ def assign_shards(tensors: list[OutTensor], spec: SplitSpec, n_in: int) -> int:
 
 def split_kvs(no: int, count: int, n_tensors: int, set_id: str) -> list[bytes]:
     return [
-        encode_kv("split.no", GGUFValueType.UINT16, no),
-        encode_kv("split.count", GGUFValueType.UINT16, count),
-        encode_kv("split.tensors.count", GGUFValueType.INT32, n_tensors),
+        encode_kv(Keys.Split.LLM_KV_SPLIT_NO, GGUFValueType.UINT16, no),
+        encode_kv(Keys.Split.LLM_KV_SPLIT_COUNT, GGUFValueType.UINT16, count),
+        encode_kv(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, GGUFValueType.INT32, n_tensors),
         encode_kv(SET_ID_KEY, GGUFValueType.STRING, set_id),
     ]
 
@@ -331,7 +331,7 @@ def shard_headers(m: MoeMap, tensors: list[OutTensor], n_shards: int, model_kvs:
         set_id = h.hexdigest()[:32]
     heads, starts = [], []
     for i, ts in enumerate(by_shard):
-        kvs = list(model_kvs) if i == 0 else [encode_kv("general.alignment", GGUFValueType.UINT32, A)]
+        kvs = list(model_kvs) if i == 0 else [encode_kv(Keys.General.ALIGNMENT, GGUFValueType.UINT32, A)]
         if n_shards > 1:
             kvs += split_kvs(i, n_shards, len(tensors), set_id)
         place_tensors(ts, A)

@@ -19,7 +19,7 @@ import numpy as np
 from mbolt.core.routemap import read_route_map
 from mbolt.core.prompts import BUILTIN_PROMPTS
 from mbolt.core.vocab import byte_tokens
-from mbolt.reference.generate import greedy_decode
+from mbolt.reference.generate import greedy_decode  # the reference engine's loop (routing_parity)
 
 LLAMA_ATOL = 1e-4
 LLAMA_RTOL = 1e-4
@@ -91,8 +91,13 @@ def routing_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int 
 def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 8, n_threads: int | None = None,
                  on_step=None, n_ctx: int | None = None) -> dict:
     """llama.cpp on both files (reorder layout); see the module docstring. on_step() after every
-    forward of both (len(prompts) * (n_tokens + 1) of them)."""
-    from mbolt.runtime.runner import LlamaRunner
+    forward of both (len(prompts) * (n_tokens + 1) of them). Each file runs on a driver of its own
+    (plain llama.cpp, llama.cpp's default load, an F32 KV cache): the prompt in prompt passes, then
+    decode steps (`Driver.decode`), the output fed the source's greedy tokens."""
+    from mbolt.core.moe_map import moe_map
+    from mbolt.runtime.driver import open_driver
+    from mbolt.runtime.measured import TopkRows
+    from mbolt.runtime.memory import resolve_ctx
 
     prompts = prompts or BUILTIN_PROMPTS
     perm = read_route_map(out).perm
@@ -101,31 +106,32 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
     tokens_same = tokens_total = 0
     decisions = same = 0
     first_bad = ""
-    from mbolt.core.moe_map import moe_map
-    from mbolt.runtime.memory import resolve_ctx
-
     n_ctx, warning = resolve_ctx(n_ctx, moe_map(src))
     if warning:
         import warnings
 
         warnings.warn(warning, stacklevel=2)
-    with LlamaRunner(src, n_threads=n_threads, n_ctx=n_ctx) as ra, LlamaRunner(out, n_threads=n_threads, n_ctx=n_ctx) as rb:
+    ka, kb = TopkRows(), TopkRows()
+    opts = dict(reads=False, evict=False, repacked=True, f32_kv=True, n_ctx=n_ctx, n_threads=n_threads)
+    with open_driver(src, watchers=[ka], **opts) as da, open_driver(out, watchers=[kb], **opts) as db:
         for pi, text in enumerate(prompts):
-            ra.reset()
-            rb.reset()
-            ids = ra.tokenize(text)[:64] or [0]
-            if rb.tokenize(text)[:64] != ids:
+            da.forget()
+            db.forget()
+            ids = da.tokenize(text)[:64] or [0]
+            if db.tokenize(text)[:64] != ids:
                 first_bad = first_bad or f"prompt {pi}: tokenization differs"
-            for st in greedy_decode(lambda x: (ra.eval(x), rb.eval(x)), ids, n_tokens):
-                step, (la, lb) = st.index, st.out
+            fed: list[int] = []  # the source's greedy tokens: the output is fed them too
+            steps_b = db.decode(ids, n_tokens, fed=fed)
+            for step, (_, la) in enumerate(da.decode(ids, n_tokens)):
+                _, lb = next(steps_b)
                 tol = LLAMA_ATOL + LLAMA_RTOL * float(np.max(np.abs(la)))
                 d = float(np.max(np.abs(la - lb)))
                 max_diff, tol_used = max(max_diff, d), max(tol_used, tol)
                 if d > tol and not first_bad:
                     first_bad = f"prompt {pi} step {step}: max |logit diff| {d:.3g} > {tol:.3g}"
-                ka, kb = ra.topk(), rb.topk()
-                for li in sorted(set(ka) | set(kb)):
-                    xa, xb = ka.get(li), kb.get(li)
+                ra, rb = ka.take(), kb.take()
+                for li in sorted(set(ra) | set(rb)):
+                    xa, xb = ra.get(li), rb.get(li)
                     if xa is None or xb is None or xb.shape != xa.shape:
                         decisions += (xa if xa is not None else xb).size
                         first_bad = first_bad or f"prompt {pi} step {step} layer {li}: routed in one file only"
@@ -140,7 +146,8 @@ def llama_parity(src, out, *, prompts: list[str] | None = None, n_tokens: int = 
                         first_bad = (f"prompt {pi} step {step} layer {li} token {t}: experts "
                                      f"{sorted(xa[t].tolist())} in the source, {sorted(mapped[t].tolist())} "
                                      "in the output (original ids)")
-                ta, tb = st.next_token, int(np.argmax(lb))  # both decode the source's tokens
+                ta, tb = int(np.argmax(la)), int(np.argmax(lb))  # both decode the source's tokens
+                fed.append(ta)
                 tokens_total += 1
                 tokens_same += ta == tb
                 if ta != tb and not first_bad:

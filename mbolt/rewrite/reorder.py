@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFValueType
+from gguf import GGUFValueType, Keys
 
 from mbolt.core.atomic import clean_stale_parts
 from mbolt.core.errors import MboltError
@@ -146,14 +146,14 @@ def _write(m, dst, perm, ident, heat, method, layout, tensors, packed, notes, ou
     for k, kv in header.kv.items():
         if is_route_map_key(k) or is_set_key(k):
             continue
-        if k == "general.alignment":
+        if k == Keys.General.ALIGNMENT:
             kv_bytes.append(encode_kv(k, kv.type, A))
         elif kv.span[1] > kv.span[0]:
             kv_bytes.append(head_src[kv.span[0]:kv.span[1]])
         else:
             raise MboltError(f"{src}: header reader gave no byte span for {k} (mbolt.core.header too old?)")
-    if "general.alignment" not in header.kv:
-        kv_bytes.append(encode_kv("general.alignment", GGUFValueType.UINT32, A))
+    if Keys.General.ALIGNMENT not in header.kv:
+        kv_bytes.append(encode_kv(Keys.General.ALIGNMENT, GGUFValueType.UINT32, A))
     kv_bytes += route_map_kvs(layout, perm, heat, method, in_rm.source_fingerprint, packed)
     heads, starts = shard_headers(m, tensors, n_shards, kv_bytes, A, header.version)
     sizes = shard_sizes(tensors, starts, A)

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from gguf import Keys
 
 from mbolt.core.errors import MboltError
 from mbolt.core.hparams import HparamError
@@ -41,7 +42,7 @@ from mbolt.rewrite.outplan import logical_tensors
 from mbolt.core.routemap import RouteMap, is_route_map_key, read_sidecar, sidecar_path
 from mbolt.rewrite.compare import VerifyReport, check_padding, compare_data, compare_jobs
 
-IGNORED_KEYS = ("general.alignment",)  # besides mbolt.*
+IGNORED_KEYS = (Keys.General.ALIGNMENT,)  # besides mbolt.*
 
 Progress = Callable[[int, int], None]
 

@@ -16,4 +16,5 @@ rows           a kernel-layout file's experts as rows of those buffers: where, r
 kernel_stream  the streaming arm over a kernel-layout file (reads into rows, the same budget and rule)
 sampling  llama.cpp's sampler chain (grammar, penalties, top-k/p, min-p, temperature)
 driver    the decode driver: prompts, decode steps, sequences, and the measured generate loop
+measured  what that loop records (StreamRun) and the decode routing it saw, as a Trace
 """

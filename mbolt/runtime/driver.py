@@ -1,8 +1,9 @@
 """The decode driver: a llama.cpp context with an arm in it (the streaming runtime, or plain
-llama.cpp), its sequences, and the steps every llama.cpp decode loop is made of. The loops are
-still three: `generate` below (`mbolt generate --engine llama.cpp`, `ab` and the benchmarks), the
-server's turn (serve/scheduler.py: `serve` and `chat`) and reference.generate.greedy_decode (`trace`
-over `prompt`; llama.cpp parity over a bare runner).
+llama.cpp), its sequences, and the steps every llama.cpp decode loop is made of. Nothing above it
+reaches its arm or its runner implicitly: what the commands read of them is named here. Its loops
+over tokens are `decode` (the tracer, llama.cpp parity) and `generate` (`mbolt generate --engine
+llama.cpp`, `ab` and the benchmarks); the server's turn (serve/scheduler.py: `serve` and `chat`)
+runs the same steps (`prompt_pass`, `step`), one llama_decode per turn.
 
 - `prompt(tokens, seq)`: a prompt (or a turn) on a sequence, in passes of n_ubatch; a sequence
   keeps its tokens, so a follow-up turn that starts with them only evaluates what is new (the KV
@@ -12,6 +13,8 @@ over `prompt`; llama.cpp parity over a bare runner).
   conversations shares each layer's reads: the runtime reads the union of their experts once).
 - `prompt_pass(seq, tokens, feeds)`: one pass of a newcomer's prompt with a decode row of every
   reply under way in the same llama_decode (the server's continuous batching).
+- `decode(prompt, n_new)`: greedy (or fed) decoding of one sequence, yielding the logits of the
+  prompt and of each decode step (the tracer and parity watch the routing of each).
 - `generate(...)`: the measured loop (greedy or teacher-forced, with a follow-up turn), returning
   a `StreamRun` of timings and counters.
 
@@ -19,59 +22,24 @@ over `prompt`; llama.cpp parity over a bare runner).
 llama.cpp (runtime.plain), else the streaming runtime (runtime.streamer). llama.cpp cannot load the
 `packed` layout (its tensors are blobs llama.cpp does not know).
 """
-
 from __future__ import annotations
 
 import ctypes
 import resource
 import time
-from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
+from mbolt.runtime.measured import StreamRun
 from mbolt.runtime.runner import Phase
 from mbolt.core.pagecache import proc_read_bytes
 from mbolt.runtime.streamer import StreamRuntime, check_llama_streamable  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from mbolt.runtime.sampling import Sampler
-
-
-@dataclass
-class StreamRun:
-    """What one generation measured (prefill = the prompt, decode = the generated tokens)."""
-
-    generated: list[list[int]]  # per prompt
-    prefill_s: float = 0.0  # time to first token, summed over prompts
-    decode_s: float = 0.0  # llama_decode wall time of the decode steps (dropping pages after them excluded)
-    decode_tokens: int = 0
-    io_s: float = 0.0  # decode: wall time of the explicit reads
-    reads: int = 0  # decode: merged reads (plain: major faults)
-    ops: int = 0
-    bytes: int = 0
-    useful_bytes: int = 0
-    hits: int = 0
-    misses: int = 0
-    major_faults: int = 0
-    device_bytes: int | None = None  # decode: /proc/self/io read_bytes delta
-    prompt_tokens: int = 0
-    prompt_passes: int = 0  # passes over the experts (prompts and follow-ups): ceil(tokens / n_ubatch) each
-    prompt_bytes: int = 0  # read by the pass reader
-    prompt_read_s: float = 0.0  # time with a pass read outstanding
-    prompt_device_bytes: int | None = None
-    prompt_major_faults: int = 0
-    followup_s: float = 0.0  # a session's follow-up turn: time to its first token, summed over prompts
-    followup_tokens: int = 0
-    followup_bytes: int = 0  # read by the pass reader during the follow-up turns
-    routing: list[dict] = field(default_factory=list)  # per decode step: {layer: positions}
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("routing")
-        return d
 
 
 _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
@@ -103,6 +71,11 @@ def common_prefix(a, b) -> int:
     return int(diff[0]) if diff.size else m
 
 
+def _of_arm(name: str, doc: str) -> property:
+    """A read-only property of the driver that is its arm's `name`."""
+    return property(lambda self: getattr(self.arm, name), doc=doc)
+
+
 class Driver:
     """A llama.cpp context driven by mbolt, with `arm` (a StreamRuntime or a PlainLlama) in it;
     `n_seq` sequences of the arm's n_ctx tokens each. `watchers` (begin, on_topk, end: a routing
@@ -131,11 +104,37 @@ class Driver:
         self.tokens: list[list[int]] = [[] for _ in range(n_seq)]  # what each sequence holds
         self.prompt_major_faults = 0
 
-    # the arm's state, as generate, ab and the benchmarks read it
-    def __getattr__(self, name):
-        if name in ("arm", "runner"):
-            raise AttributeError(name)
-        return getattr(self.arm, name)
+    # ---- what the commands, ab and the benchmarks read of the arm (each named: nothing else passes) ----
+
+    mm = _of_arm("mm", "The model's MoE map (core.moe_map).")
+    n_ctx = _of_arm("n_ctx", "The context asked for, per sequence (llama.cpp pads it: `n_ctx_seq`).")
+    n_ubatch = _of_arm("n_ubatch", "Tokens per prompt pass.")
+    flash_attn = _of_arm("flash_attn", "llama.cpp's flash attention is on.")
+    repacking = _of_arm("repacking", "Where the weights' repacked layout comes from: off, or how.")
+    pages = _of_arm("pages", "The expert tensors' pages (residency: `resident`, `mapped`).")
+    budget = _of_arm("budget", "The memory budget (runtime.budget.Budget), or None without one.")
+    cache_slots = _of_arm("cache_slots", "Expert slots per layer of the runtime's cache (0: plain).")
+    prefill_slots = _of_arm("prefill_slots", "Slots per layer during a prompt (None without a budget).")
+    decode_slots = _of_arm("decode_slots", "Slots per layer during decode (None without a budget).")
+    pinned_per_layer = _of_arm("pinned_per_layer", "Hottest experts pinned per layer.")
+    locked_bytes = _of_arm("locked_bytes", "Dense weights locked in memory (mlock).")
+    copied_bytes = _of_arm("copied_bytes", "Dense weights copied out of the file.")
+    reclaimed = _of_arm("reclaimed", "Cached experts found reclaimed by the kernel (read again).")
+
+    def make_cold(self) -> None:
+        """No expert page resident, the dense weights resident: a cold measurement starts here."""
+        self.arm.make_cold()
+
+    def hold_all(self) -> None:
+        """Every expert resident: a warm measurement starts here."""
+        self.arm.hold_all()
+
+    def fit_budget(self) -> None:
+        """The runtime's cache sized from its budget, nothing dropped (a warm arm under a budget)."""
+        self.arm.fit_budget()
+
+    def describe_budget(self) -> str:
+        return self.arm.describe_budget()
 
     @property
     def n_seq(self) -> int:
@@ -205,6 +204,22 @@ class Driver:
         for s, t in feeds:
             self.tokens[s].append(int(t))
         return out
+
+    def decode(self, prompt: list[int], n_new: int, *, seq: int = 0, eos: int | None = None,
+               fed: list[int] | None = None):
+        """Greedy decoding of one sequence: the prompt (prompt passes), then up to `n_new` decode
+        steps, each feeding the argmax of the last logits, or `fed[i]` (teacher-forced: read at
+        step i, so a caller may append to it as it goes); yields (tokens fed, their logits) after the
+        prompt and after each step, 1 + n_new of them, fewer when the greedy token is `eos` (not fed)."""
+        logits, _, _ = self.prompt(prompt, seq)
+        yield [int(t) for t in prompt], logits
+        for i in range(n_new):
+            greedy = int(np.argmax(logits))
+            if eos is not None and greedy == eos:
+                return
+            tok = int(fed[i]) if fed is not None else greedy
+            logits = self.step([(seq, tok)])[0]
+            yield [tok], logits
 
     def sampler(self, opts) -> "Sampler":
         from mbolt.runtime.sampling import Sampler, eog_tokens
@@ -435,7 +450,9 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     """A driver over the arm these options name: `reads` the streaming runtime (its options:
     gap, qd, cache_slots, budget, asynchronous, pins; `evict=False` a warm control), else plain
     llama.cpp (`evict`: drop every expert page after each decode step, the emulation without a
-    limit; `callback`: the eval callback alone; `record`: keep each step's selections)."""
+    limit; `callback`: the eval callback alone; `record`: keep each step's selections; `repacked`:
+    llama.cpp's default load; `llama_model`: a model the caller loaded itself, a probe's own load,
+    used as it is and not freed here)."""
     from mbolt.runtime.kernel_stream import is_kernel_path, kernel_arm
     from mbolt.runtime.memory import default_ubatch
     from mbolt.runtime.plain import PlainLlama
@@ -451,6 +468,7 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
             raise MboltError("pins keep experts the runtime reads: they need explicit reads")
         arm = PlainLlama(path, drop_after_step=evict, callback=bool(callback),
                          repacked=bool(runtime_options.get("repacked")), **common)
+        arm.llama_model = runtime_options.get("llama_model")
     try:
         return Driver(arm, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
     except BaseException:
@@ -458,28 +476,5 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
         raise
 
 
-def routing_trace(runs: list[StreamRun], mm: MoeMap):
-    """The decode routing llama.cpp computed, as a Trace of ORIGINAL expert ids (for the predictor)."""
-    from mbolt.core.trace import DECODE, Trace
-
-    steps = [s for r in runs for s in r.routing]
-    k = mm.n_used
-    ex = np.full((len(steps), mm.n_layers, k), -1, np.int16)
-    perm = mm.route_map.perm
-    for t, st in enumerate(steps):
-        for layer, pos in st.items():
-            if layer < mm.n_layers:
-                p = np.asarray(pos[:k], np.int64)
-                ex[t, layer, : p.size] = perm[layer][p]
-    n = len(steps)
-    return Trace(n_layers=mm.n_layers, n_experts=mm.n_experts, k=k, experts=ex,
-                 phase=np.full(n, DECODE, np.uint8), seq=np.zeros(n, np.int32), pos=np.arange(n, dtype=np.int32),
-                 fingerprint=mm.source_fingerprint)
-
-
-def record_routing(path, prompts: list[list[int]], n_new: int, mm: MoeMap | None = None, forced: int = 0):
-    """Generate once warm (no reads, no eviction) with the callback recording the decode routing;
-    returns it as a Trace (original ids). Deterministic (greedy or teacher-forced): every arm routes
-    the same."""
-    with open_driver(path, reads=False, evict=False, record=True, mm=mm) as s:
-        return routing_trace([s.generate(prompts, n_new, forced=forced)], s.mm)
+# the decode routing of warm runs, as a Trace (runtime.measured; re-exported for its callers)
+from mbolt.runtime.measured import record_routing, routing_trace  # noqa: E402,F401

@@ -19,6 +19,8 @@ import os
 
 from dataclasses import dataclass
 
+from gguf import Keys
+
 from mbolt.core.errors import MboltError
 from mbolt.runtime.binding import GGML_TYPE_F32, buffer_span, captured_log, lib, log_sizes, set_fields
 
@@ -120,7 +122,7 @@ def simulate(path: str, n_ctx: int, n_ubatch: int = DEFAULT_UBATCH, *, flash_att
 
 def train_ctx(mm) -> int | None:
     """The context the model was trained for (`{arch}.context_length`), None when the file has none."""
-    kv = mm.header.kv.get(f"{mm.arch}.context_length")
+    kv = mm.header.kv.get(Keys.LLM.CONTEXT_LENGTH.format(arch=mm.arch))
     try:
         v = int(kv.value) if kv is not None else 0
     except (TypeError, ValueError):

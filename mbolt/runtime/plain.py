@@ -73,7 +73,8 @@ class PlainLlama(Arm):
 
     def attach(self, memory: ContextMemory | None, tap=None) -> None:
         self.memory = memory
-        self.pages.attach()
+        if self.llama_model is None:  # a model the caller loaded (a probe's own load) may not map this file
+            self.pages.attach()
 
     def make_cold(self) -> None:
         """No expert page resident; the dense weights resident (nothing held: plain holds nothing)."""

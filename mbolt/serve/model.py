@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gguf import Keys
+
 from mbolt.core.errors import MboltError
 from mbolt.runtime.memory import DEFAULT_UBATCH
 
@@ -100,8 +102,8 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
         abort = d.abort_flag()
         d.make_cold()
         header = open_model_header(path)
-        template = header.get("tokenizer.chat_template")
-        meta = {"tokenizer.chat_template": template} if template else {}
+        template = header.get(Keys.Tokenizer.CHAT_TEMPLATE)
+        meta = {Keys.Tokenizer.CHAT_TEMPLATE: template} if template else {}
     except BaseException:
         d.close()
         raise

@@ -33,6 +33,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from gguf import Keys
+
 from mbolt.core.errors import MboltError
 from mbolt.runtime.driver import common_prefix
 from mbolt.serve.text import ReplyText
@@ -125,7 +127,7 @@ class Scheduler:
     def _chat_template(self):
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        template = self.loaded.metadata.get("tokenizer.chat_template")
+        template = self.loaded.metadata.get(Keys.Tokenizer.CHAT_TEMPLATE)
         if not template:
             return None
         eos, bos = self.driver.eos_token, self.driver.bos_token

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, Keys
 
 from mbolt.core.atomic import atomic_output
 from mbolt.core.errors import warn
@@ -313,61 +313,62 @@ class _Model:
         k_len = v_len = cfg.head_dim
         if cfg.arch == "deepseek2":  # MLA: the cache holds the latent (kv_lora_rank) + rotary key
             k_len, v_len = cfg.kv_lora_rank + cfg.n_rot, cfg.kv_lora_rank
+        G, LLM, Att, Rope, SSM, Tok = Keys.General, Keys.LLM, Keys.Attention, Keys.Rope, Keys.SSM, Keys.Tokenizer
+
+        def arch_kv(template, vtype, value):  # gguf-py's "{arch}.…" key template, filled in
+            return encode_kv(template.format(arch=a), vtype, value)
+
         kvs = [
-            encode_kv("general.architecture", STR, a),
-            encode_kv("general.name", STR, name),
-            encode_kv("general.alignment", U32, cfg.alignment),
-            encode_kv("general.file_type", U32, FILE_TYPE[cfg.expert_type]),
-            encode_kv(f"{a}.context_length", U32, cfg.context_length),
-            encode_kv(f"{a}.embedding_length", U32, cfg.hidden),
-            encode_kv(f"{a}.block_count", U32, cfg.n_layers),
-            encode_kv(f"{a}.feed_forward_length", U32, ff_key),
-            encode_kv(f"{a}.expert_feed_forward_length", U32, cfg.expert_ff),
-            encode_kv(f"{a}.attention.head_count", U32, cfg.n_heads),
-            encode_kv(f"{a}.attention.head_count_kv", U32, cfg.n_kv_heads),
-            encode_kv(f"{a}.attention.key_length", U32, k_len),
-            encode_kv(f"{a}.attention.value_length", U32, v_len),
-            encode_kv(f"{a}.attention.layer_norm_rms_epsilon", F32, cfg.rms_eps),
-            encode_kv(f"{a}.rope.freq_base", F32, cfg.rope_base),
-            encode_kv(f"{a}.rope.dimension_count", U32, cfg.n_rot),
-            encode_kv(f"{a}.expert_count", U32, cfg.n_experts),
-            encode_kv(f"{a}.expert_used_count", U32, cfg.n_used),
-            encode_kv(f"{a}.vocab_size", U32, self.V),
+            encode_kv(G.ARCHITECTURE, STR, a), encode_kv(G.NAME, STR, name),
+            encode_kv(G.ALIGNMENT, U32, cfg.alignment), encode_kv(G.FILE_TYPE, U32, FILE_TYPE[cfg.expert_type]),
+            arch_kv(LLM.CONTEXT_LENGTH, U32, cfg.context_length),
+            arch_kv(LLM.EMBEDDING_LENGTH, U32, cfg.hidden),
+            arch_kv(LLM.BLOCK_COUNT, U32, cfg.n_layers),
+            arch_kv(LLM.FEED_FORWARD_LENGTH, U32, ff_key),
+            arch_kv(LLM.EXPERT_FEED_FORWARD_LENGTH, U32, cfg.expert_ff),
+            arch_kv(Att.HEAD_COUNT, U32, cfg.n_heads),
+            arch_kv(Att.HEAD_COUNT_KV, U32, cfg.n_kv_heads),
+            arch_kv(Att.KEY_LENGTH, U32, k_len),
+            arch_kv(Att.VALUE_LENGTH, U32, v_len),
+            arch_kv(Att.LAYERNORM_RMS_EPS, F32, cfg.rms_eps),
+            arch_kv(Rope.FREQ_BASE, F32, cfg.rope_base),
+            arch_kv(Rope.DIMENSION_COUNT, U32, cfg.n_rot),
+            arch_kv(LLM.EXPERT_COUNT, U32, cfg.n_experts),
+            arch_kv(LLM.EXPERT_USED_COUNT, U32, cfg.n_used),
+            arch_kv(LLM.VOCAB_SIZE, U32, self.V),
         ]
         if cfg.arch in SHARED_GATED:
-            kvs.append(encode_kv(f"{a}.expert_shared_feed_forward_length", U32, cfg.shared_ff))
+            kvs.append(arch_kv(LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH, U32, cfg.shared_ff))
         if cfg.dense_layers:
-            kvs.append(encode_kv(f"{a}.leading_dense_block_count", U32, cfg.dense_layers))
+            kvs.append(arch_kv(LLM.LEADING_DENSE_BLOCK_COUNT, U32, cfg.dense_layers))
         if cfg.arch in SHARED_BY_COUNT:  # sigmoid router, normalised top-k, scaled, shared expert
-            kvs += [encode_kv(f"{a}.expert_shared_count", U32, cfg.n_shared),
-                    encode_kv(f"{a}.expert_gating_func", U32, SIGMOID),
-                    encode_kv(f"{a}.expert_weights_norm", BOOL, True),
-                    encode_kv(f"{a}.expert_weights_scale", F32, cfg.weights_scale)]
+            kvs += [arch_kv(LLM.EXPERT_SHARED_COUNT, U32, cfg.n_shared),
+                    arch_kv(LLM.EXPERT_GATING_FUNC, U32, SIGMOID),
+                    arch_kv(LLM.EXPERT_WEIGHTS_NORM, BOOL, True),
+                    arch_kv(LLM.EXPERT_WEIGHTS_SCALE, F32, cfg.weights_scale)]
         if cfg.arch == "deepseek2":
-            kvs += [encode_kv(f"{a}.attention.kv_lora_rank", U32, cfg.kv_lora_rank),
-                    encode_kv(f"{a}.attention.key_length_mla", U32, cfg.head_dim),
-                    encode_kv(f"{a}.attention.value_length_mla", U32, cfg.v_head_dim or cfg.head_dim),
+            kvs += [arch_kv(Att.KV_LORA_RANK, U32, cfg.kv_lora_rank),
+                    arch_kv(Att.KEY_LENGTH_MLA, U32, cfg.head_dim),
+                    arch_kv(Att.VALUE_LENGTH_MLA, U32, cfg.v_head_dim or cfg.head_dim),
                     # required unless the layer count is a "lite" one (26/27): 0 = plain attn_q
-                    encode_kv(f"{a}.attention.q_lora_rank", U32, cfg.q_lora_rank)]
+                    arch_kv(Att.Q_LORA_RANK, U32, cfg.q_lora_rank)]
         if cfg.arch == "gpt-oss":  # llama.cpp: sliding window on every other layer (pattern 2)
-            kvs.append(encode_kv(f"{a}.attention.sliding_window", U32, cfg.sliding_window))
-        if cfg.arch == "qwen3next":
-            kvs += [encode_kv(f"{a}.ssm.conv_kernel", U32, cfg.ssm_conv),
-                    encode_kv(f"{a}.ssm.inner_size", U32, cfg.ssm_head_dim * cfg.ssm_v_heads),
-                    encode_kv(f"{a}.ssm.state_size", U32, cfg.ssm_head_dim),
-                    encode_kv(f"{a}.ssm.time_step_rank", U32, cfg.ssm_v_heads),
-                    encode_kv(f"{a}.ssm.group_count", U32, cfg.ssm_k_heads),
-                    encode_kv(f"{a}.full_attention_interval", U32, cfg.full_attn_every)]
+            kvs.append(arch_kv(Att.SLIDING_WINDOW, U32, cfg.sliding_window))
+        if cfg.arch == "qwen3next":  # the last two spelled out: gguf 0.17 (pyproject's oldest) lacks them
+            kvs += [arch_kv(SSM.CONV_KERNEL, U32, cfg.ssm_conv),
+                    arch_kv(SSM.INNER_SIZE, U32, cfg.ssm_head_dim * cfg.ssm_v_heads),
+                    arch_kv(SSM.STATE_SIZE, U32, cfg.ssm_head_dim),
+                    arch_kv(SSM.TIME_STEP_RANK, U32, cfg.ssm_v_heads),
+                    arch_kv("{arch}.ssm.group_count", U32, cfg.ssm_k_heads),
+                    arch_kv("{arch}.full_attention_interval", U32, cfg.full_attn_every)]
         kvs += self.vocab_entries or [
-            encode_kv("tokenizer.ggml.model", STR, "gpt2"),
-            encode_kv("tokenizer.ggml.pre", STR, "gpt-2"),
-            encode_kv("tokenizer.ggml.tokens", ARR, self.tokens, GGUFValueType.STRING),
-            encode_kv("tokenizer.ggml.token_type", ARR, self.token_types, GGUFValueType.INT32),
-            encode_kv("tokenizer.ggml.merges", ARR, self.merges, GGUFValueType.STRING),
-            encode_kv("tokenizer.ggml.bos_token_id", U32, self.bos),
-            encode_kv("tokenizer.ggml.eos_token_id", U32, self.eos),
-            encode_kv("tokenizer.ggml.add_bos_token", BOOL, False),
-            encode_kv("tokenizer.ggml.add_eos_token", BOOL, False),
+            encode_kv(Tok.MODEL, STR, "gpt2"),
+            encode_kv(Tok.PRE, STR, "gpt-2"),
+            encode_kv(Tok.LIST, ARR, self.tokens, GGUFValueType.STRING),
+            encode_kv(Tok.TOKEN_TYPE, ARR, self.token_types, GGUFValueType.INT32),
+            encode_kv(Tok.MERGES, ARR, self.merges, GGUFValueType.STRING),
+            encode_kv(Tok.BOS_ID, U32, self.bos), encode_kv(Tok.EOS_ID, U32, self.eos),
+            encode_kv(Tok.ADD_BOS, BOOL, False), encode_kv(Tok.ADD_EOS, BOOL, False),
         ]
         kvs += [
             encode_kv("mbolt.synth.structure", STR, cfg.structure),

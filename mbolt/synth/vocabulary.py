@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gguf import Keys
+
 from mbolt.core.errors import MboltError
 from mbolt.core.vocab import bytes_to_unicode
 
@@ -35,11 +37,11 @@ def borrowed_vocabulary(path: str) -> tuple[list[bytes], int, int, int]:
     from mbolt.core.header import read_header
 
     h = read_header(path)
-    tokens = h.kv.get("tokenizer.ggml.tokens")
+    tokens = h.kv.get(Keys.Tokenizer.LIST)
     if tokens is None or not hasattr(tokens.value, "__len__") or not len(tokens.value):
-        raise MboltError(f"{path}: no tokenizer.ggml.tokens: not a vocabulary to borrow")
+        raise MboltError(f"{path}: no {Keys.Tokenizer.LIST}: not a vocabulary to borrow")
     raw = Path(path).read_bytes()[:h.header_size]
     entries = [raw[kv.span[0]:kv.span[1]] for k, kv in h.kv.items() if k.startswith("tokenizer.")]
     n = len(tokens.value)
-    bos, eos = h.get_int("tokenizer.ggml.bos_token_id", 0), h.get_int("tokenizer.ggml.eos_token_id", 0)
+    bos, eos = h.get_int(Keys.Tokenizer.BOS_ID, 0), h.get_int(Keys.Tokenizer.EOS_ID, 0)
     return entries, n, bos, eos

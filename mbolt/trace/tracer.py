@@ -8,8 +8,10 @@
 Backends:
   reference  mbolt's numpy engine: every layer of every prompt token, with routing weights.
   llama.cpp  llama-cpp-python with an eval callback on `ffn_moe_topk-N`: native speed, any
-             architecture llama.cpp runs; during prefill llama.cpp routes the last layer only
-             for the output token, so the other prompt tokens have -1 at that layer.
+             architecture llama.cpp runs, through the runtime's driver (`Driver.decode`: the
+             prompt in prompt passes, each generated token a decode step, as every command
+             runs them); during prefill llama.cpp routes the last layer only for the output
+             token, so the other prompt tokens have -1 at that layer.
 """
 
 from __future__ import annotations
@@ -45,8 +47,12 @@ class _Reference:
     def encode(self, text):
         return self.tok.encode(text)
 
-    def start(self):
+    def steps(self, ids, n_new):
+        """(experts, weights) of the prompt's tokens, then of each greedy token fed: the reference
+        engine's loop (reference.generate.greedy_decode)."""
         self.cache = self.m.new_cache()
+        for st in greedy_decode(self.run, ids, n_new, eos=self.eos):
+            yield st.out[1:]
 
     def run(self, ids):
         """-> (logits of last token, experts [n, L, k] original ids, weights [n, L, k])."""
@@ -64,27 +70,12 @@ class _Reference:
         self.m.close()
 
 
-class _Capture:
-    """Watches the driver's steps: every selection of every row (a prompt's passes included)."""
-
-    def __init__(self):
-        self.rows: dict[int, list[np.ndarray]] = {}
-
-    def begin(self, phase, n_rows: int) -> None:
-        pass
-
-    def on_topk(self, layer: int, rows: np.ndarray) -> None:
-        self.rows.setdefault(layer, []).append(rows)
-
-    def end(self) -> None:
-        pass
-
-
 class _Llama:
     weights = False
 
     def __init__(self, path, route, threads, n_ctx=None):
         from mbolt.runtime.driver import open_driver
+        from mbolt.runtime.measured import TopkRows
 
         self.mm = moe_map(path)
         self.perm = self.mm.route_map.perm  # positions -> original ids
@@ -92,7 +83,7 @@ class _Llama:
         # pages the kernel can reclaim, so tracing a model larger than RAM runs in bounded memory (a
         # copying or repacking load put every expert in anonymous memory and was OOM-killed under a
         # 2 GiB limit, issue 19)
-        self.cap = _Capture()
+        self.cap = TopkRows()
         self.d = open_driver(path, reads=False, evict=False, mm=self.mm, n_ctx=n_ctx, n_threads=threads,
                              watchers=[self.cap])
         self.eos = None
@@ -104,25 +95,27 @@ class _Llama:
     def encode(self, text):
         return self.d.tokenize(text, add_special=True)
 
-    def start(self):
+    def steps(self, ids, n_new):
+        """(experts, None) of the prompt's tokens (prompt passes), then of each greedy token fed
+        (decode steps): the driver's loop (`Driver.decode`). A prompt longer than the context is
+        cut to it, and decoding stops where the context is full."""
         self.d.forget()
+        room = self.d.n_ctx_seq
+        ids = ids[:room]
+        self.cap.take()
+        for fed, _ in self.d.decode(ids, min(n_new, room - len(ids)), eos=self.eos):
+            yield self._experts(len(fed)), None
 
-    def run(self, ids):
-        room = self.d.n_ctx_seq - len(self.d.tokens[0])
-        if len(ids) > room:
-            ids = ids[:max(room, 0)]
-            if not ids:
-                raise MboltError(f"llama.cpp context of {self.d.n_ctx_seq} tokens is full")
-        self.cap.rows = {}
-        logits, _, _ = self.d.prompt(ids)
-        n, L, k = len(ids), self.mm.n_layers, self.mm.n_used
+    def _experts(self, n):
+        """The original experts of the last `n` tokens the driver ran, from what the watcher saw."""
+        L, k = self.mm.n_layers, self.mm.n_used
         ex = np.full((n, L, k), -1, np.int16)
-        for li, blocks in self.cap.rows.items():
+        for li, seen in self.cap.take().items():
             if li >= L:
                 continue
-            rows = self.perm[li][np.concatenate(blocks)]  # position -> original id
+            rows = self.perm[li][seen]  # position -> original id
             ex[n - rows.shape[0]:, li] = rows[-n:]
-        return logits, ex, None
+        return ex
 
     def close(self):
         self.d.close()
@@ -194,16 +187,12 @@ def trace_prompts(model: str | os.PathLike, prompts: str | os.PathLike | list[Pr
                     raise MboltError(f"prompt on line {p.line} has no tokens")
                 if p.domain:
                     w.set_domain(seq, p.domain)
-                backend.start()
                 pos = 0
-                for st in greedy_decode(backend.run, ids, max_new_tokens, eos=backend.eos):
-                    _, ex, wt = st.out
+                for i, (ex, wt) in enumerate(backend.steps(ids, max_new_tokens)):
                     n = ex.shape[0]
-                    if n == 0:  # llama.cpp's context is full
-                        break
-                    w.extend(PREFILL if st.index == 0 else DECODE, seq, np.arange(pos, pos + n), ex, wt)
+                    w.extend(PREFILL if i == 0 else DECODE, seq, np.arange(pos, pos + n), ex, wt)
                     pos += n
-                    if st.index == 0:
+                    if i == 0:
                         n_prefill += n
                     else:
                         n_decode += n

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from gguf import Keys
+
 from mbolt.core.errors import MboltError
 from mbolt.core.gguf_set import open_model_header
 from mbolt.core.moe_map import MoeMap, moe_map
@@ -36,14 +38,14 @@ def load_model(path: str | os.PathLike | MoeMap, *, route: str = "file", expert_
     opened = path if isinstance(path, MoeMap) else None
     path = Path(opened.path if opened else path)
     header = opened.header if opened else open_model_header(path)  # one file, or the whole set of a shard
-    arch = header.get("general.architecture")
+    arch = header.get(Keys.General.ARCHITECTURE)
     cls = ARCHS.get(arch)
     if cls is None:
         raise MboltError(f"{path}: architecture {arch!r} is not supported by the reference engine "
                          f"(supported: {', '.join(sorted(ARCHS))}; `mbolt trace --engine llama.cpp` "
                          f"traces any architecture llama.cpp runs)")
     mm = opened or moe_map(header)
-    tok = header.get("tokenizer.ggml.tokens")
+    tok = header.get(Keys.Tokenizer.LIST)
     emb = header.tensor("token_embd.weight")
     if emb is None:
         raise MboltError(f"{path}: missing tensor token_embd.weight")

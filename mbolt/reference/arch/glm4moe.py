@@ -8,6 +8,7 @@ As llama.cpp: gating from `glm4moe.expert_gating_func` (sigmoid when absent, as 
 defaults), normalisation from `glm4moe.expert_weights_norm` (false when absent)."""
 
 import numpy as np
+from gguf import Keys
 
 from mbolt.reference.model import Model
 
@@ -18,9 +19,10 @@ class Glm4MoE(Model):
     ffn_norm = "post_attention_norm.weight"
 
     def __init__(self, path, header, *args, **kw):
-        arch = header.get("general.architecture")
-        self.gating = {1: "softmax", 2: "sigmoid"}.get(int(header.get(f"{arch}.expert_gating_func", 2)), "sigmoid")
-        self.norm_topk = bool(header.get(f"{arch}.expert_weights_norm", False))
+        arch = header.get(Keys.General.ARCHITECTURE)
+        gating = header.get(Keys.LLM.EXPERT_GATING_FUNC.format(arch=arch), 2)
+        self.gating = {1: "softmax", 2: "sigmoid"}.get(int(gating), "sigmoid")
+        self.norm_topk = bool(header.get(Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch), False))
         super().__init__(path, header, *args, **kw)
         if self.w.has("blk.0.attn_q_norm.weight") or any(self.w.has(f"blk.{i}.attn_q_norm.weight")
                                                           for i in range(self.hp.n_layers)):

@@ -1,4 +1,4 @@
-"""bench_serve.py's concurrency workload (issue 34) -> results/serve_concurrency_<model>.json.
+"""bench_serve.py's concurrency workload (issue 34; scripts/bench_serve.py --workload concurrency) -> results/serve_concurrency_<model>.json.
 
 For each client count (--clients, e.g. 1,2,4,8) and each server arm, a fresh server in a memory
 cgroup of 40% of the file (the page cache charged to it; the file dropped first; 128 KiB
