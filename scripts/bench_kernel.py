@@ -8,13 +8,19 @@ fed tokens (decode tok/s), --ctx-size 4096, every engine fed the same token ids.
   warm     no limit, the file in memory: the compute alone.
              warm-mapped     llama.cpp over the mapped file (its kernels for the file's pages)
              warm-repacked   llama.cpp's default load (its repacked kernels; the whole model in memory)
-             kernel-warm     the runtime on the kernel-layout file, every expert read in before it runs
+             kernel-warm     the runtime on the kernel-layout file, its experts pages of the file's map
+                             (paged), every one brought in before it runs
+             kernel-warm-rows  the same with its experts read into llama.cpp's buffers (O_DIRECT rows)
            and ik_llama.cpp warm (bench.peers).
   limited  a memory cgroup of 40% of the stock file; the model's pages dropped before every arm;
            plain llama.cpp's readahead swept first (bench.memlimit.sweep_plain), every arm then at
            plain's best window (plain tuned):
              plain            llama.cpp as users run a model larger than RAM (mapped, n_ubatch 512) + A/A
-             mbolt-kernel     the runtime on the kernel-layout file (the headline arm) + A/A
+             mbolt-kernel     the runtime on the kernel-layout file, paged (the headline arm) + A/A:
+                              llama.cpp's tensors point into the file's map; misses asked of the page
+                              cache (WILLNEED), its faults wait page by page; evictions give pages back
+             mbolt-kernel-rows  the same file, its misses read into llama.cpp's buffers (O_DIRECT,
+                              up/down rows behind the gate/up matmuls: run 1's mbolt-kernel)
              mbolt-mapped     the runtime on the reorder file, as shipped before the kernel layout
            and ik_llama.cpp mapped (+ A/A) at n_ubatch 512 (its default) and 2048.
 The bound: the larger of the kernel layout's warm compute per token and MIN's bytes per token
@@ -41,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.memlimit import (AS_SHIPPED_KB, Workload, bound_of, json_default, log, paths, prepare,  # noqa: E402
+from mbolt.bench.memlimit import (AS_SHIPPED_KB, Workload, bound_of, json_default, limit_of, log, paths, prepare,  # noqa: E402
                                   prepare_kernel, run_ab_config, slots_of, sweep_plain, sweep_summary)
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, ttft_of  # noqa: E402
 from mbolt.bench.prereg import BenchPrereg, gate_run, run_record, write_result  # noqa: E402
@@ -60,15 +66,17 @@ def warm_arms(name: str) -> list[Arm]:
     p = paths(name)
     return [Arm("warm-mapped", str(p["stock"]), mode="os", warm=True),
             Arm("warm-repacked", str(p["stock"]), mode="os", warm=True, repacked=True),
-            Arm("kernel-warm", str(p["kernel"]), warm=True, io_threads=4)]
+            Arm("kernel-warm", str(p["kernel"]), warm=True),
+            Arm("kernel-warm-rows", str(p["kernel"]), warm=True, io_threads=4, rows=True)]
 
 
 def limited_arms(name: str) -> list[Arm]:
     p = paths(name)
     plain = Arm("plain", str(p["stock"]), mode="os")
-    kernel = Arm("mbolt-kernel", str(p["kernel"]), io_threads=4)
+    kernel = Arm("mbolt-kernel", str(p["kernel"]))
     return [plain, replace(plain, name="plain (A/A)", control_of="plain"), kernel,
             replace(kernel, name="mbolt-kernel (A/A)", control_of="mbolt-kernel"),
+            Arm("mbolt-kernel-rows", str(p["kernel"]), io_threads=4, rows=True),
             Arm("mbolt-mapped", str(p["reorder"]), io_threads=4, asynchronous=True)]
 
 
@@ -110,10 +118,8 @@ def peer_summary(d: dict | None) -> dict:
 
 
 def measure(name: str, rounds: int, pr: BenchPrereg, seed: int = 0) -> dict:
-    w, p = WORKLOAD, paths(name)
-    size = p["stock"].stat().st_size
-    ram = int(size * FRAC)
-    log(f"{name}: budget {100 * FRAC:.0f}% of {size / 2**30:.2f} GiB ({ram / 2**30:.2f} GiB)")
+    w = WORKLOAD
+    p, size, ram = limit_of(name, FRAC)
     with readahead(p["stock"], AS_SHIPPED_KB):
         log("  warm (no limit, the file in memory): the compute alone")
         warm = run_ab_config(name, warm_arms(name), w, rounds, 0, seed, aa=False)
@@ -128,8 +134,9 @@ def measure(name: str, rounds: int, pr: BenchPrereg, seed: int = 0) -> dict:
         ik_raw = ik_runs(name, rounds, ram, seed, warm=False)
     ik = peer_summary(ik_raw)
     k, kw = row(lim, "mbolt-kernel"), row(warm, "kernel-warm")
-    rates = {a: row(warm, a)["decode_tokens_per_s"] for a in ("warm-mapped", "warm-repacked", "kernel-warm")}
-    ttfts = {a: row(warm, a)["ttft_s"] for a in ("warm-mapped", "warm-repacked", "kernel-warm")}
+    warm_names = [a.name for a in warm_arms(name)]
+    rates = {a: row(warm, a)["decode_tokens_per_s"] for a in warm_names}
+    ttfts = {a: row(warm, a)["ttft_s"] for a in warm_names}
     fastest_load = min(ttfts["warm-mapped"], ttfts["warm-repacked"])
     plain_rate = row(lim, "plain")["decode_tokens_per_s"]
     ik_rate = ik.get("ik-mapped", {}).get("decode_tokens_per_s")
@@ -149,6 +156,7 @@ def measure(name: str, rounds: int, pr: BenchPrereg, seed: int = 0) -> dict:
            "ik": ik, "best_peer_tokens_per_s": best_peer, "bound": bound, "aa": aa,
            "kernel_over_plain": pair_stats(lim, "mbolt-kernel", "plain"),
            "kernel_over_mapped_runtime": pair_ratio(lim, "mbolt-kernel", "mbolt-mapped"),
+           "kernel_over_kernel_rows": pair_ratio(lim, "mbolt-kernel", "mbolt-kernel-rows"),
            "kernel_ttft_over_plain": pair_ratio(lim, "mbolt-kernel", "plain", key=ttft_of),
            "tokens_agreement_across_kernels": row(lim, "plain").get("tokens_agreement_across_kernels"),
            "warm": warm, "limited_run": lim, "ik_run": ik_raw, "sweep_runs": {str(ra): v["ab"] for ra, v in swept.items()}}

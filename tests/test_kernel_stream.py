@@ -56,6 +56,7 @@ def _run(path, prompt: int = 24, **options):
             out += d.step([(0, t)])
         arm = d.arm
         info = {"slots": arm.cache_slots, "resident": arm.pages.resident() if hasattr(arm, "rows") else None,
+                "native_layers": getattr(arm, "native_layers", None),
                 "behind": getattr(arm, "behind_layers", None),
                 "counters": getattr(arm.store, "counters", None), "repacking": arm.repacking}
     return np.stack(out), info
@@ -80,12 +81,12 @@ def _read_exactly_the_misses(path, c) -> None:
 def test_a_streamed_kernel_file_computes_llama_cpps_own_repacked_logits(files):
     stock, kl = files
     want, ref = _run(stock, reads=False, evict=False, repacked=True)  # llama.cpp's default load
-    got, info = _run(kl, reads=True, cache_slots=CFG.n_used)  # k slots: every step reads and evicts
+    got, info = _run(kl, reads=True, cache_slots=CFG.n_used, paged=False)  # rows; k slots: every step reads and evicts
     assert ref["repacking"].startswith("on") and info["repacking"].startswith("stored")
     assert np.isfinite(want).all() and want.std() > 0
     assert np.array_equal(got, want)  # bit for bit: the same bytes in the same kernels
     assert info["behind"] > 0  # up and down rows read while the gate and up matmuls computed
-    inline, info_inline = _run(kl, reads=True, cache_slots=CFG.n_used, read_behind=False)
+    inline, info_inline = _run(kl, reads=True, cache_slots=CFG.n_used, paged=False, read_behind=False)
     assert np.array_equal(inline, want) and info_inline["behind"] == 0
     c = info["counters"]
     steps = len(IDS) - 24
@@ -93,6 +94,29 @@ def test_a_streamed_kernel_file_computes_llama_cpps_own_repacked_logits(files):
     _read_exactly_the_misses(stock, c)
     # what stays: about the k slots of every layer (mincore), not the experts read
     assert CFG.n_used / CFG.n_experts - 0.02 <= info["resident"] <= CFG.n_used / CFG.n_experts + 0.02, (info, c)
+
+
+def test_a_paged_kernel_file_computes_the_same_logits_and_gives_pages_back(files):
+    # paged: the experts are pages of the kernel-layout file's map (llama.cpp's tensors point there),
+    # read by WILLNEED and faults; an eviction gives the page cache's copy back too
+    from mbolt.core.pagecache import resident_pages
+
+    stock, kl = files
+    want, _ = _run(stock, reads=False, evict=False, repacked=True)
+    got, info = _run(kl, reads=True, cache_slots=CFG.n_used)  # paged, the default
+    assert np.array_equal(got, want)
+    assert info["native_layers"] > 0  # decode layers with misses answered by the C filter
+    c = info["counters"]
+    assert c.misses > (len(IDS) - 24) * CFG.n_layers
+    _read_exactly_the_misses(stock, c)  # asked of the page cache: the misses' bytes, nothing else
+    assert CFG.n_used / CFG.n_experts - 0.02 <= info["resident"] <= CFG.n_used / CFG.n_experts + 0.02, (info, c)
+    # the file's expert pages in the page cache (mincore on the file, not the map): the k slots' only
+    r = GGUFReader(kl)
+    res = resident_pages(kl)
+    pages = [res[t.data_offset // mmap.PAGESIZE:(t.data_offset + int(t.n_bytes)) // mmap.PAGESIZE]
+             for t in r.tensors if t.name.endswith("_exps.weight")]
+    share = sum(int(p.sum()) for p in pages) / sum(p.size for p in pages)
+    assert share <= CFG.n_used / CFG.n_experts + 0.02, share
 
 
 def test_every_expert_cached_reads_each_once(files):
@@ -111,7 +135,7 @@ def test_a_prompt_pass_larger_than_the_cache_keeps_what_it_computes_with(files):
     # victims the layer still uses are given back only after it
     stock, kl = files
     want, _ = _run(stock, prompt=40, reads=False, evict=False, repacked=True)
-    got, info = _run(kl, prompt=40, reads=True, cache_slots=CFG.n_used)
+    got, info = _run(kl, prompt=40, reads=True, cache_slots=CFG.n_used, paged=False)  # rows: zeros if dropped early
     assert np.array_equal(got, want)
     assert info["resident"] <= CFG.n_used / CFG.n_experts + 0.02
 
@@ -120,7 +144,7 @@ def test_evicted_rows_leave_memory_and_shared_pages_stay(files):
     from mbolt.runtime.driver import open_driver
 
     _, kl = files
-    with open_driver(kl, reads=True, cache_slots=CFG.n_used, n_ctx=256) as d:
+    with open_driver(kl, reads=True, cache_slots=CFG.n_used, n_ctx=256, paged=False) as d:
         d.make_cold()
         arm = d.arm
         assert arm.pages.resident() < 0.01  # nothing of the experts held after make_cold

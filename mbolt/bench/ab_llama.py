@@ -57,8 +57,8 @@ def check_llama_arms(arms: list[Arm], info: dict, mode: str, ram: int = 0, drive
         if a.repacked and (a.mode != "os" or not a.warm):
             raise MboltError(f"arm {a.name}: repacked is llama.cpp's default load, which copies the experts into its "
                              "own memory: an os arm, warm (a model larger than RAM cannot load that way)")
-        if (a.inline or a.buffered) and not (a.mode != "os" and Path(a.path).exists() and is_kernel_path(a.path)):
-            raise MboltError(f"arm {a.name}: inline and buffered are ways to read a kernel-layout file (mbolt repack)")
+        if (a.inline or a.buffered or a.rows) and not (a.mode != "os" and Path(a.path).exists() and is_kernel_path(a.path)):
+            raise MboltError(f"arm {a.name}: rows, inline and buffered are ways to read a kernel-layout file (mbolt repack)")
         if a.asynchronous and a.mode == "os":
             raise MboltError(f"arm {a.name}: async is a way to issue explicit reads; an os arm issues none")
         if a.resident_frac is not None:
@@ -256,7 +256,7 @@ def llama_round(arm: Arm, mm: MoeMap, job: ArmJob) -> RoundResult:
                          give_back_compute=not arm.keep_compute, n_seq=arm.parallel,
                          overlay=not arm.page_cache_passes, use_order=not arm.file_order,
                          **({"repacked": True} if arm.repacked else {}), **({"read_behind": False} if arm.inline else {}),
-                         **({"buffered": True} if arm.buffered else {}))
+                         **({"buffered": True} if arm.buffered else {}), **({"paged": False} if arm.rows else {}))
     try:
         quiet = wait_quiet(arm.path)  # the previous arm's readahead must not overlap this arm
         before = stream.pages.resident()

@@ -37,6 +37,7 @@ class Arm:
     repacked: bool = False  # --engine llama.cpp, os arm: llama.cpp's default load (weights repacked into its buffers)
     inline: bool = False  # a kernel-layout file: a layer's up and down rows read before its matmuls, not behind them
     buffered: bool = False  # a kernel-layout file: reads through the page cache (WILLNEED, copy, drop), not O_DIRECT
+    rows: bool = False  # a kernel-layout file: misses read into llama.cpp's buffers (O_DIRECT), not pages of its map
 
     def options(self) -> dict:
         return dict(gap=self.gap, io_threads=self.io_threads, direct=self.direct, mode=self.mode,
@@ -47,13 +48,14 @@ ARM_KEYS = {"gap": int, "qd": int, "io_threads": int, "direct": bool, "os": bool
             "cache": int, "cache_slots": int, "frac": float, "resident_frac": float, "name": str, "warm": bool,
             "callback": bool, "async": bool, "pins": bool, "ubatch": int, "user": bool,
             "pymisses": bool, "dropsnow": bool, "keepcompute": bool, "parallel": int, "passcache": bool,
-            "fileorder": bool, "repacked": bool, "inline": bool, "buffered": bool}
+            "fileorder": bool, "repacked": bool, "inline": bool, "buffered": bool,
+            "rows": bool}
 
 
 def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
     """`path[:key=value,...]`, keys: name, gap, qd|io_threads, direct, os, cache|cache_slots,
     frac|resident_frac, and for --engine llama.cpp warm, callback, async, pins, ubatch, user, pymisses,
-    dropsnow, keepcompute, parallel, passcache, fileorder, repacked, inline, buffered."""
+    dropsnow, keepcompute, parallel, passcache, fileorder, repacked, inline, buffered, rows."""
     path, _, opts = spec.partition(":")
     kw: dict = dict(defaults or {})
     for item in filter(None, (x.strip() for x in opts.split(","))):
@@ -61,7 +63,7 @@ def parse_arm(spec: str, index: int, defaults: dict | None = None) -> Arm:
         if k not in ARM_KEYS:
             raise MboltError(f"arm {spec!r}: unknown option {k!r} (name, gap, qd, direct, os, cache, frac, warm, callback, "
                              "async, pins, ubatch, user, pymisses, dropsnow, keepcompute, parallel, passcache, fileorder, "
-                             "repacked, inline, buffered)")
+                             "repacked, inline, buffered, rows)")
         typ = ARM_KEYS[k]
         try:
             val = (v.lower() not in ("0", "false", "no") if eq else True) if typ is bool else typ(v)

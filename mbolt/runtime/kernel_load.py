@@ -36,6 +36,7 @@ from mbolt.core.pagecache import MADV_DONTNEED, PAGE, libc, memory_resident
 from mbolt.core.repack import Build, build_of
 from mbolt.runtime.binding import GgmlTensor, captured_log, lib, set_fields
 
+PROT_READ, MAP_SHARED = 1, 1
 M_MMAP_THRESHOLD = -3  # mallopt: allocations from this size up get maps of their own
 
 
@@ -104,6 +105,7 @@ class WeightPlace:
     addr: int  # where llama.cpp holds the tensor
     nbytes: int
     offset: int  # where the kernel-layout file holds it
+    tensor: int = 0  # llama.cpp's ggml_tensor
 
 
 @dataclass
@@ -116,11 +118,14 @@ class KernelModel:
     places: dict[str, WeightPlace]
     fd: int
     timings: dict = field(default_factory=dict)
+    mapped: tuple[int, int] | None = None  # (address, bytes) of the file mapped by `map_weights`
 
     def fill(self, name: str, start: int = 0, n: int | None = None) -> int:
         """Read bytes [start, start + n) of a tensor from the file into llama.cpp's copy of it."""
         p = self.places[name]
         n = p.nbytes - start if n is None else n
+        if self.mapped is not None and p.addr == self.mapped[0] + p.offset:
+            raise MboltError(f"{self.kernel.header.path}: tensor {name} is mapped from the file: it is read by faults, not filled")
         buf = (ctypes.c_char * n).from_address(p.addr + start)
         got = os.preadv(self.fd, [memoryview(buf).cast("B")], p.offset + start)
         if got != n:
@@ -135,15 +140,41 @@ class KernelModel:
         b = (p.addr + start + n) // PAGE * PAGE
         if b > a:
             libc().madvise(a, b - a, MADV_DONTNEED)
+            if self.mapped is not None and p.addr == self.mapped[0] + p.offset:  # the page cache's copy too
+                os.posix_fadvise(self.fd, a - self.mapped[0], b - a, os.POSIX_FADV_DONTNEED)
         return max(0, b - a)
 
     def fill_all(self, experts: bool = True) -> int:
         return sum(self.fill(n) for n in self.places if experts or "_exps." not in n)
 
+    def map_weights(self, names) -> None:
+        """These weights become pages of the kernel-layout file, mapped read-only: their tensors point
+        into the map, their rows in llama.cpp's buffers are given back. The bytes there are already
+        the repacked layout, and the repacked kernels read a weight wherever its data points, so
+        the compute is the repacked load's; the page cache reads them (faults, WILLNEED) and gives
+        them back, as for a mapped stock file."""
+        if self.mapped is None:
+            size = os.fstat(self.fd).st_size
+            addr = libc().mmap(None, size, PROT_READ, MAP_SHARED, self.fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise MboltError(f"{self.kernel.header.path}: mmap failed (errno {ctypes.get_errno()})")
+            self.mapped = (addr, size)
+        base = self.mapped[0]
+        for name in names:
+            p = self.places[name]
+            if p.addr == base + p.offset:
+                continue
+            self.drop(name)
+            GgmlTensor.from_address(p.tensor).data = base + p.offset
+            p.addr = base + p.offset
+
     def close(self) -> None:
         if self.model:
             self.L.llama_model_free(self.model)
             self.model = None
+        if self.mapped is not None:  # after the model: its tensors pointed here
+            libc().munmap(*self.mapped)
+            self.mapped = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -229,7 +260,8 @@ def load_kernel_model(path: str | os.PathLike | KernelFile, *, build: Build | No
                     raise MboltError(f"{k.header.path}: llama.cpp could not load it: {tail[0].strip()}")
                 load_s, load_cpu = time.perf_counter() - t0, time.process_time() - c0
                 names = {t.name for t in k.header.tensors}
-                addr = {n: int(GgmlTensor.from_address(t).data) for n, t in find_weights(L, model, names).items()}
+                tensors = find_weights(L, model, names)
+                addr = {n: int(GgmlTensor.from_address(t).data) for n, t in tensors.items()}
     finally:
         libc().mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold (now fixed)
     missing = sorted(names - set(addr))
@@ -237,7 +269,7 @@ def load_kernel_model(path: str | os.PathLike | KernelFile, *, build: Build | No
         L.llama_model_free(model)
         raise MboltError(f"{k.header.path}: llama.cpp's graph does not use tensor {missing[0]}"
                          + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
-    places = {t.name: WeightPlace(addr[t.name], t.nbytes, t.data_offset) for t in k.header.tensors}
+    places = {t.name: WeightPlace(addr[t.name], t.nbytes, t.data_offset, tensors[t.name]) for t in k.header.tensors}
     fd = os.open(k.header.path, os.O_RDONLY)
     km = KernelModel(L, model, k, places, fd, {"load_s": load_s, "load_cpu_s": load_cpu,
                                                "buffers_dropped": sum(b - a for a, b in drops.runs or [])})

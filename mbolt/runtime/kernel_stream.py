@@ -18,6 +18,14 @@ are rows of those buffers, not pages of a mapped file:
   computes (those it does not select are given back when it starts).
 The budget (runtime.budget) is planned and fitted as for the mapped runtime: everything here is
 this process's own memory.
+
+`paged` (the default; measured faster under a memory limit, docs/results.md): the experts are
+not rows read in but pages of the kernel-layout file's map
+(KernelModel.map_weights points llama.cpp's expert tensors there; the repacked kernels read a
+weight wherever its data points). A miss is asked of the page cache (WILLNEED) and not waited for:
+llama.cpp's page faults wait page by page, so an expert computes while the next ones arrive, with no
+copy and no zeroed pages. An eviction gives the map's pages and the page cache's copy back. The cache
+rule, the budget and the C filter are the same.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from mbolt.runtime.budget import PREFETCH_SHARE, Budget
 from mbolt.runtime.kernel_load import load_kernel_model, stand_in
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
 from mbolt.runtime.runner import Phase
-from mbolt.runtime.rows import ExpertRows, RowReader
+from mbolt.runtime.rows import ExpertRows, PagedReader, RowReader
 
 
 
@@ -52,7 +60,8 @@ class KernelRuntime(BudgetedArm):
     def __init__(self, path, *, cache_slots: int = 0, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
                  mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, qd: int = 1,
-                 give_back_compute: bool = True, read_behind: bool = True, buffered: bool = False):
+                 give_back_compute: bool = True, read_behind: bool = True, buffered: bool = False,
+                 paged: bool | None = None):
         from mbolt.core.kernel_file import read_kernel, stock_view
         from mbolt.core.moe_map import moe_map
 
@@ -81,8 +90,10 @@ class KernelRuntime(BudgetedArm):
         self.lru_cached = np.zeros((L, E), np.uint8)
         self.lru_stamp = np.zeros((L, E), np.int64)
         self.lru_clock = np.zeros(1, np.int64)
+        self.lru_count = np.zeros(L, np.int64)  # cached experts per layer (the C filter's misses read it)
         self._lru = {layer.index: ArrayLru(self.cache_slots, self.lru_cached[layer.index], self.lru_stamp[layer.index],
-                                           self.lru_clock) for layer in self.mm.moe_layers}
+                                           self.lru_clock, count=self.lru_count[layer.index:layer.index + 1])
+                     for layer in self.mm.moe_layers}
         moe = sorted(self._lru)
         self.moe_layers, self._next_moe = set(moe), dict(zip(moe, moe[1:]))
         self.phase = Phase.LOAD
@@ -90,22 +101,30 @@ class KernelRuntime(BudgetedArm):
         self.step_routing: dict[int, np.ndarray] = {}
         self.after_step_s = 0.0
         self.fast_layers = 0
+        self.native_layers = 0  # paged: decode layers with misses the C filter answered
         self.memory: ContextMemory | None = None
         self.tap = self.filter = None
         self._seen: set[int] = set()
         self._later: list[tuple[int, list[int]]] = []  # victims the computing layer still uses
         self._spec: dict[int, set[int]] = {}  # layer -> experts read ahead for it (not in its cache)
         self._computed = False
-        self.read_behind = read_behind
+        # paged unless rows are asked for (buffered, or inline: ways to read rows in)
+        paged = (not buffered and read_behind) if paged is None else paged
+        if paged and buffered:
+            raise MboltError(f"{path}: paged experts are not read in: buffered means nothing there")
+        self.read_behind = read_behind and not paged  # paged: llama.cpp's faults wait, page by page
+        self.paged = paged
         self.behind_layers = 0  # layers whose up and down rows were read behind their gate/up matmuls
         self.waits: np.ndarray | None = None  # per layer: up and down rows still arriving (shared with the C filter)
         self._behind: dict[int, list[Future]] = {}  # layer -> the reads of its up and down rows, in that order
         try:
             self.km = load_kernel_model(k)
             self.llama_model = self.km.model
-            self.rows = ExpertRows(self.mm, self.km)
-            self.reader = RowReader(self.path, qd, buffered=buffered)
             experts = {w.name for layer in self.mm.moe_layers for w in layer.weights}
+            if paged:
+                self.km.map_weights(sorted(experts))
+            self.rows = ExpertRows(self.mm, self.km)
+            self.reader = PagedReader(self.path) if paged else RowReader(self.path, qd, buffered=buffered)
             for name in self.km.places:  # the dense weights, once: they stay
                 if name not in experts:
                     self.km.fill(name)
@@ -124,6 +143,8 @@ class KernelRuntime(BudgetedArm):
 
     def begin(self, phase: Phase, n_rows: int) -> None:
         self._finish_behind()  # a llama_decode stopped half-way (abort) left reads behind
+        if self.filter is not None:
+            self.filter.flush_drops()  # and paged, drops queued
         self._seen = set()
         self.step_routing = {}
         if phase is Phase.PROMPT:
@@ -195,7 +216,8 @@ class KernelRuntime(BudgetedArm):
         E = self.mm.n_experts
         for layer, lru in self._lru.items():
             lru.slots = max(lru.slots, E)
-            self.reader.read(self.rows.runs(layer, range(E)))
+            runs = self.rows.runs(layer, range(E))
+            self.reader.read(runs, wait=True) if self.paged else self.reader.read(runs)
             lru.admit(range(E))
         self.cache_slots = E
 
@@ -254,6 +276,17 @@ class KernelRuntime(BudgetedArm):
             c.calls += layers
             c.experts += experts
             c.hits += experts
+            done = self.filter.take_miss_counts()  # paged: decode layers with misses answered in C
+            if done:
+                if done["errors"]:
+                    raise MboltError(f"{self.path}: {done['errors']} madvise/posix_fadvise/mincore call(s) failed in "
+                                     "a decode step's reads")
+                for k in ("calls", "experts", "hits", "misses", "reads", "bytes"):
+                    setattr(c, k, getattr(c, k) + done["layers" if k == "calls" else k])
+                c.ops += done["reads"]
+                c.useful_bytes += done["useful"]
+                c.io_time += done["io_ns"] * 1e-9
+                self.native_layers += done["layers"]
         late = self._finish_behind()
         if late:
             self._unshare_waits()
@@ -304,10 +337,33 @@ class KernelRuntime(BudgetedArm):
         if f is not None:
             f.share_cache(self.perm, self.lru_cached, self.lru_stamp, self.lru_clock)
             self.filter = f
+        if f is not None and self.paged and self.evict:
+            self._share_reads(f)
         if (self.read_behind and tap is not None
                 and all(r == ["gate", "up", "down"] for r in self.rows.roles.values())):
             self.waits = np.zeros(self.perm.shape[0], np.uint8)
             tap.share_waits(self.waits, self._on_wait)
+
+    def _share_reads(self, f) -> None:
+        """Paged: the C filter answers decode layers with misses too, as for the mapped runtime
+        (runtime.native's `with_misses`: the same LRU arrays, WILLNEED in use order, the victims
+        unmapped and dropped from the page cache by its thread while llama.cpp computes)."""
+        from mbolt.core.pagecache import residency_visible
+
+        L, E = self.perm.shape
+        R = max(len(r) for r in self.rows.tensors.values())
+        ranges = np.zeros((L, E, R, 3), np.int64)
+        for layer, rows in self.rows.tensors.items():
+            pos = self.rows.pos[layer].astype(np.int64)  # original id -> position in the file
+            for r, (off, _, _, size) in enumerate(rows):
+                ranges[layer, :, r, 1] = off + pos * size
+                ranges[layer, :, r, 2] = size
+        base, size = self.km.mapped
+        self.read_mark = np.zeros((L, E), np.uint8)
+        f.share_reads(ranges=ranges, fds=[self.reader.fd], maps=[(base, 0, size)], ra_steps=[self.reader.step],
+                      merge_gap=0, count=self.lru_count, read_mark=self.read_mark,
+                      visible=[residency_visible(self.path)], drop_behind=True, use_order=True)
+        f.slots = self.cache_slots
 
     def _unshare_waits(self) -> None:
         if self.tap is not None and self.waits is not None:
@@ -324,6 +380,8 @@ class KernelRuntime(BudgetedArm):
     def make_cold(self) -> None:
         """No expert row resident, the cache empty; with a budget, the cache sized from what is left."""
         self.settle()
+        if self.filter is not None:
+            self.filter.flush_drops()  # paged: the C filter's drops behind done first
         self.phase = Phase.LOAD
         self._later.clear()
         self._spec.clear()
@@ -347,6 +405,7 @@ class KernelRuntime(BudgetedArm):
     def close(self) -> None:
         if self.filter is not None:
             self.filter.fast = False
+            self.filter.stop_drops()  # before the map and the descriptor go
             self.filter = None
         try:
             self._finish_behind()

@@ -15,13 +15,24 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import USE_ORDER, MoeMap
-from mbolt.core.pagecache import MADV_DONTNEED, MADV_NOHUGEPAGE, PAGE, libc, memory_resident
+from mbolt.core.pagecache import (MADV_DONTNEED, MADV_NOHUGEPAGE, MADV_RANDOM, PAGE, libc, memory_resident, willneed,
+                                  willneed_bytes)
 from mbolt.runtime.kernel_load import KernelModel
 from mbolt.runtime.store import StoreCounters
 
 DIO = 4096  # O_DIRECT's offset and length unit (the drive's logical block, at most a page)
 BOUNCE = 8 << 20  # the bounce buffer of each read thread
 PIECE = int(os.environ.get("MBOLT_KERNEL_PIECE", 8 << 20))  # a merged run is read in pieces of this size, spread over the threads
+
+
+def count_reads(c: StoreCounters, runs: list[tuple[int, int, int]], ops: int, t0: float) -> None:
+    """These runs (file offset, address, bytes), asked in `ops` operations since `t0`, counted."""
+    n = sum(r[2] for r in runs)
+    c.reads += len(runs)
+    c.ops += ops
+    c.bytes += n
+    c.useful_bytes += n
+    c.io_time += time.perf_counter() - t0
 
 
 class RowReader:
@@ -40,6 +51,7 @@ class RowReader:
             self.fd, self.direct = os.open(path, os.O_RDONLY), False
             os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         self.size = os.fstat(self.fd).st_size
+        self._step = willneed_bytes(path)  # the kernel cuts a longer WILLNEED short, silently
         self.threads = max(1, int(threads))
         self._bounce = [mmap.mmap(-1, BOUNCE + DIO) for _ in range(self.threads + 1)]  # +1: the read-ahead thread
         self._free = list(range(len(self._bounce)))
@@ -51,7 +63,7 @@ class RowReader:
         copies what has arrived and waits for the rest. O_DIRECT: nothing (no page cache)."""
         if not self.direct:
             for off, _, n in runs:
-                os.posix_fadvise(self.fd, off, n, os.POSIX_FADV_WILLNEED)
+                willneed(self.fd, off, n, self._step)
 
     def read(self, runs: list[tuple[int, int, int]]) -> None:
         """Each run (file offset, address, bytes) read into place; returns when all are."""
@@ -63,13 +75,7 @@ class RowReader:
             parts = [pieces[i::self.threads] for i in range(self.threads)]
             for f in [self._pool.submit(self._read_pieces, p) for p in parts if p]:
                 f.result()
-        c = self.counters
-        c.reads += len(runs)
-        c.ops += len(pieces)
-        n = sum(r[2] for r in runs)
-        c.bytes += n
-        c.useful_bytes += n
-        c.io_time += time.perf_counter() - t0
+        count_reads(self.counters, runs, len(pieces), t0)
 
     def _read_pieces(self, pieces) -> None:
         slot = self._free.pop()
@@ -105,6 +111,39 @@ class RowReader:
         self._bounce = []
 
 
+class PagedReader:
+    """The reads of a kernel-layout file whose experts are pages of its map (KernelModel.map_weights):
+    each run asked of the page cache (WILLNEED) and not waited for; llama.cpp's page faults wait for
+    the pages they touch, so an expert computes while the next ones arrive. `read(..., wait=True)`
+    brings the pages in before it returns (a warm measurement)."""
+
+    direct = False
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+        self.step = willneed_bytes(path)  # the kernel cuts a longer WILLNEED short, silently
+        self.counters = StoreCounters()
+
+    def advise(self, runs) -> None:
+        pass  # `read` asks for them: nothing waits on it
+
+    def read(self, runs: list[tuple[int, int, int]], wait: bool = False) -> None:
+        t0 = time.perf_counter()
+        for off, _, n in runs:
+            willneed(self.fd, off, n, self.step)
+            if wait:
+                for s in range(0, n, BOUNCE):
+                    os.pread(self.fd, min(BOUNCE, n - s), off + s)
+        count_reads(self.counters, runs, len(runs), t0)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ExpertRows:
     """Where each expert of each MoE layer lives: its byte run in every routed weight tensor, in
     the file and in llama.cpp's buffers (by position in the file), and its pages given back."""
@@ -124,11 +163,16 @@ class ExpertRows:
                 rows.append((p.offset, p.addr, p.nbytes, w.slice_bytes))
             self.tensors[layer.index] = rows
         self.pos = mm.route_map.pos  # original id -> position in the file
+        # the file's map (KernelModel.map_weights): a page given back leaves the page cache too,
+        # and a fault reads its one page (MADV_RANDOM), not its neighbours, which may be evicted ones
+        self.file_map = (km.mapped[0], km.fd) if km.mapped else None
         # 4 KiB pages only: a huge page would bring a dropped neighbour's rows back (zeros, but
         # memory), and khugepaged collapses a range around one resident page (max_ptes_none 511)
         for a, b in self.all_spans():
             lo, hi = a - a % PAGE, -(-b // PAGE) * PAGE
             libc().madvise(lo, hi - lo, MADV_NOHUGEPAGE)
+            if self.file_map:
+                libc().madvise(lo, hi - lo, MADV_RANDOM)
 
     def runs_by_tensor(self, layer: int, experts) -> list[list[tuple[int, int, int]]]:
         """The merged (file offset, address, bytes) runs of these experts (original ids), one list
@@ -157,6 +201,8 @@ class ExpertRows:
                     hi -= PAGE
                 if hi > lo:
                     libc().madvise(lo, hi - lo, MADV_DONTNEED)
+                    if self.file_map:
+                        os.posix_fadvise(self.file_map[1], lo - self.file_map[0], hi - lo, os.POSIX_FADV_DONTNEED)
                     n += hi - lo
         return n
 
