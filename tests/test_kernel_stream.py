@@ -106,6 +106,9 @@ def test_a_paged_kernel_file_computes_the_same_logits_and_gives_pages_back(files
     got, info = _run(kl, reads=True, cache_slots=CFG.n_used)  # paged, the default
     assert np.array_equal(got, want)
     assert info["native_layers"] > 0  # decode layers with misses answered by the C filter
+    py, info_py = _run(kl, reads=True, cache_slots=CFG.n_used, native_misses=False)  # the pymisses arm
+    assert np.array_equal(py, want) and info_py["native_layers"] == 0
+    assert info_py["counters"].misses == info["counters"].misses and info_py["counters"].bytes == info["counters"].bytes  # one cache rule
     c = info["counters"]
     assert c.misses > (len(IDS) - 24) * CFG.n_layers
     _read_exactly_the_misses(stock, c)  # asked of the page cache: the misses' bytes, nothing else

@@ -61,7 +61,7 @@ class KernelRuntime(BudgetedArm):
                  mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
                  flash_attn: bool | None = None, evict: bool = True, n_seq: int = 1, qd: int = 1,
                  give_back_compute: bool = True, read_behind: bool = True, buffered: bool = False,
-                 paged: bool | None = None):
+                 paged: bool | None = None, native_misses: bool = True):
         from mbolt.core.kernel_file import read_kernel, stock_view
         from mbolt.core.moe_map import moe_map
 
@@ -114,6 +114,7 @@ class KernelRuntime(BudgetedArm):
             raise MboltError(f"{path}: paged experts are not read in: buffered means nothing there")
         self.read_behind = read_behind and not paged  # paged: llama.cpp's faults wait, page by page
         self.paged = paged
+        self.native_misses = native_misses  # paged: decode layers with misses answered in C
         self.behind_layers = 0  # layers whose up and down rows were read behind their gate/up matmuls
         self.waits: np.ndarray | None = None  # per layer: up and down rows still arriving (shared with the C filter)
         self._behind: dict[int, list[Future]] = {}  # layer -> the reads of its up and down rows, in that order
@@ -337,7 +338,7 @@ class KernelRuntime(BudgetedArm):
         if f is not None:
             f.share_cache(self.perm, self.lru_cached, self.lru_stamp, self.lru_clock)
             self.filter = f
-        if f is not None and self.paged and self.evict:
+        if f is not None and self.paged and self.evict and self.native_misses:
             self._share_reads(f)
         if (self.read_behind and tap is not None
                 and all(r == ["gate", "up", "down"] for r in self.rows.roles.values())):
@@ -423,9 +424,10 @@ class KernelRuntime(BudgetedArm):
             self.km = None
 
 
-# the mapped runtime's switches that a kernel-layout file's reads have no use for (they are
-# synchronous reads into llama.cpp's buffers: no page cache, no advice, no overlay)
-_MAPPED_ONLY = ("asynchronous", "native_misses", "drop_behind", "overlay", "use_order")
+# the mapped runtime's switches that a kernel-layout file's reads have no use for: paged, its reads
+# are always advice in llama.cpp's use order with the victims dropped behind (rows: blocking reads
+# into llama.cpp's buffers); no prompt pass is laid over. native_misses is honoured (paged).
+_MAPPED_ONLY = ("asynchronous", "drop_behind", "overlay", "use_order")
 
 
 def is_kernel_path(path) -> bool:
@@ -438,7 +440,7 @@ def is_kernel_path(path) -> bool:
 def kernel_arm(path, reads: bool, evict: bool, n_seq: int, common: dict, options: dict):
     """The streaming runtime over a kernel-layout file; plain llama.cpp cannot load one. Of the
     mapped runtime's options, pins and a merge gap are refused; its switches for how reads reach the
-    page cache (_MAPPED_ONLY) do not apply: these reads are blocking reads into llama.cpp's buffers."""
+    page cache (_MAPPED_ONLY) do not apply (see there)."""
     if not reads:
         raise MboltError(f"{path}: a kernel-layout file (mbolt repack) is read by the streaming runtime only "
                          "(--stream); `mbolt repack --restore` gives the stock file back for plain llama.cpp")
