@@ -124,7 +124,7 @@ class KernelModel:
         """Read bytes [start, start + n) of a tensor from the file into llama.cpp's copy of it."""
         p = self.places[name]
         n = p.nbytes - start if n is None else n
-        if self.mapped is not None and p.addr == self.mapped[0] + p.offset:
+        if self.in_map(p):
             raise MboltError(f"{self.kernel.header.path}: tensor {name} is mapped from the file: it is read by faults, not filled")
         buf = (ctypes.c_char * n).from_address(p.addr + start)
         got = os.preadv(self.fd, [memoryview(buf).cast("B")], p.offset + start)
@@ -138,11 +138,21 @@ class KernelModel:
         n = p.nbytes - start if n is None else n
         a = -(-(p.addr + start) // PAGE) * PAGE
         b = (p.addr + start + n) // PAGE * PAGE
-        if b > a:
-            libc().madvise(a, b - a, MADV_DONTNEED)
-            if self.mapped is not None and p.addr == self.mapped[0] + p.offset:  # the page cache's copy too
-                os.posix_fadvise(self.fd, a - self.mapped[0], b - a, os.POSIX_FADV_DONTNEED)
+        self.release(a, b)
         return max(0, b - a)
+
+    def in_map(self, p: WeightPlace) -> bool:
+        """The weight is pages of the file's map (`map_weights`), not rows of llama.cpp's buffers."""
+        return self.mapped is not None and p.addr == self.mapped[0] + p.offset
+
+    def release(self, lo: int, hi: int) -> None:
+        """Give back the pages [lo, hi) (page-aligned addresses): rows of llama.cpp's buffers read as
+        zeros after; pages of the file's map are unmapped and leave the page cache too."""
+        if hi <= lo:
+            return
+        libc().madvise(lo, hi - lo, MADV_DONTNEED)
+        if self.mapped is not None and self.mapped[0] <= lo < self.mapped[0] + self.mapped[1]:
+            os.posix_fadvise(self.fd, lo - self.mapped[0], hi - lo, os.POSIX_FADV_DONTNEED)
 
     def fill_all(self, experts: bool = True) -> int:
         return sum(self.fill(n) for n in self.places if experts or "_exps." not in n)
@@ -162,7 +172,7 @@ class KernelModel:
         base = self.mapped[0]
         for name in names:
             p = self.places[name]
-            if p.addr == base + p.offset:
+            if self.in_map(p):
                 continue
             self.drop(name)
             GgmlTensor.from_address(p.tensor).data = base + p.offset

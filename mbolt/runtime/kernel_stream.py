@@ -55,7 +55,7 @@ class KernelRuntime(BudgetedArm):
     uses_callback = True
     repacking = "stored (a kernel-layout file: read into llama.cpp's repacked buffers, never repacked here)"
     pins = False
-    pinned_per_layer = locked_bytes = copied_bytes = reclaimed = 0
+    pinned_per_layer = locked_bytes = copied_bytes = 0
 
     def __init__(self, path, *, cache_slots: int = 0, n_ctx: int | None = None, n_ubatch: int = DEFAULT_UBATCH,
                  mm: MoeMap | None = None, record: bool = False, budget: int | None = None, f32_kv: bool = False,
@@ -102,6 +102,7 @@ class KernelRuntime(BudgetedArm):
         self.after_step_s = 0.0
         self.fast_layers = 0
         self.native_layers = 0  # paged: decode layers with misses the C filter answered
+        self.reclaimed = 0  # paged: cached experts the C filter found reclaimed by the kernel (read again)
         self.memory: ContextMemory | None = None
         self.tap = self.filter = None
         self._seen: set[int] = set()
@@ -217,8 +218,7 @@ class KernelRuntime(BudgetedArm):
         E = self.mm.n_experts
         for layer, lru in self._lru.items():
             lru.slots = max(lru.slots, E)
-            runs = self.rows.runs(layer, range(E))
-            self.reader.read(runs, wait=True) if self.paged else self.reader.read(runs)
+            self.reader.read(self.rows.runs(layer, range(E)), wait=True)
             lru.admit(range(E))
         self.cache_slots = E
 
@@ -277,16 +277,10 @@ class KernelRuntime(BudgetedArm):
             c.calls += layers
             c.experts += experts
             c.hits += experts
-            done = self.filter.take_miss_counts()  # paged: decode layers with misses answered in C
+            done = self.filter.take_miss_counts(self.path)  # paged: decode layers with misses answered in C
             if done:
-                if done["errors"]:
-                    raise MboltError(f"{self.path}: {done['errors']} madvise/posix_fadvise/mincore call(s) failed in "
-                                     "a decode step's reads")
-                for k in ("calls", "experts", "hits", "misses", "reads", "bytes"):
-                    setattr(c, k, getattr(c, k) + done["layers" if k == "calls" else k])
-                c.ops += done["reads"]
-                c.useful_bytes += done["useful"]
-                c.io_time += done["io_ns"] * 1e-9
+                c.add_native(done)
+                self.reclaimed += done["reclaimed"]
                 self.native_layers += done["layers"]
         late = self._finish_behind()
         if late:
@@ -360,9 +354,8 @@ class KernelRuntime(BudgetedArm):
                 ranges[layer, :, r, 1] = off + pos * size
                 ranges[layer, :, r, 2] = size
         base, size = self.km.mapped
-        self.read_mark = np.zeros((L, E), np.uint8)
         f.share_reads(ranges=ranges, fds=[self.reader.fd], maps=[(base, 0, size)], ra_steps=[self.reader.step],
-                      merge_gap=0, count=self.lru_count, read_mark=self.read_mark,
+                      merge_gap=0, count=self.lru_count, read_mark=np.zeros((L, E), np.uint8),
                       visible=[residency_visible(self.path)], drop_behind=True, use_order=True)
         f.slots = self.cache_slots
 

@@ -44,6 +44,7 @@ import numpy as np
 
 from mbolt.core import lru
 from mbolt.core.clib import load_c_library
+from mbolt.core.errors import MboltError
 
 PAGE = mmap.PAGESIZE
 
@@ -204,9 +205,10 @@ class TopkFilter:
         if self.misses is not None and self.misses.dropper:
             self.lib.mbolt_drops_stop(ctypes.byref(self.misses))
 
-    def take_miss_counts(self) -> dict[str, int]:
+    def take_miss_counts(self, where: str) -> dict[str, int]:
         """What the decode layers with misses answered here did since the last call (the drops
-        behind included: they are waited for first)."""
+        behind included: they are waited for first); a madvise, posix_fadvise or mincore call that
+        failed in them is an error (`where`: the model's path)."""
         if not self.answers_misses:
             return {}
         self.flush_drops()
@@ -214,6 +216,9 @@ class TopkFilter:
         out = {k: int(getattr(m, k)) for k in MISS_COUNTS}
         for k in MISS_COUNTS:
             setattr(m, k, 0)
+        if out["errors"]:
+            raise MboltError(f"{where}: {out['errors']} madvise/posix_fadvise/mincore call(s) failed in a decode "
+                             "step's reads")
         return out
 
     @property

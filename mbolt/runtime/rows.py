@@ -15,8 +15,7 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import USE_ORDER, MoeMap
-from mbolt.core.pagecache import (MADV_DONTNEED, MADV_NOHUGEPAGE, MADV_RANDOM, PAGE, libc, memory_resident, willneed,
-                                  willneed_bytes)
+from mbolt.core.pagecache import MADV_NOHUGEPAGE, MADV_RANDOM, PAGE, libc, memory_resident, willneed, willneed_bytes
 from mbolt.runtime.kernel_load import KernelModel
 from mbolt.runtime.store import StoreCounters
 
@@ -65,8 +64,9 @@ class RowReader:
             for off, _, n in runs:
                 willneed(self.fd, off, n, self._step)
 
-    def read(self, runs: list[tuple[int, int, int]]) -> None:
-        """Each run (file offset, address, bytes) read into place; returns when all are."""
+    def read(self, runs: list[tuple[int, int, int]], wait: bool = True) -> None:
+        """Each run (file offset, address, bytes) read into place; returns when all are (`wait`:
+        always, as PagedReader's with it)."""
         t0 = time.perf_counter()
         pieces = [(off + s, addr + s, min(PIECE, n - s)) for off, addr, n in runs for s in range(0, n, PIECE)]
         if self._pool is None or len(pieces) < 2:
@@ -163,15 +163,13 @@ class ExpertRows:
                 rows.append((p.offset, p.addr, p.nbytes, w.slice_bytes))
             self.tensors[layer.index] = rows
         self.pos = mm.route_map.pos  # original id -> position in the file
-        # the file's map (KernelModel.map_weights): a page given back leaves the page cache too,
-        # and a fault reads its one page (MADV_RANDOM), not its neighbours, which may be evicted ones
-        self.file_map = (km.mapped[0], km.fd) if km.mapped else None
+        self.release = km.release  # a page given back (of the file's map: out of the page cache too)
         # 4 KiB pages only: a huge page would bring a dropped neighbour's rows back (zeros, but
         # memory), and khugepaged collapses a range around one resident page (max_ptes_none 511)
         for a, b in self.all_spans():
             lo, hi = a - a % PAGE, -(-b // PAGE) * PAGE
             libc().madvise(lo, hi - lo, MADV_NOHUGEPAGE)
-            if self.file_map:
+            if km.mapped:  # the file's map: a fault reads its one page, not neighbours that may be evicted
                 libc().madvise(lo, hi - lo, MADV_RANDOM)
 
     def runs_by_tensor(self, layer: int, experts) -> list[list[tuple[int, int, int]]]:
@@ -200,9 +198,7 @@ class ExpertRows:
                 if hi > b and (p == E - 1 or keep[p + 1]):
                     hi -= PAGE
                 if hi > lo:
-                    libc().madvise(lo, hi - lo, MADV_DONTNEED)
-                    if self.file_map:
-                        os.posix_fadvise(self.file_map[1], lo - self.file_map[0], hi - lo, os.POSIX_FADV_DONTNEED)
+                    self.release(lo, hi)
                     n += hi - lo
         return n
 

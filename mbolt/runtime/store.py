@@ -74,6 +74,19 @@ class StoreCounters:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def add_native(self, done: dict[str, int]) -> None:
+        """Count what the runtime's C filter read itself (runtime.native's miss counts: decode
+        layers with misses, under the same rule as a store's `read`)."""
+        self.calls += done["layers"]
+        self.experts += done["experts"]
+        self.hits += done["hits"]
+        self.misses += done["misses"]
+        self.reads += done["reads"]
+        self.ops += done["reads"]
+        self.bytes += done["bytes"]
+        self.useful_bytes += done["useful"]
+        self.io_time += done["io_ns"] * 1e-9
+
 
 class ExpertStore:
     def __init__(self, path, *, gap: int = 0, io_threads: int = 1, direct: bool = False,
@@ -322,20 +335,6 @@ class ExpertStore:
         c.calls += calls
         c.experts += experts
         c.hits += experts
-
-    def count_native(self, done: dict[str, int]) -> None:
-        """Count what the runtime's C filter read itself (runtime.native's miss counts): decode
-        layers with misses, under the same rule as `read`."""
-        c = self.counters
-        c.calls += done["layers"]
-        c.experts += done["experts"]
-        c.hits += done["hits"]
-        c.misses += done["misses"]
-        c.reads += done["reads"]
-        c.ops += done["reads"]
-        c.bytes += done["bytes"]
-        c.useful_bytes += done["useful"]
-        c.io_time += done["io_ns"] * 1e-9
 
     def reserve(self, experts_per_call: int) -> int:
         """Allocate the read arena for the largest call of `experts_per_call` misses and touch

@@ -210,12 +210,9 @@ class StreamRuntime(BudgetedArm):
             seen, layers, experts = self.filter.take_counts()
             self.store.count_cached(layers, experts)
             self.fast_layers += layers
-            done = self.filter.take_miss_counts()
+            done = self.filter.take_miss_counts(self.path)
             if done:
-                if done["errors"]:
-                    raise MboltError(f"{self.path}: {done['errors']} madvise/posix_fadvise/mincore call(s) failed in "
-                                     "a decode step's reads")
-                self.store.count_native(done)
+                self.store.counters.add_native(done)
                 self.drop_behind_s += done["drop_ns"] * 1e-9
                 self.reclaimed += done["reclaimed"]
                 self.native_layers += done["layers"]
