@@ -90,7 +90,8 @@ def log(*a):
 
 
 def prepare(name: str, spec: dict, s_assumed: float | None) -> dict:
-    from mbolt.runtime.driver import open_driver, record_routing
+    from mbolt.runtime.driver import open_driver
+    from mbolt.runtime.measured import record_routing
     from mbolt.core.header import read_header
     from mbolt.core.mbtrace import read_trace
     from mbolt.core.moe_map import moe_map
@@ -149,7 +150,7 @@ def write_prereg(name: str, qd: int, meta: dict) -> Path | None:
 
 
 def run_model(name: str, quiet: bool, rounds: int | None = None, tag: str = "") -> dict:
-    from mbolt.runtime.driver import record_routing
+    from mbolt.runtime.measured import record_routing
     from mbolt.bench.predict import predict_llama
     from mbolt.bench.prereg import check_and_lock, load_prereg, verdict
 

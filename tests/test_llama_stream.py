@@ -212,7 +212,7 @@ def test_prediction_counts_what_llama_read(files, tmp_path):
     from mbolt.bench.ab import run_ab
 
     from mbolt.bench.arms import parse_arm
-    from mbolt.runtime.driver import record_routing
+    from mbolt.runtime.measured import record_routing
     from mbolt.bench.predict import predict_llama
 
     arms = [parse_arm(f"{files['stock']}:name=stock", 0), parse_arm(f"{files['reorder']}:name=reorder-tsp", 1)]

@@ -144,7 +144,7 @@ def run_ab_request(req: AbRequest, progress=None, announce=print):
 
         res.prereg["result"] = verdict(pr, res.summary)
     if engine == "llama.cpp" and probe_json is not None:
-        from mbolt.runtime.driver import record_routing
+        from mbolt.runtime.measured import record_routing
         from mbolt.bench.predict import predict_llama
 
         # the law with s measured in this run; counts on the routing llama.cpp computes

@@ -196,7 +196,7 @@ _ROUTING: dict = {}
 def routing_of(name: str, w: Workload):
     """The decode routing of the workload's text on the stock file (a Trace); the same text routes
     the same way, so it is recorded once per run."""
-    from mbolt.runtime.driver import record_routing
+    from mbolt.runtime.measured import record_routing
 
     p = paths(name)
     key = (name, w.prompt, w.new)

@@ -474,7 +474,3 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     except BaseException:
         arm.close()
         raise
-
-
-# the decode routing of warm runs, as a Trace (runtime.measured; re-exported for its callers)
-from mbolt.runtime.measured import record_routing, routing_trace  # noqa: E402,F401
