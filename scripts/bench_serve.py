@@ -184,6 +184,38 @@ def reply_lengths(rounds: list[dict]) -> dict:
     return {"max_tokens": REPLY, "all_exact": not off, "not_exact": off}
 
 
+# ---- what every workload does the same way: its pre-registration, the result's head, the write ----
+
+
+def workload_prereg(a, default: str) -> Path:
+    """The workload's own pre-registration unless --prereg names another than the session's."""
+    return ROOT / "prereg" / default if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg
+
+
+def start_run(a, prereg: Path, goal_keys, dst: Path, plan: str):
+    """The pre-registration checked (`gate`); with --dry-run the plan printed and None, else
+    (pr, the run's record, the model, its size, the 40% budget)."""
+    pr, lock = gate(prereg, goal_keys, dst, a.dry_run)
+    if a.dry_run:
+        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {plan}")
+        return None
+    model, size, ram = bench_model(a.model)
+    return pr, run_record(pr, lock, ROOT, model), model, size, ram
+
+
+def result_head(benchmark: str, script: str, a, size: int, ram: int, readahead_kb: int) -> dict:
+    return {"benchmark": benchmark, "script": script, "model": a.model, "file_bytes": size, "budget_bytes": ram,
+            "budget_frac": 0.4, "readahead_kb": readahead_kb}
+
+
+def finish_run(pr, rec: dict, dst: Path, out: dict) -> None:
+    """The result written with its record (bench.prereg.write_result), its goals logged."""
+    write_result(pr, rec, dst, out, default=float)
+    log("wrote", dst)
+    for goal in out["goals"]:
+        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="q864")
@@ -209,14 +241,11 @@ def main() -> None:
     if a.workload == "agent":
         return agent(a)
     dst = ROOT / "results" / f"serve_{a.model}.json"
-    pr, lock = gate(a.prereg, GOAL_KEYS, dst, a.dry_run)
-    if a.dry_run:
-        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {a.rounds} round(s) of "
-              f"{', '.join(ARMS)} ({TURNS} turns, {REPLY} tokens per reply, TTFT timed by the client, "
-              f"readahead {a.readahead} KiB)")
+    run = start_run(a, a.prereg, GOAL_KEYS, dst, f"{a.rounds} round(s) of {', '.join(ARMS)} ({TURNS} turns, "
+                    f"{REPLY} tokens per reply, TTFT timed by the client, readahead {a.readahead} KiB)")
+    if run is None:
         return
-    model, size, ram = bench_model(a.model)
-    rec = run_record(pr, lock, ROOT, model)
+    pr, rec, model, size, ram = run
     ids = session_text_ids(model)
     rounds = []
     with readahead(model, a.readahead) as ra:
@@ -232,8 +261,8 @@ def main() -> None:
     same = all(texts[m] == texts["mbolt"] for m in ARMS)
     mb = [rd["arms"]["mbolt"] for rd in rounds]
     load = [m["load"] for m in mb]
-    out = {"benchmark": "mbolt serve under a real memory limit (issues 27, 33)", "script": "scripts/bench_serve.py",
-           "model": a.model, "file_bytes": size, "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra,
+    out = {**result_head("mbolt serve under a real memory limit (issues 27, 33)", "scripts/bench_serve.py", a, size,
+                         ram, ra),
            "session": {"first_prompt": FIRST, "append_per_turn": APPEND, "reply": REPLY, "turns": TURNS,
                        "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per turn",
                        "timing": "client: request to the first streamed token event; decode = (tokens - 1) / the rest",
@@ -259,10 +288,7 @@ def main() -> None:
          and out["oom_kills"] == 0 and out["peak_after_load_bytes_max"] <= ram
          and not any(m["log_errors"] for m in mb)},
     ]
-    write_result(pr, rec, dst, out, default=float)
-    log("wrote", dst)
-    for goal in out["goals"]:
-        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+    finish_run(pr, rec, dst, out)
     for x in out["reply_lengths"]["not_exact"]:
         log(f"  reply not {REPLY} tokens: {x}")
 
@@ -270,44 +296,37 @@ def main() -> None:
 def agent(a) -> None:
     from mbolt.bench import agent as ag
 
-    prereg = ROOT / "prereg" / "serve_agent.toml" if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg
     dst = ROOT / "results" / f"serve_agent_{a.model}.json"
-    pr, lock = gate(prereg, ag.GOAL_KEYS, dst, a.dry_run)
-    if a.dry_run:
-        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {a.rounds} round(s): warm "
-              f"once, then cold, cold (A/A), restored, restored (A/A), four clients ({ag.PREFIX}-token prefix, "
-              f"{ag.TURN}-token turn, {ag.REPLY}-token reply, readahead {a.readahead} KiB)")
+    run = start_run(a, workload_prereg(a, "serve_agent.toml"), ag.GOAL_KEYS, dst,
+                    f"{a.rounds} round(s): warm once, then cold, cold (A/A), restored, restored (A/A), four clients "
+                    f"({ag.PREFIX}-token prefix, {ag.TURN}-token turn, {ag.REPLY}-token reply, readahead "
+                    f"{a.readahead} KiB)")
+    if run is None:
         return
-    model, size, ram = bench_model(a.model)
-    rec = run_record(pr, lock, ROOT, model)
+    pr, rec, model, size, ram = run
     ids = session_text_ids(model, tokens=ag.PREFIX + 7 * ag.TURN)
     with readahead(model, a.readahead) as ra:
         out = ag.run(model, ids, a.rounds, ram)
-    out = {"benchmark": "an agent's prefix restored from the prompt cache under a real memory limit (issue 55)",
-           "script": "scripts/bench_serve.py --workload agent", "model": a.model, "file_bytes": size,
-           "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra, "text": "held-out text of prompts.jsonl",
+    out = {**result_head("an agent's prefix restored from the prompt cache under a real memory limit (issue 55)",
+                         "scripts/bench_serve.py --workload agent", a, size, ram, ra),
+           "text": "held-out text of prompts.jsonl",
            "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, fixed seed, ignore_eos", **out}
     out["goals"] = ag.goals(out, pr)
-    write_result(pr, rec, dst, out, default=float)
-    log("wrote", dst)
-    for goal in out["goals"]:
-        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+    finish_run(pr, rec, dst, out)
 
 
 def concurrency(a) -> None:
     from mbolt.bench import serve_concurrency as sc
 
     clients = sorted({int(x) for x in a.clients.split(",")})
-    prereg = ROOT / "prereg" / "serve_concurrency.toml" if a.prereg == ROOT / "prereg" / "serve.toml" else a.prereg
     dst = ROOT / "results" / f"serve_concurrency_{a.model}.json"
-    pr, lock = gate(prereg, sc.GOAL_KEYS, dst, a.dry_run)
     plan = sc.plan_runs(clients)
-    if a.dry_run:
-        print(f"pre-registration {pr.path}: committed, locked, tree clean, goals present; {len(plan)} runs: "
-              + ", ".join(f"{arm} x{c}" for arm, c in plan) + f" ({a.turns} turns, {a.reply} tokens per reply)")
+    run = start_run(a, workload_prereg(a, "serve_concurrency.toml"), sc.GOAL_KEYS, dst,
+                    f"{len(plan)} runs: " + ", ".join(f"{arm} x{c}" for arm, c in plan)
+                    + f" ({a.turns} turns, {a.reply} tokens per reply)")
+    if run is None:
         return
-    model, size, ram = bench_model(a.model)
-    rec = run_record(pr, lock, ROOT, model)
+    pr, rec, model, size, ram = run
     need = FIRST + APPEND * a.turns
     ids = session_text_ids(model, tokens=sc.WINDOW * (max(clients) - 1) + need)
     sc.client_ids(ids, max(clients), need)  # every client's text is there before the first run, not after
@@ -316,17 +335,14 @@ def concurrency(a) -> None:
         for arm, c in plan:
             log(f"{arm}: {c} client(s)")
             runs.append(sc.run_clients(sys.modules[__name__], model, arm, c, max(clients), ram, ids, a.turns, a.reply))
-    out = {"benchmark": "mbolt serve: concurrent conversations under a real memory limit (issue 34)",
-           "script": "scripts/bench_serve.py --workload concurrency", "model": a.model, "file_bytes": size,
-           "budget_bytes": ram, "budget_frac": 0.4, "readahead_kb": ra, "clients": clients,
+    out = {**result_head("mbolt serve: concurrent conversations under a real memory limit (issue 34)",
+                         "scripts/bench_serve.py --workload concurrency", a, size, ram, ra),
+           "clients": clients,
            "conversation": {"first_prompt": FIRST, "append_per_turn": APPEND, "reply": a.reply, "turns": a.turns,
                             "client_window_tokens": sc.WINDOW,
                             "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, seed per client and turn"},
            **sc.summarize(runs, clients, pr, ram), "runs": runs}
-    write_result(pr, rec, dst, out, default=float)
-    log("wrote", dst)
-    for goal in out["goals"]:
-        log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+    finish_run(pr, rec, dst, out)
 
 
 if __name__ == "__main__":

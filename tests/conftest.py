@@ -24,6 +24,17 @@ def _llama_marker():
 
 needs_llama = _llama_marker()
 
+
+def require_vocab(path: Path) -> Path:
+    """A test vocabulary of tests/.vocabs (scripts/fetch_test_vocabs.py fetches them from llama.cpp's
+    release): where it is missing the test skips, and fails in CI."""
+    if not path.exists():
+        if IN_CI:
+            pytest.fail("tests/.vocabs is missing in CI")
+        pytest.skip("tests/.vocabs is missing: run scripts/fetch_test_vocabs.py")
+    return path
+
+
 # The synthetic models of tests that compare greedy predictions scale their experts' output by this
 # (SynthConfig.expert_gain): at 1 the experts are ~5% of the logits and zeroing every expert leaves
 # 88-97% of llama.cpp's predictions unchanged, so such a test cannot see a wrong expert byte; at 16

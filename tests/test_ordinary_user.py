@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IN_CI, needs_llama
+from conftest import needs_llama, require_vocab
 from mbolt.synth.synth import SynthConfig, write_synth
 
 VOCAB = Path(__file__).parent / ".vocabs" / "ggml-vocab-qwen2.gguf"
@@ -79,9 +79,7 @@ def _as_nobody(model: Path, cache: Path) -> dict:
 
 
 def test_the_runtime_as_uid_nobody_decodes_what_root_decodes():
-    if not VOCAB.exists():
-        pytest.skip("tests/.vocabs is missing: run scripts/fetch_test_vocabs.py") if not IN_CI else pytest.fail(
-            "tests/.vocabs is missing in CI")
+    require_vocab(VOCAB)
     base = Path(tempfile.mkdtemp(prefix="mbolt-user-", dir="/tmp"))  # pytest's tmp_path is root's alone (0700)
     try:
         base.chmod(0o755)

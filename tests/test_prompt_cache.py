@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import IN_CI, needs_llama
-from test_serve import CHAT_MODEL, VOCAB, Server, write_chat_model
+from conftest import needs_llama, require_vocab
+from test_serve import CHAT_MODEL, VOCAB, Server, template_ids, write_chat_model
 
 pytestmark = needs_llama
 
@@ -38,10 +38,7 @@ def _chat(system: str, user: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    if not VOCAB.exists():
-        pytest.skip("tests/.vocabs is missing: run scripts/fetch_test_vocabs.py") if not IN_CI else pytest.fail(
-            "tests/.vocabs is missing in CI")
-    return write_chat_model(tmp_path_factory.mktemp("pc") / "chat.gguf", VOCAB)
+    return write_chat_model(tmp_path_factory.mktemp("pc") / "chat.gguf", require_vocab(VOCAB))
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +91,15 @@ class Open:
         if self.cache is not None:
             self.cache.flush()
 
+    def save_prefix(self, ids: list[int], n: int, seq: int = 0):
+        """Slot `seq` prompted with ids[:n] and its state saved to disk (written before this returns);
+        returns the logits of that slot going on with ids[n:]: what the restored state must give."""
+        d = self.loaded.driver
+        d.prompt(ids[:n], seq=seq)
+        self.cache.save(d, seq)
+        self.flush()
+        return d.runner.eval(ids[n:], seq=seq)
+
     def close(self):
         self.sched.close()
         self.loaded.close()
@@ -120,30 +126,10 @@ def _files(d: Path) -> list[Path]:
     return sorted(p for p in d.iterdir() if p.suffix == ".kv")
 
 
-def _template_ids(model, messages, generation: bool = True) -> list[int]:
-    """The conversation through the GGUF's own template rendered by jinja2 and tokenized by llama.cpp
-    (vocabulary only): independent of the server's code."""
-    import jinja2
-    import llama_cpp
-    from gguf import GGUFReader
-
-    from mbolt.runtime.runner import LlamaRunner
-
-    r = GGUFReader(str(model))
-    f = r.fields["tokenizer.chat_template"]
-    template = bytes(f.parts[f.data[0]]).decode()
-    text = jinja2.Environment().from_string(template).render(messages=messages, add_generation_prompt=generation)
-    with LlamaRunner(model, vocab_only=True) as v:
-        raw = text.encode()
-        buf = (llama_cpp.llama_token * (len(raw) + 8))()
-        n = llama_cpp.llama_tokenize(v.vocab, raw, len(raw), buf, len(buf), False, True)
-        return list(buf[:n])
-
-
 def _turn_start(model, messages) -> int:
     """Where the last user turn starts: the common prefix of the whole conversation's tokens and
     those of the conversation before it."""
-    a, b = _template_ids(model, messages), _template_ids(model, messages[:-1])
+    a, b = template_ids(model, messages), template_ids(model, messages[:-1])
     n = 0
     while n < min(len(a), len(b)) and a[n] == b[n]:
         n += 1
@@ -158,14 +144,11 @@ def test_a_restored_state_gives_llama_cpps_logits(model, tmp_path):
     token's logits are, bit for bit, those of the slot that computed the prefix going on; another
     prefix's differ."""
     with Open(model, tmp_path) as o:
-        ids = _template_ids(model, _chat(SYS, "Name three colours."))
+        ids = template_ids(model, _chat(SYS, "Name three colours."))
+        cold = o.save_prefix(ids, 40)
         d = o.loaded.driver
-        d.prompt(ids[:40], seq=0)
-        o.cache.save(d, 0)
-        o.flush()
-        cold = d.runner.eval(ids[40:], seq=0)
         d.forget(0)
-        d.prompt(_template_ids(model, _chat(SYS_B, "Name three colours."))[:40], seq=0)
+        d.prompt(template_ids(model, _chat(SYS_B, "Name three colours."))[:40], seq=0)
         wrong = d.runner.eval(ids[40:], seq=0)
     assert len(_files(tmp_path)) == 1
     with Open(model, tmp_path, parallel=2) as o:
@@ -374,8 +357,8 @@ def test_two_servers_on_one_directory(model, tmp_path):
 def test_a_copied_prefix_gives_llama_cpps_logits(model):
     """A prefix copied from another slot (llama_memory_seq_cp, then cut): the next token's logits
     are, bit for bit, those of the slot that computed it continuing itself; another prefix's differ."""
-    ids = _template_ids(model, _chat(SYS, "What is two plus two?"))
-    held = _template_ids(model, _chat(SYS, "Name three colours."))
+    ids = template_ids(model, _chat(SYS, "What is two plus two?"))
+    held = template_ids(model, _chat(SYS, "Name three colours."))
     n = next(i for i, (x, y) in enumerate(zip(ids, held)) if x != y)
     with Open(model, None, parallel=2) as o:
         d = o.loaded.driver
@@ -385,7 +368,7 @@ def test_a_copied_prefix_gives_llama_cpps_logits(model):
         assert d.keep_prefix(0, ids) == ids[n:]
         itself = d.runner.eval(ids[n:], seq=0)
         d.forget()
-        d.prompt(_template_ids(model, _chat(SYS_B, "Name three colours.")), seq=0)
+        d.prompt(template_ids(model, _chat(SYS_B, "Name three colours.")), seq=0)
         assert d.copy_sequence(0, 1, n)
         wrong = d.runner.eval(ids[n:], seq=1)
     np.testing.assert_array_equal(copied, itself)
@@ -437,14 +420,14 @@ def test_cached_tokens_through_the_official_clients(model, tmp_path):
         r = srv.client().chat.completions.create(model="m", messages=second, max_tokens=4, temperature=0)
         n = _turn_start(model, second)
         assert r.usage.prompt_tokens_details.cached_tokens == n and r.usage.prompt_tokens == len(
-            _template_ids(model, second))
+            template_ids(model, second))
         text = srv.get("/metrics")[1].decode()
         assert "mbolt_prompt_cache_restores_total 1.0" in text and f"mbolt_prompt_cached_tokens_total {n}.0" in text
         c = anthropic.Anthropic(base_url=srv.base, api_key=KEY, max_retries=0)
         third = [{"role": "user", "content": "And four animals?"}]
         msg = c.messages.create(model="m", system=SYS, messages=third, max_tokens=4)
         total = c.messages.count_tokens(model="m", system=SYS, messages=third).input_tokens
-        a, b = _template_ids(model, second), _template_ids(model, _chat(SYS, "And four animals?"))
+        a, b = template_ids(model, second), template_ids(model, _chat(SYS, "And four animals?"))
         held = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)  # the slot holds the last prompt
         assert msg.usage.cache_read_input_tokens == held
         assert msg.usage.input_tokens + msg.usage.cache_read_input_tokens == total
@@ -517,12 +500,12 @@ def test_mbolt_chat_restores_its_prefix_after_a_restart(model, tmp_path):
         return line
 
     first = chat("Name three colours.")
-    assert f"prompt {len(_template_ids(model, _chat(SYS, 'Name three colours.')))} new tokens" in first
+    assert f"prompt {len(template_ids(model, _chat(SYS, 'Name three colours.')))} new tokens" in first
     assert len(_files(tmp_path / "cache")) == 1
     second = _chat(SYS, "What is two plus two?")
     line = chat("What is two plus two?")
     n = int(re.search(r"prompt (\d+) new tokens", line).group(1))
-    assert n == len(_template_ids(model, second)) - _turn_start(model, second)
+    assert n == len(template_ids(model, second)) - _turn_start(model, second)
 
 
 def test_a_sliding_window_familys_state_is_kept_whole(tmp_path):
@@ -539,11 +522,8 @@ def test_a_sliding_window_familys_state_is_kept_whole(tmp_path):
     cache.mkdir()
     with Open(path, cache, parallel=2) as o:
         assert o.cache.layout["streams"] == 2
+        going_on = o.save_prefix(ids, 40)
         d = o.loaded.driver
-        d.prompt(ids[:40], seq=0)
-        o.cache.save(d, 0)
-        o.flush()
-        going_on = d.runner.eval(ids[40:], seq=0)
         d.forget(0)
         got = reuse(d, 1, ids, o.cache, set())
         assert (got.source, got.cached) == ("disk", 40)
@@ -572,13 +552,9 @@ def test_a_state_saved_from_a_second_slot_loads_into_a_server_of_one(model, tmp_
     loaded into the one slot of a restarted server: the saving slot's logits, bit for bit."""
     from mbolt.serve.prefixes import reuse
 
-    ids = _template_ids(model, _chat(SYS, "Name three colours."))
+    ids = template_ids(model, _chat(SYS, "Name three colours."))
     with Open(model, tmp_path, parallel=2) as o:
-        d = o.loaded.driver
-        d.prompt(ids[:50], seq=1)
-        o.cache.save(d, 1)
-        o.flush()
-        going_on = d.runner.eval(ids[50:], seq=1)
+        going_on = o.save_prefix(ids, 50, seq=1)
     with Open(model, tmp_path) as o:
         d = o.loaded.driver
         got = reuse(d, 0, ids, o.cache, set())

@@ -17,7 +17,7 @@ import re
 
 import pytest
 
-from conftest import IN_CI, needs_llama
+from conftest import needs_llama, require_vocab
 
 pytestmark = needs_llama
 VOCAB = __import__("pathlib").Path(__file__).parent / ".vocabs" / "ggml-vocab-qwen2.gguf"
@@ -55,10 +55,7 @@ class Matcher:
 
 @pytest.fixture(scope="module")
 def matcher():
-    if not VOCAB.exists():
-        pytest.skip("tests/.vocabs is missing: run scripts/fetch_test_vocabs.py") if not IN_CI else pytest.fail(
-            "tests/.vocabs is missing in CI")
-    m = Matcher(VOCAB)
+    m = Matcher(require_vocab(VOCAB))
     yield m
     m.runner.close()
 

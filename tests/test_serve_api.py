@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import IN_CI, needs_llama
-from test_serve import KEY, VOCAB, Server, write_chat_model
+from conftest import needs_llama, require_vocab
+from test_serve import KEY, VOCAB, Server, llama_tokens, write_chat_model
 
 pytestmark = needs_llama
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +55,7 @@ def _with_template(vocab: Path, template: str, dest: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory):
-    if not VOCAB.exists():
-        pytest.skip("tests/.vocabs is missing: run scripts/fetch_test_vocabs.py") if not IN_CI else pytest.fail(
-            "tests/.vocabs is missing in CI")
+    require_vocab(VOCAB)
     tmp = tmp_path_factory.mktemp("tools")
     vocab = _with_template(VOCAB, QWEN25.read_text(), tmp / "vocab.gguf")
     return write_chat_model(tmp / "tools.gguf", vocab)
@@ -85,18 +83,11 @@ def _templated_ids(model, messages, tools) -> list[int]:
     """The conversation through the GGUF's template, rendered here with jinja2 (transformers'
     settings: trim_blocks, lstrip_blocks, tojson as json.dumps) and tokenized by llama.cpp."""
     import jinja2
-    import llama_cpp
-
-    from mbolt.runtime.runner import LlamaRunner
 
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
     env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
     text = env.from_string(QWEN25.read_text()).render(messages=messages, tools=tools, add_generation_prompt=True)
-    raw = text.encode()
-    with LlamaRunner(model, vocab_only=True) as v:
-        buf = (llama_cpp.llama_token * (len(raw) + 8))()
-        n = llama_cpp.llama_tokenize(v.vocab, raw, len(raw), buf, len(buf), False, True)
-        return list(buf[:n])
+    return llama_tokens(model, text)
 
 
 def _check_call(name, arguments: str, tools=TOOLS):

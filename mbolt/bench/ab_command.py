@@ -37,10 +37,11 @@ class AbRequest:
     ram: str | None = None
     readahead_kb: int | None = None
     rounds: int | None = None
-    min_rounds: int = 12
-    max_rounds: int = 400
-    time_budget: float = 600.0
-    precision: float = 0.05
+    # the adaptive stop's defaults are the stop rule's own
+    min_rounds: int = StopRule.min_rounds
+    max_rounds: int = StopRule.max_rounds
+    time_budget: float = StopRule.time_budget_s
+    precision: float = StopRule.precision
     seed: int = 0
     qd: int = 1
     direct: bool = False

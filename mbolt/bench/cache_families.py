@@ -194,11 +194,7 @@ class LirsCache(_ListCache):
                     self._demote_bottom()
                 else:
                     self.Q[x] = None
-        while len(self) > self.slots:  # the token alone overfills: its own earliest go
-            v = next((k for k in want if k in self and k not in self.pinned), None)
-            if v is None:
-                break
-            self._drop(v)
+        while len(self) > self.slots and (v := self._drop_own_earliest(want)) is not None:
             gone.append(v)
         return gone
 

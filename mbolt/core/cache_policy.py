@@ -38,12 +38,15 @@ from collections import OrderedDict
 
 import numpy as np
 
+from mbolt.core.lru import FlagArrayCache
+
 DEFAULT_LAM = 1 / 64  # the best on all three real traces together (scripts/bench_cache.py, lam_on_all_traces)
 
 
-class ScoredCache:
+class ScoredCache(FlagArrayCache):
     """One layer's cache whose victims are the cached experts with the lowest score. State is
-    per expert (arrays of n_experts), so it is kept for experts that have left too."""
+    per expert (arrays of n_experts), so it is kept for experts that have left too (`clear`
+    empties the cache, what was learned about the experts stays)."""
 
     __slots__ = ("slots", "pinned", "cached", "stamp", "clock", "_n")
 
@@ -54,12 +57,6 @@ class ScoredCache:
         self.stamp = np.full(n_experts, -1, np.int64)  # token of last use, -1 = never
         self.clock = 0  # tokens this layer has seen
         self._n = 0
-
-    def __contains__(self, key) -> bool:
-        return bool(self.cached[key])
-
-    def __len__(self) -> int:
-        return self._n
 
     def use(self, key: int, now: int) -> None:
         """The per-access rule (what C would do on a hit)."""
@@ -110,21 +107,6 @@ class ScoredCache:
             self.cached[key] = False
         self._n -= len(gone)
         return gone
-
-    def step(self, keys) -> tuple[list[bool], list]:
-        """One token: hits against the cache as it stood, then `admit`. Returns (hits, gone)."""
-        hits = [bool(self.cached[k]) for k in keys]
-        return hits, self.admit(keys)
-
-    def discard(self, key) -> None:
-        if self.cached[key]:
-            self.cached[key] = False
-            self._n -= 1
-
-    def clear(self) -> None:
-        """Empty the cache; what was learned about the experts stays."""
-        self.cached[:] = False
-        self._n = 0
 
 
 class CrfCache(ScoredCache):
@@ -199,13 +181,20 @@ class _ListCache:
         protect = set(want) | self.pinned
         while len(self) > self.slots:
             victim = self._victim(protect)
-            if victim is None:  # only the token's own experts left: its earliest go
-                victim = next((k for k in want if k in self and k not in self.pinned), None)
+            if victim is None:  # only the token's own experts left
+                victim = self._drop_own_earliest(want)
                 if victim is None:
                     break
-                self._drop(victim)
             gone.append(victim)
         return gone
+
+    def _drop_own_earliest(self, want: list):
+        """The token alone overfills the cache: drop its earliest cached unpinned expert and return
+        it (None when every one left is pinned)."""
+        victim = next((k for k in want if k in self and k not in self.pinned), None)
+        if victim is not None:
+            self._drop(victim)
+        return victim
 
     def discard(self, key) -> None:
         for part in self._resident():

@@ -113,7 +113,36 @@ class SlotLru:
         self.order.clear()
 
 
-class ArrayLru:
+class FlagArrayCache:
+    """What every cache whose state is a flag per key (`cached[e]`, any numpy array) and a count of
+    the set flags (`_n`) answers alike, whatever its victim rule: membership, size, a token's hits,
+    dropping one key, emptying (what the rule learned about the keys, e.g. their stamps, stays).
+    ArrayLru here and cache_policy's ScoredCache are two; each brings `admit` and `order`."""
+
+    __slots__ = ()
+
+    def __contains__(self, key) -> bool:
+        return bool(self.cached[key])
+
+    def __len__(self) -> int:
+        return self._n
+
+    def step(self, keys) -> tuple[list[bool], list]:
+        """One token: hits against the cache as it stood, then `admit`. Returns (hits, gone)."""
+        hits = [bool(self.cached[key]) for key in keys]
+        return hits, self.admit(keys)
+
+    def discard(self, key) -> None:
+        if self.cached[key]:
+            self.cached[key] = 0
+            self._n -= 1
+
+    def clear(self) -> None:
+        self.cached[:] = 0
+        self._n = 0
+
+
+class ArrayLru(FlagArrayCache):
     """One layer's slot cache under the one rule (core/lru.c), its state in arrays the C code
     updates: `cached[e]` (uint8) and `stamp[e]` (int64, last use) for integer keys 0..E-1, a
     shared `clock` (int64 [1]: a use stamps ++clock, so admitting keys in order leaves them most
@@ -175,12 +204,6 @@ class ArrayLru:
     def _n(self, n: int) -> None:
         self.count[0] = n
 
-    def __contains__(self, key) -> bool:
-        return bool(self.cached[key])
-
-    def __len__(self) -> int:
-        return self._n
-
     @property
     def order(self) -> list[int]:
         """The cached keys, least recently used first."""
@@ -220,19 +243,6 @@ class ArrayLru:
             cached[k] = 0
         self._n -= len(gone)
         return gone
-
-    def step(self, keys) -> tuple[list[bool], list]:
-        hits = [bool(self.cached[key]) for key in keys]
-        return hits, self.admit(keys)
-
-    def discard(self, key) -> None:
-        if self.cached[key]:
-            self.cached[key] = 0
-            self._n -= 1
-
-    def clear(self) -> None:
-        self.cached[:] = 0
-        self._n = 0
 
 
 def by_last_use(positions: np.ndarray) -> np.ndarray:
