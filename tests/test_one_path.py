@@ -1,8 +1,9 @@
-"""One path from the command to the drive (issue 33): `generate --stream`, `chat` and `serve` run
-the runtime's one driver, so the same prompt under the same --ram gives the same greedy tokens and
-the same runtime counters (reads, bytes, hits) from each. Every figure is read from outside: the
-JSON `generate` prints, the server's /stats and the official `openai` client, the chat's own
-output in a pipe. Each command is a fresh process, so each starts with the same cold cache."""
+"""One path from the command to the drive (issues 33, 56): `generate --stream`, `chat`, `serve`
+and `ab` run the runtime's one driver, so the same prompt under the same --ram gives the same
+greedy tokens and the same runtime counters (reads, bytes, hits) from each. Every figure is read
+from outside: the JSON `generate` and `ab` print, the server's /stats and the official `openai`
+client, the chat's own output in a pipe. Each command is a fresh process, so each starts with the
+same cold cache."""
 
 from __future__ import annotations
 
@@ -28,6 +29,12 @@ def test_generate_chat_and_serve_run_the_same_path(model, tmp_path):  # noqa: F8
     gen = json.loads(_mbolt("generate", str(model), PROMPT, "--engine", "llama.cpp", "--stream", "--ram", "2G",
                             "-c", "512", "-n", str(N), "--json").stdout)
     chat = _mbolt("chat", str(model), "--ram", "2G", "-c", "512", "--temp", "0", stdin="Name three colours.\n/exit\n")
+    # ab's decode arm (no --ram: that would run it in a memory cgroup; the tokens do not depend on it)
+    (tmp_path / "prompt.txt").write_text(PROMPT + "\n")
+    ab = json.loads(subprocess.run(
+        [sys.executable, "-m", "mbolt", "ab", str(model), "--decode", "--engine", "llama.cpp", "--prompts",
+         str(tmp_path / "prompt.txt"), "--n-prompts", "1", "-n", str(N), "-c", "512", "--rounds", "1", "--no-aa",
+         "--json"], capture_output=True, text=True, timeout=300, cwd=tmp_path, check=True).stdout)
     srv = Server(model, tmp_path, "-c", "512")  # --ram 2G, --parallel 1 (the fixture's)
     try:
         c = srv.client()
@@ -42,6 +49,7 @@ def test_generate_chat_and_serve_run_the_same_path(model, tmp_path):  # noqa: F8
     # prompt's logits, as generate's first prediction does; its last step's token is not fed)
     served_ids = json.loads(done.model_dump_json())["choices"][0]["tokens"][:N]
     assert served_ids == gen["ids"]
+    assert [r["generated"] for r in ab["rounds"]] == [[gen["ids"]]]  # one round of one prompt
     # the same runtime counters for those N steps
     assert (s["cache_hits"], s["cache_misses"]) == (gen["hits"], gen["misses"])
     assert s["decode_read_bytes"] == round(gen["bytes_per_token"] * N)

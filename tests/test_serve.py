@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import EXPERT_GAIN, IN_CI, needs_llama
+from conftest import EXPERT_GAIN, IN_CI, needs_llama, require_vocab
 from mbolt.synth.synth import SynthConfig, write_synth
 
 pytestmark = needs_llama
@@ -42,10 +42,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    if not VOCAB.exists():
-        pytest.skip("tests/.vocabs is missing: run scripts/fetch_test_vocabs.py") if not IN_CI else pytest.fail(
-            "tests/.vocabs is missing in CI")
-    return write_chat_model(tmp_path_factory.mktemp("serve") / "chat.gguf", VOCAB)
+    return write_chat_model(tmp_path_factory.mktemp("serve") / "chat.gguf", require_vocab(VOCAB))
 
 
 CHAT_MODEL = SynthConfig(arch="qwen3moe", n_layers=2, n_experts=16, n_used=4, hidden=64, expert_ff=64, n_heads=4,
@@ -68,7 +65,11 @@ class Server:
                                       "--port", str(self.port), "--api-key", KEY, "--queue", "1", "--parallel", "1", "--record-routing",
                                       str(self.trace), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True)
-        deadline = time.time() + 120
+        self.wait_until_up()
+
+    def wait_until_up(self, timeout: float = 120):
+        """Until /health answers 200; the server's stderr if it ends first."""
+        deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"server ended: {self.proc.stderr.read()}")
@@ -121,25 +122,31 @@ def server(model, tmp_path_factory):
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colours."}]
 
 
-def _templated_ids(model) -> list[int]:
-    """The conversation through the GGUF's own template, rendered here with jinja2 and tokenized by
-    llama.cpp (vocabulary only): independent of the server's code."""
-    import jinja2
-    from gguf import GGUFReader
+def llama_tokens(model, text: str) -> list[int]:
+    """`text` tokenized by llama.cpp itself (the model's vocabulary only, special tokens parsed):
+    independent of the server's code."""
+    import llama_cpp
 
     from mbolt.runtime.runner import LlamaRunner
+
+    raw = text.encode()
+    with LlamaRunner(model, vocab_only=True) as v:
+        buf = (llama_cpp.llama_token * (len(raw) + 8))()
+        n = llama_cpp.llama_tokenize(v.vocab, raw, len(raw), buf, len(buf), False, True)
+        return list(buf[:n])
+
+
+def template_ids(model, messages, generation: bool = True) -> list[int]:
+    """The conversation through the GGUF's own template, rendered here with jinja2 and tokenized by
+    llama.cpp (`llama_tokens`): independent of the server's code."""
+    import jinja2
+    from gguf import GGUFReader
 
     r = GGUFReader(str(model))
     f = r.fields["tokenizer.chat_template"]
     template = bytes(f.parts[f.data[0]]).decode()
-    text = jinja2.Environment().from_string(template).render(messages=MESSAGES, add_generation_prompt=True)
-    with LlamaRunner(model, vocab_only=True) as v:
-        raw = text.encode()
-        import llama_cpp
-
-        buf = (llama_cpp.llama_token * (len(raw) + 8))()
-        n = llama_cpp.llama_tokenize(v.vocab, raw, len(raw), buf, len(buf), False, True)
-        return list(buf[:n])
+    text = jinja2.Environment().from_string(template).render(messages=messages, add_generation_prompt=generation)
+    return llama_tokens(model, text)
 
 
 def test_chat_at_temperature_0_gives_the_runtimes_greedy_tokens(server, model):
@@ -148,7 +155,7 @@ def test_chat_at_temperature_0_gives_the_runtimes_greedy_tokens(server, model):
     r = server.client().chat.completions.create(model="gpt-4o", messages=MESSAGES, max_tokens=12, temperature=0,
                                                 extra_body={"return_tokens": True})
     d = r.model_dump()
-    ids = _templated_ids(model)
+    ids = template_ids(model, MESSAGES)
     assert d["prompt_tokens"] == ids
     got = d["choices"][0]["tokens"]
     assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(got) > 0

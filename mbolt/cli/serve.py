@@ -65,11 +65,11 @@ def _load(model: Path, ram, ctx_size, ubatch, threads, plain, parallel=None, wat
         loaded = open_model(model, ram=ram, n_ctx=ctx_size, n_ubatch=ubatch, n_threads=threads or None, plain=plain,
                             parallel=parallel, watchers=watchers)
     slots = f"{loaded.driver.n_seq} slot{'s' if loaded.driver.n_seq > 1 else ''} of {loaded.n_ctx} tokens"
-    if loaded.runtime is None:
+    if not loaded.streaming:
         err_console.print(f"[dim]plain llama.cpp: the file mapped, repacking off; {slots}[/]", highlight=False)
     else:
         err_console.print(f"[dim]budget {loaded.budget / 2**30:.2f} GiB ({loaded.budget_from}): {slots}; "
-                          f"{loaded.runtime.describe_budget()}[/]", highlight=False)
+                          f"{loaded.driver.describe_budget()}[/]", highlight=False)
     return loaded
 
 
@@ -110,7 +110,7 @@ def serve_cmd(
     if record is not None:
         from mbolt.serve.record import RoutingRecorder
 
-        mm = moe_map(model)
+        mm = moe_map(model, kernel_ok=True)  # a kernel-layout file's routing is its model's
         output(record, "mbtrace", inputs=[model], force=force, what="trace",
                protected=(mm.fingerprint, mm.source_fingerprint))
         recorder = RoutingRecorder(record, mm, record_max)

@@ -14,6 +14,7 @@ plain     the plain arm: llama.cpp with the file mapped, what the runtime is mea
 kernel_load    a kernel-layout file (mbolt repack) into llama.cpp's own buffers, nothing repacked
 rows           a kernel-layout file's experts as rows of those buffers: where, read in, given back
 kernel_stream  the streaming arm over a kernel-layout file (reads into rows, the same budget and rule)
+cache_view     what a server shows of either streaming arm (counters, budget, cache map): one shape
 sampling  llama.cpp's sampler chain (grammar, penalties, top-k/p, min-p, temperature)
 driver    the decode driver: prompts, decode steps, sequences, and the measured generate loop
 measured  what that loop records (StreamRun) and the decode routing it saw, as a Trace

@@ -21,6 +21,7 @@ allocated, naming the largest context that fits.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from mbolt.core.errors import MboltError
@@ -164,7 +165,7 @@ def plan_budget(path: str, mm: MoeMap, budget: int, *, n_ctx: int, n_ubatch: int
     need = base + mem.total + step
     hint = (f"the largest context that fits is {best} tokens (-c {best}), or give a larger --ram" if best
             else "no context fits: give a larger --ram")
-    raise MboltError(f"{path}: a budget of {budget / mib:.0f} MiB cannot hold {parts}: {need / mib:.0f} MiB; {hint}")
+    raise MboltError(f"{mm.paths[0]}: a budget of {budget / mib:.0f} MiB cannot hold {parts}: {need / mib:.0f} MiB; {hint}")
 
 
 def expected_decode_slots(plan: BudgetPlan, mm: MoeMap) -> int:
@@ -275,3 +276,31 @@ class Budget:
                 f"{', next layer read ahead' if p.prefetch else ''}"
                 f"{' (layers laid over: huge pages filled by O_DIRECT)' if laid_over else ''}); "
                 f"{self.decode_slots} expert slots per layer ({self.prefill_slots} during a prompt, {pinned} pinned)")
+
+
+@contextmanager
+def budget_inputs(path, mm: MoeMap):
+    """What a budget is planned from before a load (runtime.budget.plan_budget): a path llama.cpp's
+    memory-fit pass reads for `path` (a kernel-layout file's stand-in: stock llama.cpp refuses the
+    file itself) and the dense weights' bytes the arm will hold (the mapped runtime: their pages;
+    the kernel layout: their copies)."""
+    from mbolt.core.gguf_set import open_model_header
+    from mbolt.core.kernel_file import is_kernel_file
+
+    if is_kernel_file(open_model_header(path)):
+        from mbolt.core.kernel_file import read_kernel
+        from mbolt.runtime.kernel_load import stand_in
+
+        dense = sum(t.nbytes for t in mm.header.tensors) - sum(
+            w.nbytes for layer in mm.moe_layers for w in layer.weights)
+        with stand_in(read_kernel(path)) as shadow:
+            yield shadow, dense
+        return
+    from mbolt.runtime.pages import ExpertPages
+
+    pages = ExpertPages(path, mm)
+    try:
+        dense = pages.dense_bytes()
+    finally:
+        pages.close()
+    yield str(path), dense

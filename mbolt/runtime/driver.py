@@ -1,9 +1,10 @@
 """The decode driver: a llama.cpp context with an arm in it (the streaming runtime, or plain
 llama.cpp), its sequences, and the steps every llama.cpp decode loop is made of. Nothing above it
-reaches its arm or its runner implicitly: what the commands read of them is named here. Its loops
-over tokens are `decode` (the tracer, llama.cpp parity) and `generate` (`mbolt generate --engine
-llama.cpp`, `ab` and the benchmarks); the server's turn (serve/scheduler.py: `serve` and `chat`)
-runs the same steps (`prompt_pass`, `step`), one llama_decode per turn.
+reaches its arm or its runner implicitly: what the commands read of them is named here. Its one
+loop over decode steps is `steps`, run by `decode` (the tracer, llama.cpp parity) and `generate`
+(`mbolt generate --engine llama.cpp`, `ab` and the benchmarks); the server's turn
+(serve/scheduler.py: `serve` and `chat`) runs the same steps (`prompt_pass`, `step`), one
+llama_decode per turn.
 
 - `prompt(tokens, seq)`: a prompt (or a turn) on a sequence, in passes of n_ubatch; a sequence
   keeps its tokens, so a follow-up turn that starts with them only evaluates what is new (the KV
@@ -213,13 +214,26 @@ class Driver:
         prompt and after each step, 1 + n_new of them, fewer when the greedy token is `eos` (not fed)."""
         logits, _, _ = self.prompt(prompt, seq)
         yield [int(t) for t in prompt], logits
+        feed = (lambda i, s: fed[i]) if fed is not None else None
+        for _, feeds, out, _ in self.steps([seq], [logits], n_new, feed=feed, eos=eos):
+            yield [feeds[0][1]], out[0]
+
+    def steps(self, seqs: list[int], logits: list[np.ndarray], n_new: int, feed=None, eos: int | None = None):
+        """The one loop of decode steps (`decode`, `generate`; the server's scheduler steps its
+        slots one `step` at a time): up to `n_new` steps, each one token of every sequence in
+        `seqs` in one llama_decode. A sequence's greedy token is the argmax of its last logits
+        (`logits[j]` for `seqs[j]` at first); it is fed, or `feed(i, seq)` at step i (teacher
+        forcing). Yields (greedy tokens, feeds, their logits, seconds of the step: the arm's own
+        time after it aside) after each step; stops before a step where a greedy token is `eos`."""
+        arm = self.arm
         for i in range(n_new):
-            greedy = int(np.argmax(logits))
-            if eos is not None and greedy == eos:
+            greedy = [int(np.argmax(lg)) for lg in logits]
+            if eos is not None and eos in greedy:
                 return
-            tok = int(fed[i]) if fed is not None else greedy
-            logits = self.step([(seq, tok)])[0]
-            yield [tok], logits
+            feeds = [(s, int(feed(i, s)) if feed is not None else g) for s, g in zip(seqs, greedy)]
+            t0, a0 = time.perf_counter(), arm.after_step_s
+            logits = self.step(feeds)
+            yield greedy, feeds, logits, time.perf_counter() - t0 - (arm.after_step_s - a0)
 
     def sampler(self, opts) -> "Sampler":
         from mbolt.runtime.sampling import Sampler, eog_tokens
@@ -319,10 +333,35 @@ class Driver:
         tells the driver its tokens)."""
         return int(self.runner.L.llama_state_seq_set_data(self.runner.ctx, buf, len(buf), seq))
 
+    # what the server shows and keys its saved states by (the arm stated, not inferred)
+    streaming = False  # the arm streams experts (mapped or kernel layout), else plain llama.cpp: open_driver says
+    f32_kv = _of_arm("f32_kv", "The KV cache is F32 (else F16).")
+
+    def runtime_view(self):
+        """The streaming arm's counters, budget and cache (runtime.cache_view.RuntimeView, one shape
+        for both streaming arms); None for plain llama.cpp."""
+        return self.arm.runtime_view() if self.streaming else None
+
+    @property
+    def arch(self) -> str:
+        """The model's architecture (a kernel-layout file's: the one it holds)."""
+        return self.arm.mm.arch
+
+    @property
+    def model_fingerprint(self) -> str:
+        """The header fingerprint of the file (or split set) llama.cpp computes with: a saved KV state
+        loads only into the same. A kernel-layout file's is its own, not its source's (`mm.fingerprint`
+        there: the same model, its weights summed by other kernels)."""
+        if getattr(self, "_fingerprint", None) is None:
+            from mbolt.core.gguf_set import open_model_header
+
+            self._fingerprint = open_model_header(self.arm.path).fingerprint
+        return self._fingerprint
+
     # ---- the measured loop ----
 
     def _counts(self) -> np.ndarray:
-        c = self.arm.store.counters if self.arm.store is not None else None
+        c = self.arm.store.counters if self.streaming else None
         return np.array([getattr(c, k) if c else 0 for k in _COUNTED], float)
 
     def generate(self, prompts: list[list[int]], n_new: int, on_token=None, forced: int = 0,
@@ -365,15 +404,11 @@ class Driver:
             outs = [[] for _ in group]
             c0, d0 = self._counts(), proc_read_bytes()
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_majflt
-            for i in range(n_new):
-                feeds = []
-                for s, ids in enumerate(group):
-                    pred = int(np.argmax(logits[s]))
+            feed = (lambda i, s, group=group: group[s][forced + i]) if forced else None
+            for i, (greedy, feeds, _, dt) in enumerate(self.steps(list(range(len(group))), logits, n_new, feed)):
+                for s, pred in enumerate(greedy):
                     outs[s].append(pred)
-                    feeds.append((s, int(ids[forced + i]) if forced else pred))
-                t0, a0 = time.perf_counter(), arm.after_step_s
-                logits = self.step(feeds)
-                run.decode_s += time.perf_counter() - t0 - (arm.after_step_s - a0)
+                run.decode_s += dt
                 run.decode_tokens += len(feeds)
                 if arm.record:
                     run.routing.append(dict(arm.step_routing))
@@ -401,7 +436,7 @@ class Driver:
         run.prompt_passes = now["passes"] - prompt0["passes"]
         run.prompt_bytes = now["bytes"] - prompt0["bytes"]
         run.prompt_read_s = now["read_s"] - prompt0["read_s"]
-        if arm.store is not None:
+        if self.streaming:
             run.io_s = float(acc[0])
             run.reads, run.ops, run.bytes, run.useful_bytes, run.hits, run.misses = (int(x) for x in acc[1:])
         else:
@@ -470,7 +505,9 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
                          repacked=bool(runtime_options.get("repacked")), **common)
         arm.llama_model = runtime_options.get("llama_model")
     try:
-        return Driver(arm, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
+        d = Driver(arm, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
     except BaseException:
         arm.close()
         raise
+    d.streaming = bool(reads)  # a kernel-layout file is streamed or refused (kernel_arm)
+    return d

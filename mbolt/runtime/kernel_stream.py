@@ -103,6 +103,7 @@ class KernelRuntime(BudgetedArm):
         self.fast_layers = 0
         self.native_layers = 0  # paged: decode layers with misses the C filter answered
         self.reclaimed = 0  # paged: cached experts the C filter found reclaimed by the kernel (read again)
+        self.step_clock = 0  # the LRU's clock when the last decode step began
         self.memory: ContextMemory | None = None
         self.tap = self.filter = None
         self._seen: set[int] = set()
@@ -161,6 +162,7 @@ class KernelRuntime(BudgetedArm):
             self.phase = phase
             if self.budget and self.budget.keep():
                 self._resize(self.budget.decode_slots)
+            self.step_clock = int(self.lru_clock[0])  # experts stamped after it: used in this step
         if self.filter is not None:
             self.filter.fast = phase is Phase.DECODE and not self.record
 
@@ -415,6 +417,15 @@ class KernelRuntime(BudgetedArm):
         if self.km is not None:
             self.km.close()
             self.km = None
+
+    # ---- for the server (read-only) ----
+
+    def runtime_view(self):
+        """What a server shows of this arm (runtime.cache_view): the reader's counters, the LRU's
+        arrays, the experts stamped since the last decode step began; its reads are not marked (None)."""
+        from mbolt.runtime.cache_view import view_of
+
+        return view_of(self, self.reader.counters, self.lru_cached, self.lru_stamp > self.step_clock, None)
 
 
 # the mapped runtime's switches that a kernel-layout file's reads have no use for: paged, its reads

@@ -452,3 +452,13 @@ class StreamRuntime(BudgetedArm):
         if getattr(self, "pages", None) is not None:
             self.pages.close()
 
+    # ---- for the server (read-only) ----
+
+    def runtime_view(self):
+        """What a server shows of this arm (runtime.cache_view): the store's counters and slot cache,
+        the experts stamped since the last decode step began, those it read."""
+        from mbolt.runtime.cache_view import view_of
+
+        st = self.store
+        return view_of(self, st.counters, st.lru_cached, st.lru_stamp > self.step_clock, st.read_mark)
+

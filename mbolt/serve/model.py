@@ -5,6 +5,8 @@ the same path `generate` and the benchmarks run, with `parallel` sequences (slot
 dense weights, the KV cache of every slot's context and one step's experts is one error line),
 loads, then holds the dense weights and sizes the expert cache. `plain=True` is the same server
 over plain llama.cpp (mapped, no repacking, no callback): what the runtime is measured against.
+A kernel-layout file (`mbolt repack`) is served by the runtime over it (runtime.kernel_stream),
+planned over its stand-in; `plain=True` refuses it.
 Without `parallel`, the budget chooses: the most slots up to 4 whose KV caches take at most an
 eighth of it and whose working sets the expert cache holds (WORKING_SETS x n x k slots per layer,
 as the plan expects them once loaded), 1 when only one fits. The second rule is from
@@ -40,9 +42,9 @@ class Loaded:
     metadata: dict
 
     @property
-    def runtime(self):
-        """The streaming runtime (None for plain llama.cpp)."""
-        return self.driver.arm if self.driver.arm.store is not None else None
+    def streaming(self) -> bool:
+        """The runtime streams the experts (else plain llama.cpp)."""
+        return self.driver.streaming
 
     def close(self) -> None:
         self.driver.close()
@@ -53,24 +55,19 @@ def auto_parallel(model_path: str, n_ctx: int, n_ubatch: int, budget: int | None
     if not budget:
         return 1
     from mbolt.core.moe_map import moe_map
-    from mbolt.runtime.budget import expected_decode_slots, plan_budget
-    from mbolt.runtime.pages import ExpertPages
+    from mbolt.runtime.budget import budget_inputs, expected_decode_slots, plan_budget
 
-    mm = mm or moe_map(model_path)
-    pages = ExpertPages(model_path, mm)
-    try:
-        dense = pages.dense_bytes()
-    finally:
-        pages.close()
-    for n in range(MAX_AUTO_PARALLEL, 1, -1):
-        try:
-            plan = plan_budget(model_path, mm, budget, n_ctx=n_ctx, n_ubatch=n_ubatch, dense_bytes=dense,
-                               n_seq=n)
-        except MboltError:
-            continue
-        if (plan.memory.kv_bytes * KV_SHARE <= budget
-                and expected_decode_slots(plan, mm) >= WORKING_SETS * n * mm.n_used):
-            return n
+    mm = mm or moe_map(model_path, kernel_ok=True)
+    with budget_inputs(model_path, mm) as (llama_path, dense):
+        for n in range(MAX_AUTO_PARALLEL, 1, -1):
+            try:
+                plan = plan_budget(llama_path, mm, budget, n_ctx=n_ctx, n_ubatch=n_ubatch, dense_bytes=dense,
+                                   n_seq=n)
+            except MboltError:
+                continue
+            if (plan.memory.kv_bytes * KV_SHARE <= budget
+                    and expected_decode_slots(plan, mm) >= WORKING_SETS * n * mm.n_used):
+                return n
     return 1
 
 
@@ -84,9 +81,13 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     from mbolt.core.memlimit import budget as find_budget
     from mbolt.core.moe_map import moe_map
     from mbolt.runtime.driver import open_driver
+    from mbolt.runtime.kernel_stream import is_kernel_path
     from mbolt.runtime.memory import resolve_ctx
 
-    mm = moe_map(path)
+    if plain and is_kernel_path(path):
+        raise MboltError(f"{path}: a kernel-layout file (mbolt repack) is served by the runtime only, not --plain: "
+                         "`mbolt repack --restore` gives the stock file back for plain llama.cpp")
+    mm = moe_map(path, kernel_ok=True)  # a kernel-layout file: the map of the model it holds
     limit, where = (None, "") if plain else find_budget(ram)
     ctx, _ = resolve_ctx(n_ctx, mm)
     n_seq = int(parallel) if parallel else auto_parallel(mm.paths[0], ctx, n_ubatch or DEFAULT_UBATCH, limit, mm)

@@ -6,18 +6,19 @@ What is kept: the KV state (`llama_state_seq_get_data`) of a prompt up to the st
 user turn (an agent's system prompt and tools, a chat's history), or of the whole prompt when there
 are no turns (/v1/completions): the scheduler ends a prompt pass there and saves the slot.
 
-A file (`<hash of its tokens>-<n>.kv`): magic (8) | header length (u32) | the header's crc32 (u32)
-| header (JSON) | tokens (int32) | state. The header names the model (its GGUF fingerprint) and
-what shapes the state (architecture, layers, KV type, flash attention: V transposed or not, the
-streams, llama.cpp's version), the tokens' and the state's crc32 (zlib's: 5.8 GB/s here, above a
-drive's rate). A plain KV cache's state of one sequence is one stream's block between empty ones:
-the file keeps that block, framed again in place for the slot and stream count it loads into. A
-file that does not match (another model, another layout, a flipped byte, a truncated write) is
-skipped with one line in the log, counted by reason; its prefix is evaluated. Files are written
-under a unique temporary name, fsynced and renamed (two servers on one directory see whole files
-or none), their space taken by posix_fallocate first (a full disk fails there, not as a SIGBUS on a
-mapped page; the save is dropped, the request answered). The directory stays within its size, least
-recently used first (a restore touches the file's mtime).
+A file (`<hash of its model and tokens>-<n>.kv`): magic (8) | header length (u32) | the header's
+crc32 (u32) | header (JSON) | tokens (int32) | state. The header names the model (the GGUF
+fingerprint of the file llama.cpp computes with: a kernel-layout file's own, not its source's,
+whose kernels sum in another order) and what shapes the state (architecture, layers, KV type, flash
+attention: V transposed or not, the streams, llama.cpp's version), the tokens' and the state's
+crc32 (zlib's: 5.8 GB/s here, above a drive's rate). A plain KV cache's state of one sequence is
+one stream's block between empty ones: the file keeps that block, framed again in place for the
+slot and stream count it loads into. A file that does not match (another model, another layout, a
+flipped byte, a truncated write) is skipped with one line in the log, counted by reason; its prefix
+is evaluated. Files are written under a unique temporary name, fsynced and renamed (two servers on
+one directory see whole files or none), their space taken by posix_fallocate first (a full disk
+fails there, not as a SIGBUS on a mapped page; the save is dropped, the request answered). The
+directory stays within its size, least recently used first (a restore touches the file's mtime).
 
 Memory: a state goes through a mapping of its file (page cache the kernel can reclaim) straight
 into or out of the KV cache the budget already counts; the pages are dropped after use.
@@ -73,9 +74,8 @@ def layout_of(driver) -> dict:
     """What a state must have been saved under to be loaded into this context."""
     import llama_cpp
 
-    arm = driver.arm
-    return {"model": arm.mm.fingerprint, "arch": arm.mm.arch, "n_layer": driver.n_layer,
-            "kv_type": "f32" if arm.f32_kv else "f16", "flash_attn": bool(arm.flash_attn),
+    return {"model": driver.model_fingerprint, "arch": driver.arch, "n_layer": driver.n_layer,
+            "kv_type": "f32" if driver.f32_kv else "f16", "flash_attn": bool(driver.flash_attn),
             "streams": "any" if one_stream(driver) else int(driver.n_seq), "llama_cpp": llama_cpp.__version__}
 
 
@@ -86,9 +86,11 @@ def one_stream(driver) -> bool:
     return driver.n_seq <= MAX_STREAMS and driver.kv_cache_only
 
 
-def _name(tokens) -> str:
+def _name(tokens, model: str) -> str:
+    """A file's name: its tokens' and its model's hash (two models' states of one prompt, a stock file
+    and its kernel layout served on one directory, do not take each other's name), and its length."""
     arr = np.asarray(tokens, dtype="<i4")
-    return f"{hashlib.sha256(arr.tobytes()).hexdigest()[:24]}-{len(arr)}{SUFFIX}"
+    return f"{hashlib.sha256(model.encode() + arr.tobytes()).hexdigest()[:24]}-{len(arr)}{SUFFIX}"
 
 
 @dataclass
@@ -291,7 +293,7 @@ class PromptCache:
         tokens = list(driver.tokens[seq])
         if len(tokens) < MIN_TOKENS or self.covers(tokens):
             return
-        final = self.directory / _name(tokens)
+        final = self.directory / _name(tokens, str(self.layout.get("model")))
         nbytes = driver.state_size(seq)
         if not nbytes:
             self._failed(f"{final}: llama.cpp gave no state for sequence {seq}")

@@ -11,7 +11,7 @@ from mbolt.core.pagecache import proc_read_bytes
 
 def scheduler_stats(sched) -> dict:
     lo, d, c = sched.loaded, sched.driver, sched.counters
-    rt = d.arm if d.arm.store is not None else None  # the streaming runtime (plain has no store)
+    rt = d.runtime_view()  # the streaming runtime's numbers (None: plain llama.cpp)
     now = time.perf_counter()
     window = [t for t in list(sched._recent) if now - t <= 10.0]
     slots = []
@@ -20,7 +20,7 @@ def scheduler_stats(sched) -> dict:
         slots.append({"id": s.seq, "busy": s.job is not None, "prompting": bool(s.todo),
                       "prompt_tokens": len(s.job.tokens) if s.job else 0, "generated": len(s.out) if s.job else 0,
                       "held_tokens": len(d.tokens[s.seq]), "tokens_per_s": len(recent) / 10.0})
-    out = {"model": sched.name, "mode": "plain llama.cpp" if rt is None else "mbolt runtime",
+    out = {"model": sched.name, "mode": "mbolt runtime" if d.streaming else "plain llama.cpp",
            "budget_bytes": lo.budget, "budget_from": lo.budget_from or None, "n_ctx": lo.n_ctx,
            "n_ubatch": lo.n_ubatch, "parallel": d.n_seq, "slots": slots,
            "slots_busy": sum(s["busy"] for s in slots), "queue_length": sched.queue_length,
@@ -32,17 +32,16 @@ def scheduler_stats(sched) -> dict:
            "device_read_bytes": proc_read_bytes(),
            "major_faults": resource.getrusage(resource.RUSAGE_SELF).ru_majflt}
     if rt is not None:
-        sc, ps = rt.store.counters, rt.prompt
-        decode_experts = sc.experts - (ps.hits + ps.misses)
+        decode_experts = rt.experts - (rt.prompt_hits + rt.prompt_misses)
         n_moe = max(len(rt.moe_layers), 1)
         out.update(dense_resident_bytes=rt.locked_bytes + rt.copied_bytes, dense_locked_bytes=rt.locked_bytes,
                    dense_copied_bytes=rt.copied_bytes, expert_slots=rt.decode_slots,
-                   expert_slots_prompt=rt.prefill_slots, cache_hits=sc.hits - ps.hits,
-                   cache_misses=sc.misses - ps.misses,  # decode steps (the prompt passes' are apart)
-                   decode_read_bytes=sc.bytes, prompt_read_bytes=ps.bytes, prompt_passes=ps.passes,
-                   reclaimed=rt.reclaimed, slots_given_back=rt.budget.given_back if rt.budget else 0,
+                   expert_slots_prompt=rt.prefill_slots, cache_hits=rt.hits - rt.prompt_hits,
+                   cache_misses=rt.misses - rt.prompt_misses,  # decode steps (the prompt passes' are apart)
+                   decode_read_bytes=rt.bytes, prompt_read_bytes=rt.prompt_bytes, prompt_passes=rt.prompt_passes,
+                   reclaimed=rt.reclaimed, slots_given_back=rt.slots_given_back,
                    expert_union_per_step=(decode_experts / (c.decode_steps * n_moe) if c.decode_steps else None),
-                   n_experts=rt.mm.n_experts, n_used=rt.mm.n_used, cache_map=cache_map(rt))
+                   n_experts=rt.n_experts, n_used=rt.n_used, cache_map=cache_map(rt))
     else:
         out.update(dense_resident_bytes=None, expert_slots=None, cache_hits=None, cache_misses=None)
     hm = (out.get("cache_hits") or 0) + (out.get("cache_misses") or 0)
@@ -57,11 +56,11 @@ def scheduler_stats(sched) -> dict:
 def cache_map(rt) -> dict:
     """Per MoE layer, in file order (position p holds original expert perm[p]: a reorder file's
     neighbours are drawn side by side), three bitmaps as hex (bit p of the string's number, position
-    0 first): the experts the cache holds, those the last decode step used, those it read."""
+    0 first): the experts the cache holds, those the last decode step used, those it read (null
+    where the runtime does not mark its reads: the kernel layout). `rt`: runtime.cache_view.RuntimeView."""
     import numpy as np
 
-    store, perm = rt.store, rt.perm
-    layers = sorted(rt.moe_layers)
+    perm, layers = rt.perm, rt.moe_layers
 
     def hexbits(row) -> str:
         bits = np.asarray(row, np.uint8)
@@ -69,6 +68,6 @@ def cache_map(rt) -> dict:
         return np.packbits(np.concatenate([bits, np.zeros(pad, np.uint8)]), bitorder="little").tobytes().hex()
 
     return {"n_experts": int(perm.shape[1]), "layers": layers,
-            "cached": [hexbits(store.lru_cached[layer][perm[layer]]) for layer in layers],
-            "used": [hexbits(store.lru_stamp[layer][perm[layer]] > rt.step_clock) for layer in layers],
-            "read": [hexbits(store.read_mark[layer][perm[layer]]) for layer in layers]}
+            "cached": [hexbits(rt.cached[layer][perm[layer]]) for layer in layers],
+            "used": [hexbits(rt.used[layer][perm[layer]]) for layer in layers],
+            "read": None if rt.read is None else [hexbits(rt.read[layer][perm[layer]]) for layer in layers]}
