@@ -46,25 +46,6 @@ if TYPE_CHECKING:
 _COUNTED = ("io_time", "reads", "ops", "bytes", "useful_bytes", "hits", "misses")
 
 
-class _Hooks:
-    """The runtime and whoever watches the steps (a routing recorder), told in that order."""
-
-    def __init__(self, parts):
-        self.parts = parts
-
-    def begin(self, phase, n_rows: int) -> None:
-        for h in self.parts:
-            h.begin(phase, n_rows)
-
-    def end(self) -> None:
-        for h in self.parts:
-            h.end()
-
-    def on_topk(self, layer: int, rows) -> None:
-        for h in self.parts:
-            h.on_topk(layer, rows)
-
-
 def common_prefix(a, b) -> int:
     """How many first tokens two token sequences (lists or arrays) share."""
     m = min(len(a), len(b))
@@ -83,7 +64,7 @@ class Driver:
     recorder) see every step and every selection (the C fast path is then off)."""
 
     def __init__(self, arm, *, n_threads: int | None = None, n_seq: int = 1, watchers=()):
-        from mbolt.runtime.runner import LlamaRunner
+        from mbolt.runtime.runner import Hooks, LlamaRunner
 
         self.arm = arm
         self.runner = None
@@ -91,7 +72,7 @@ class Driver:
         if watchers:
             arm.record = True  # every selection reaches Python
             arm.uses_callback = True
-        hooks = _Hooks([arm, *watchers])
+        hooks = Hooks([arm, *watchers])
         try:
             self.runner = LlamaRunner(arm.model_path, n_ctx=arm.n_ctx, n_threads=n_threads, capture=False,
                                       on_topk=hooks.on_topk if arm.uses_callback else None, load_mode=arm.load_mode,

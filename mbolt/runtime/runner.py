@@ -135,6 +135,26 @@ class TopkTap:
             self.on_topk(layer, rows)
 
 
+class Hooks:
+    """What a runner tells of each llama_decode (`LlamaRunner.hooks`): the runtime and whoever watches
+    the steps (a routing recorder), told in that order."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def begin(self, phase, n_rows: int) -> None:
+        for h in self.parts:
+            h.begin(phase, n_rows)
+
+    def end(self) -> None:
+        for h in self.parts:
+            h.end()
+
+    def on_topk(self, layer: int, rows) -> None:
+        for h in self.parts:
+            h.on_topk(layer, rows)
+
+
 class LlamaRunner:
     """One llama.cpp model + context on the CPU, with routing capture.
 
