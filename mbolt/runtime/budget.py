@@ -279,21 +279,22 @@ class Budget:
 
 
 @contextmanager
-def budget_inputs(path, mm: MoeMap):
+def budget_inputs(path, mm: MoeMap, kernel=None):
     """What a budget is planned from before a load (runtime.budget.plan_budget): a path llama.cpp's
     memory-fit pass reads for `path` (a kernel-layout file's stand-in: stock llama.cpp refuses the
     file itself) and the dense weights' bytes the arm will hold (the mapped runtime: their pages;
-    the kernel layout: their copies)."""
-    from mbolt.core.gguf_set import open_model_header
-    from mbolt.core.kernel_file import is_kernel_file
+    the kernel layout: their copies). `kernel`: the kernel-layout file's header, already read."""
+    if kernel is None:
+        from mbolt.core.gguf_set import open_model_header
+        from mbolt.core.kernel_file import is_kernel_file, read_kernel
 
-    if is_kernel_file(open_model_header(path)):
-        from mbolt.core.kernel_file import read_kernel
+        kernel = read_kernel(path) if is_kernel_file(open_model_header(path)) else None
+    if kernel is not None:
         from mbolt.runtime.kernel_load import stand_in
 
         dense = sum(t.nbytes for t in mm.header.tensors) - sum(
             w.nbytes for layer in mm.moe_layers for w in layer.weights)
-        with stand_in(read_kernel(path)) as shadow:
+        with stand_in(kernel) as shadow:
             yield shadow, dense
         return
     from mbolt.runtime.pages import ExpertPages

@@ -39,8 +39,8 @@ from mbolt.core.errors import MboltError
 from mbolt.core.lru import ArrayLru, by_last_use
 from mbolt.core.moe_map import MoeMap
 from mbolt.runtime.arm import BudgetedArm, PromptStats, own_bytes
-from mbolt.runtime.budget import PREFETCH_SHARE, Budget
-from mbolt.runtime.kernel_load import load_kernel_model, stand_in
+from mbolt.runtime.budget import PREFETCH_SHARE, Budget, budget_inputs
+from mbolt.runtime.kernel_load import load_kernel_model
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
 from mbolt.runtime.runner import Phase
 from mbolt.runtime.rows import ExpertRows, PagedReader, RowReader
@@ -77,10 +77,8 @@ class KernelRuntime(BudgetedArm):
                              "give 0 (no cache) or at least that many")
         self.cache_slots = int(cache_slots) if (cache_slots or budget) else E  # no budget, no slots: all cached
         self.budget: Budget | None = None
-        dense = sum(t.nbytes for t in self.mm.header.tensors) - sum(
-            w.nbytes for layer in self.mm.moe_layers for w in layer.weights)
         if budget:
-            with stand_in(k) as shadow:  # llama.cpp's memory-fit pass over the model the file holds
+            with budget_inputs(path, self.mm, kernel=k) as (shadow, dense):  # the model the file holds
                 self.budget = Budget.planned(budget, self.mm, shadow, n_ctx=self.n_ctx, n_ubatch=self.n_ubatch,
                                              dense_bytes=dense, flash_attn=self.flash_attn, f32_kv=f32_kv, n_seq=n_seq)
             self.n_ubatch = self.budget.plan.n_ubatch
