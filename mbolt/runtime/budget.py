@@ -279,11 +279,12 @@ class Budget:
 
 
 @contextmanager
-def budget_inputs(path, mm: MoeMap, kernel=None):
+def budget_inputs(path, mm: MoeMap, kernel=None, pages=None):
     """What a budget is planned from before a load (runtime.budget.plan_budget): a path llama.cpp's
     memory-fit pass reads for `path` (a kernel-layout file's stand-in: stock llama.cpp refuses the
     file itself) and the dense weights' bytes the arm will hold (the mapped runtime: their pages;
-    the kernel layout: their copies). `kernel`: the kernel-layout file's header, already read."""
+    the kernel layout: their copies). What the caller opened already is used, not opened again:
+    `kernel`, the kernel-layout file's header; `pages`, the mapped file's runtime.pages.ExpertPages."""
     if kernel is None:
         from mbolt.core.gguf_set import open_model_header
         from mbolt.core.kernel_file import is_kernel_file, read_kernel
@@ -296,6 +297,9 @@ def budget_inputs(path, mm: MoeMap, kernel=None):
             w.nbytes for layer in mm.moe_layers for w in layer.weights)
         with stand_in(kernel) as shadow:
             yield shadow, dense
+        return
+    if pages is not None:
+        yield str(path), pages.dense_bytes()
         return
     from mbolt.runtime.pages import ExpertPages
 

@@ -462,13 +462,15 @@ class Driver:
 def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool | None = None,
                 record: bool = False, n_threads: int | None = None, n_seq: int = 1, mm: MoeMap | None = None,
                 n_ctx: int | None = None, n_ubatch: int | None = None, f32_kv: bool = False,
-                flash_attn: bool | None = None, watchers=(), **runtime_options) -> Driver:
+                flash_attn: bool | None = None, watchers=(), plain_flag: str = "a run without --stream",
+                **runtime_options) -> Driver:
     """A driver over the arm these options name: `reads` the streaming runtime (its options:
     gap, qd, cache_slots, budget, asynchronous, pins; `evict=False` a warm control), else plain
     llama.cpp (`evict`: drop every expert page after each decode step, the emulation without a
     limit; `callback`: the eval callback alone; `record`: keep each step's selections; `repacked`:
     llama.cpp's default load; `llama_model`: a model the caller loaded itself, a probe's own load,
-    used as it is and not freed here)."""
+    used as it is and not freed here). `plain_flag`: how the caller's user asks for plain llama.cpp
+    (named when a kernel-layout file, which plain llama.cpp cannot load, is refused)."""
     from mbolt.runtime.kernel_stream import is_kernel_path, kernel_arm
     from mbolt.runtime.memory import default_ubatch
     from mbolt.runtime.plain import PlainLlama
@@ -476,7 +478,7 @@ def open_driver(path, *, reads: bool = True, evict: bool = True, callback: bool 
     common = dict(mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch or default_ubatch(reads, n_seq), f32_kv=f32_kv, flash_attn=flash_attn,
                   record=record)
     if is_kernel_path(path):
-        arm = kernel_arm(path, reads, evict, n_seq, common, runtime_options)
+        arm = kernel_arm(path, reads, evict, n_seq, common, runtime_options, plain_flag)
     elif reads:
         arm = StreamRuntime(path, evict=evict, n_seq=n_seq, **common, **runtime_options)
     else:

@@ -439,13 +439,15 @@ def is_kernel_path(path) -> bool:
     return is_kernel_file(open_model_header(path))
 
 
-def kernel_arm(path, reads: bool, evict: bool, n_seq: int, common: dict, options: dict):
-    """The streaming runtime over a kernel-layout file; plain llama.cpp cannot load one. Of the
-    mapped runtime's options, pins and a merge gap are refused; its switches for how reads reach the
-    page cache (_MAPPED_ONLY) do not apply (see there)."""
+def kernel_arm(path, reads: bool, evict: bool, n_seq: int, common: dict, options: dict, plain_flag: str):
+    """The streaming runtime over a kernel-layout file; plain llama.cpp cannot load one (the one
+    refusal, naming `plain_flag`: how the caller asked for plain llama.cpp). Of the mapped
+    runtime's options, pins and a merge gap are refused; its switches for how reads reach the page
+    cache (_MAPPED_ONLY) do not apply (see there)."""
     if not reads:
-        raise MboltError(f"{path}: a kernel-layout file (mbolt repack) is read by the streaming runtime only "
-                         "(--stream); `mbolt repack --restore` gives the stock file back for plain llama.cpp")
+        raise MboltError(f"{path}: a kernel-layout file (mbolt repack) is read by the streaming runtime only, "
+                         f"not by plain llama.cpp ({plain_flag}); `mbolt repack --restore` gives the stock file back "
+                         "for plain llama.cpp")
     if options.get("pins"):
         raise MboltError(f"{path}: pins are not supported on a kernel-layout file")
     if options.get("gap"):

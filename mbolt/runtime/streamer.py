@@ -44,7 +44,7 @@ from mbolt.core.lru import by_last_use
 from mbolt.core.moe_map import MoeMap
 from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import BudgetedArm, PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
-from mbolt.runtime.budget import PREFETCH_SHARE, Budget, layer_bytes
+from mbolt.runtime.budget import PREFETCH_SHARE, Budget, budget_inputs, layer_bytes
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
 from mbolt.runtime.pages import ExpertPages, can_move_pages
 from mbolt.runtime.prefill import LayerReader, PassOverlay, huge_pages, open_direct
@@ -130,10 +130,10 @@ class StreamRuntime(BudgetedArm):
                           "instead of one read (own the file to avoid it)", stacklevel=2)
         try:
             if budget:
-                self.budget = Budget.planned(budget, self.mm, self.model_path, n_ctx=self.n_ctx,
-                                             n_ubatch=self.n_ubatch, dense_bytes=self.pages.dense_bytes(),
-                                             flash_attn=self.flash_attn,
-                                             f32_kv=f32_kv, n_seq=n_seq)
+                with budget_inputs(self.model_path, self.mm, pages=self.pages) as (llama_path, dense):
+                    self.budget = Budget.planned(budget, self.mm, llama_path, n_ctx=self.n_ctx, n_ubatch=self.n_ubatch,
+                                                 dense_bytes=dense, flash_attn=self.flash_attn, f32_kv=f32_kv,
+                                                 n_seq=n_seq)
                 self.n_ubatch = self.budget.plan.n_ubatch
             self.store = ExpertStore(self.path, mm=self.mm, gap=gap, io_threads=qd, cache_slots=self.cache_slots,
                                      drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous, use_order=use_order)

@@ -6,7 +6,7 @@ dense weights, the KV cache of every slot's context and one step's experts is on
 loads, then holds the dense weights and sizes the expert cache. `plain=True` is the same server
 over plain llama.cpp (mapped, no repacking, no callback): what the runtime is measured against.
 A kernel-layout file (`mbolt repack`) is served by the runtime over it (runtime.kernel_stream),
-planned over its stand-in; `plain=True` refuses it.
+planned over its stand-in; `plain=True` refuses it (runtime.kernel_stream.kernel_arm, the one refusal).
 Without `parallel`, the budget chooses: the most slots up to 4 whose KV caches take at most an
 eighth of it and whose working sets the expert cache holds (WORKING_SETS x n x k slots per layer,
 as the plan expects them once loaded), 1 when only one fits. The second rule is from
@@ -81,12 +81,8 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
     from mbolt.core.memlimit import budget as find_budget
     from mbolt.core.moe_map import moe_map
     from mbolt.runtime.driver import open_driver
-    from mbolt.runtime.kernel_stream import is_kernel_path
     from mbolt.runtime.memory import resolve_ctx
 
-    if plain and is_kernel_path(path):
-        raise MboltError(f"{path}: a kernel-layout file (mbolt repack) is served by the runtime only, not --plain: "
-                         "`mbolt repack --restore` gives the stock file back for plain llama.cpp")
     mm = moe_map(path, kernel_ok=True)  # a kernel-layout file: the map of the model it holds
     limit, where = (None, "") if plain else find_budget(ram)
     ctx, _ = resolve_ctx(n_ctx, mm)
@@ -95,7 +91,7 @@ def open_model(path, *, ram: str | int | None = None, n_ctx: int | None = None, 
         raise MboltError(f"--parallel must be at least 1, got {n_seq}")
     if plain:
         d = open_driver(path, reads=False, evict=False, mm=mm, n_ctx=n_ctx, n_ubatch=n_ubatch, n_threads=n_threads,
-                        n_seq=n_seq, watchers=watchers)
+                        n_seq=n_seq, watchers=watchers, plain_flag="--plain")
     else:
         d = open_driver(path, reads=True, mm=mm, budget=limit, qd=4, asynchronous=True, n_ctx=n_ctx,
                         n_ubatch=n_ubatch, n_threads=n_threads, n_seq=n_seq, watchers=watchers)
