@@ -171,6 +171,20 @@ def test_an_environment_without_the_package_is_one_line(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_an_environment_this_user_cannot_look_into_is_one_line_and_only_recorded(tmp_path, monkeypatch):
+    """A peer's environment whose python the OS will not even stat for this user (found as an
+    ordinary user: `mbolt demo` stopped on root's /tmp/mbolt-bench/ik-venv, its python a link into
+    /root) is one line naming it, and a run's record of the engines says so instead of stopping.
+    The OS error here is a name too long for the filesystem (root passes every permission check)."""
+    from mbolt.bench.env import engine_builds
+
+    venv = tmp_path / ("x" * 300)
+    with pytest.raises(MboltError, match=r"/bin/python: File name too long: not an environment this user can run"):
+        peers.find_ik(venv)
+    monkeypatch.setenv("MBOLT_IK_VENV", str(venv))
+    assert "not an environment this user can run" in engine_builds()["ik_llama.cpp"]["error"]
+
+
 @needs_llama
 def test_the_environment_records_each_engines_build(tmp_path, monkeypatch):
     import llama_cpp

@@ -72,8 +72,11 @@ def find_ik(venv: str | os.PathLike | None = None) -> IkPeer | None:
     environment. An environment without the package, or with another version of it, is one line."""
     venv = Path(venv or default_venv())
     python = venv / "bin" / "python"
-    if not python.exists():
-        return None
+    try:
+        if not python.exists():
+            return None
+    except OSError as e:  # another user's environment (its python under a home this user cannot enter)
+        raise MboltError(f"{python}: {e.strerror or e}: not an environment this user can run") from None
     version, info = _probe(python)
     if version != IK_VERSION:
         raise MboltError(f"{venv}: holds {IK_PACKAGE} {version}; the benchmarks run {IK_VERSION} "
