@@ -302,3 +302,40 @@ def test_k8_model_gets_the_same_reuse(qwen30):
     hits, overlap = _reuse(trace, REAL_K, range(3))
     assert hits == pytest.approx(REAL_LRU_HITS, rel=0.2), hits
     assert overlap == pytest.approx(REAL_OVERLAP, rel=0.2)
+
+
+@needs_llama
+def test_zero_attention_typed_as_a_real_file_computes_the_same(tmp_path):
+    """typed_zero_attention (the q4kmq benchmark model): the attention of layers past the first,
+    all zeros, written in the Q4_K_M mix's types instead of F16. gguf-py reads those tensors in the
+    mix's types and all zero, layer 0's attention byte for byte the F16 file's; the file is smaller
+    by the difference; and llama.cpp computes the same logits from both (zeros are exact in every
+    type), bit for bit."""
+    from gguf import GGUFReader
+
+    from mbolt.runtime.driver import open_driver
+
+    kw = dict(n_layers=3, hidden=256, n_heads=2, n_kv_heads=1, dense_type="Q4_K_M")
+    f16, typed = tmp_path / "f16.gguf", tmp_path / "typed.gguf"
+    write_synth(f16, like(**kw))
+    write_synth(typed, like(typed_zero_attention=True, **kw))
+    a = {t.name: t for t in GGUFReader(f16).tensors}
+    b = {t.name: t for t in GGUFReader(typed).tensors}
+    assert a.keys() == b.keys()
+    attn = [n for n in a if ".attn_" in n and n.endswith(("q.weight", "k.weight", "v.weight", "output.weight"))]
+    assert len(attn) == 3 * 4
+    for n in attn:
+        if n.startswith("blk.0."):
+            assert b[n].tensor_type.name == "F16" and bytes(a[n].data) == bytes(b[n].data), n
+        else:
+            assert a[n].tensor_type.name == "F16" and not np.asarray(a[n].data).any(), n
+            assert b[n].tensor_type.name not in ("F16", "F32") and not np.asarray(b[n].data).any(), n
+    saved = sum(int(a[n].n_bytes) - int(b[n].n_bytes) for n in attn)
+    assert saved > 0 and f16.stat().st_size - typed.stat().st_size >= saved - 2 * 32 * len(attn)
+    ids = [int(t) for t in rf.byte_tokens(" ".join(p.text for p in read_prompts(path(PROMPTS))[100:104]))[:48]]
+    assert len(ids) == 48
+    logits = []
+    for m in (f16, typed):
+        with open_driver(str(m), reads=False, evict=False, n_ctx=256) as d:
+            logits.append(np.stack([lg for _, lg in d.decode(ids[:40], 8, fed=ids[40:])]))
+    assert np.array_equal(logits[0], logits[1])

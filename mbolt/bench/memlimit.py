@@ -39,6 +39,11 @@ MODELS = {
     # typed as llama-quantize types a Q4_K_M file (synth.mixes): the dense tensors quantized too
     "q4km": dict(preset="qwen3-30b-a3b", n_layers=8, fast_random=True, expert_type="Q4_K_M", dense_type="Q4_K_M",
                  routing_like=PROFILE_30B),
+    # q4km with the attention of layers 1-7 (all zeros: only layer 0's carries the planted routing)
+    # in the mix's types, as a real Q4_K_M types it, not F16: 268 of q4km's 313 MB of dense weights
+    # were that F16 attention, where a real Q4_K_M file's attention is about a quarter of it
+    "q4kmq": dict(preset="qwen3-30b-a3b", n_layers=8, fast_random=True, expert_type="Q4_K_M", dense_type="Q4_K_M",
+                  routing_like=PROFILE_30B, typed_zero_attention=True),
     # Qwen3-Next-80B-A3B's routed experts at their real size, its co-activation profile
     "q512km": dict(preset="qwen3-30b-a3b", n_layers=8, n_experts=512, n_used=10, expert_ff=512, fast_random=True,
                    expert_type="Q4_K_M", dense_type="Q4_K_M", routing_like=PROFILE_80B),

@@ -8,7 +8,7 @@ config from one (with overrides such as `n_layers` to scale it down).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -134,6 +134,10 @@ class SynthConfig:
     routing_like: object = None  # a RoutingTarget (gguf/routing_like.py): plant a profile's routing instead
     preset: str | None = None
     fast_random: bool = False
+    # --routing-like: the attention of every layer past the first is all zeros; True writes those
+    # matrices in the dense type (a Q4_K_M's Q4_K, Q6_K, ...: zero blocks are exact in every type)
+    # as a real file types them, instead of F16 (the bytes a real file's attention costs)
+    typed_zero_attention: bool = False
     probs_bias: bool = False  # exp_probs_b on families that do not have it (llama.cpp refuses it)
     expert_bias: bool = False  # ffn_*_exps.bias on families that do not have it (llama.cpp refuses it)
     dense_layers: int = 0
@@ -314,3 +318,22 @@ def tiny(arch: str = "qwen3moe", **overrides) -> SynthConfig:
     if "hidden" not in overrides and kw["hidden"] != 64 and arch in ("olmoe", "qwen2moe"):
         kw["head_dim"] = kw["hidden"] // kw["n_heads"]
     return SynthConfig(**kw)
+
+
+@dataclass
+class SynthInfo:
+    """What write_synth wrote (for --json and benchmarks)."""
+
+    path: str
+    bytes: int
+    arch: str
+    gguf_arch: str
+    preset: str | None
+    geometry: dict
+    expert_type: str
+    structure: str
+    fast_random: bool
+    n_tensors: int
+    header_sha256: str
+    fingerprint: str  # as mbolt.core.header.read_header computes it
+    extra: dict = field(default_factory=dict)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -44,7 +44,7 @@ from mbolt.core.header import encode_header_start, encode_kv, encode_tensor_info
 from mbolt.synth.blocks import Pools, coprime_stride, encode
 from mbolt.synth.config import (  # noqa: F401  (re-exported: the public names of synth)
     DENSE_TYPES, EXPERT_TYPES, FILE_TYPE, FUSED_GATE_UP_ARCHS, GGUF_ARCH, K_I_TYPES, PRESETS,
-    SHARED_BY_COUNT, SHARED_GATED, SYNTH_ARCHS, SynthConfig,
+    SHARED_BY_COUNT, SHARED_GATED, SYNTH_ARCHS, SynthConfig, SynthInfo,
 )
 from mbolt.synth.mixes import computed_type, dense_type
 from mbolt.synth.routing import PlantedRouting, rng_for
@@ -145,6 +145,12 @@ class _Model:
         qt = GGMLQuantizationType[computed_type(self.cfg)]
         self.tensors.append(_Tensor(name, ne, qt, lambda: iter([encode(make().astype(np.float32), qt)])))
 
+    def _zeros(self, name: str, ne: tuple[int, ...]) -> None:
+        """An all-zero dense matrix in its dense type: zero bytes are zero values in every type."""
+        qt = GGMLQuantizationType[dense_type(self.cfg, name, ne[0])]
+        nbytes = int(np.prod(ne, dtype=np.int64)) // GGML_QUANT_SIZES[qt][0] * GGML_QUANT_SIZES[qt][1]
+        self.tensors.append(_Tensor(name, ne, qt, lambda: iter([np.zeros(nbytes, np.uint8)])))
+
     def _const(self, name: str, arr, shape: tuple[int, ...] | None = None) -> None:
         """An F32 tensor given as an array, or as a function making it (then `shape` is
         required) so that big ones (routers) exist only while they are written."""
@@ -167,7 +173,12 @@ class _Model:
         q_w, kv_w = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         out_scale = 1.0 / math.sqrt(cfg.n_layers)
         ctx = cfg.context > 0 or cfg.routing_like is not None
-        if ctx:  # attention that carries the context (routing.py, routing_like.py), built when written
+        # routing-like attention past the first layer is all zeros (routing_like.RoutingLike.attention)
+        zeros = ctx and cfg.typed_zero_attention and cfg.routing_like is not None and i != 0
+        if zeros:
+            for what, w in (("q", q_w), ("k", kv_w), ("v", kv_w)):
+                self._zeros(p + f"attn_{what}.weight", (H, w))
+        elif ctx:  # attention that carries the context (routing.py, routing_like.py), built when written
             att = self.plant.attention
             for j, (what, w) in enumerate((("q", q_w), ("k", kv_w), ("v", kv_w))):
                 self._matrix(p + f"attn_{what}.weight", (H, w), lambda i=i, j=j: att(i)[j])
@@ -178,7 +189,9 @@ class _Model:
         if cfg.arch in ("qwen2moe", "glm4moe", "gpt-oss"):  # q/k/v biases
             for what, w in (("q", q_w), ("k", kv_w), ("v", kv_w)):
                 self._small(p + f"attn_{what}.bias", (w,), 0.01)
-        if ctx:
+        if zeros:
+            self._zeros(p + "attn_output.weight", (q_w, H))
+        elif ctx:
             self._matrix(p + "attn_output.weight", (q_w, H), lambda i=i: att(i)[3])
         else:
             self._dense(p + "attn_output.weight", (q_w, H), GAIN * ATTN_OUT_GAIN * out_scale / math.sqrt(q_w))
@@ -401,25 +414,6 @@ def _header(model: _Model) -> bytes:
         offset += -(-t.nbytes // cfg.alignment) * cfg.alignment
         out.append(encode_tensor_info(t.name, t.ne, t.type, t.offset))
     return b"".join(out)
-
-
-@dataclass
-class SynthInfo:
-    """What write_synth wrote (for --json and benchmarks)."""
-
-    path: str
-    bytes: int
-    arch: str
-    gguf_arch: str
-    preset: str | None
-    geometry: dict
-    expert_type: str
-    structure: str
-    fast_random: bool
-    n_tensors: int
-    header_sha256: str
-    fingerprint: str  # as mbolt.core.header.read_header computes it
-    extra: dict = field(default_factory=dict)
 
 
 def synth_tensors(cfg: SynthConfig) -> list[tuple[str, tuple[int, ...], str]]:
