@@ -47,8 +47,9 @@ sys.path.insert(0, str(ROOT))
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.memlimit import (AS_SHIPPED_KB, Workload, bound_of, json_default, limit_of, log, paths, prepare,  # noqa: E402
-                                  prepare_kernel, run_ab_config, slots_of, sweep_plain, sweep_summary)
+from mbolt.bench.memlimit import (AS_SHIPPED_KB, KERNEL_WORKLOAD, bound_of, json_default, kernel_limited_arms,  # noqa: E402
+                                  kernel_warm_arms, limit_of, log, paths, prepare, prepare_kernel, run_ab_config,
+                                  slots_of, sweep_plain, sweep_summary)
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, ttft_of  # noqa: E402
 from mbolt.bench.prereg import BenchPrereg, gate_run, run_record, write_result  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
@@ -56,28 +57,9 @@ from mbolt.core.errors import MboltError  # noqa: E402
 from mbolt.core.memlimit import readahead  # noqa: E402
 
 RESULTS = ROOT / "results"
-WORKLOAD = Workload(2000, 256, 0)
 FRAC = 0.4
 GOALS = ("warm_decode_over_repacked_min", "warm_prompt_over_fastest_load_min", "{model}_over_best_peer_min",
          "share_of_bound_min", "ttft_over_ik_max", "aa_within")
-
-
-def warm_arms(name: str) -> list[Arm]:
-    p = paths(name)
-    return [Arm("warm-mapped", str(p["stock"]), mode="os", warm=True),
-            Arm("warm-repacked", str(p["stock"]), mode="os", warm=True, repacked=True),
-            Arm("kernel-warm", str(p["kernel"]), warm=True),
-            Arm("kernel-warm-rows", str(p["kernel"]), warm=True, io_threads=4, rows=True)]
-
-
-def limited_arms(name: str) -> list[Arm]:
-    p = paths(name)
-    plain = Arm("plain", str(p["stock"]), mode="os")
-    kernel = Arm("mbolt-kernel", str(p["kernel"]))
-    return [plain, replace(plain, name="plain (A/A)", control_of="plain"), kernel,
-            replace(kernel, name="mbolt-kernel (A/A)", control_of="mbolt-kernel"),
-            Arm("mbolt-kernel-rows", str(p["kernel"]), io_threads=4, rows=True),
-            Arm("mbolt-mapped", str(p["reorder"]), io_threads=4, asynchronous=True)]
 
 
 IK_ARMS = [peers.PeerArm("ik-mapped"), peers.PeerArm("ik-mapped (A/A)", control_of="ik-mapped"),
@@ -90,11 +72,12 @@ def ik_runs(name: str, rounds: int, ram: int, seed: int, warm: bool) -> dict | N
         log(f"  peers: no ik_llama.cpp in {peers.default_venv()} (`prepare` installs it): no peer arms")
         return None
     p = paths(name)
-    ids = peers.arm_ids(p["stock"], WORKLOAD.prompt, WORKLOAD.new)
+    w = KERNEL_WORKLOAD
+    ids = peers.arm_ids(p["stock"], w.prompt, w.new)
     log(f"  peers: ik_llama.cpp {'warm' if warm else 'under the limit'}")
-    return peers.run_peers(peer, [peers.IK_WARM] if warm else IK_ARMS, p["stock"], ids[:WORKLOAD.prompt],
-                           ids[WORKLOAD.prompt:WORKLOAD.prompt + WORKLOAD.new], rounds=rounds, ram=0 if warm else ram,
-                           n_ctx=WORKLOAD.n_ctx, seed=seed,
+    return peers.run_peers(peer, [peers.IK_WARM] if warm else IK_ARMS, p["stock"], ids[:w.prompt],
+                           ids[w.prompt:w.prompt + w.new], rounds=rounds, ram=0 if warm else ram,
+                           n_ctx=w.n_ctx, seed=seed,
                            progress=lambda d, t, r: log(f"  {d}/{t} {r['arm']} r{r['round']}: ttft {r['ttft_s']:.2f} s, "
                                                         f"{r['decode_tokens_per_s']:.2f} tok/s"))
 
@@ -118,11 +101,11 @@ def peer_summary(d: dict | None) -> dict:
 
 
 def measure(name: str, rounds: int, pr: BenchPrereg, seed: int = 0) -> dict:
-    w = WORKLOAD
+    w = KERNEL_WORKLOAD
     p, size, ram = limit_of(name, FRAC)
     with readahead(p["stock"], AS_SHIPPED_KB):
         log("  warm (no limit, the file in memory): the compute alone")
-        warm = run_ab_config(name, warm_arms(name), w, rounds, 0, seed, aa=False)
+        warm = run_ab_config(name, kernel_warm_arms(name), w, rounds, 0, seed, aa=False)
         ik_warm = peer_summary(ik_runs(name, rounds, 0, seed, warm=True))
     # plain's window for decoding: a short prompt, 64 tokens a window (it only picks plain's best)
     swept = sweep_plain(name, [Arm("plain", str(p["stock"]), mode="os")], replace(w, prompt=64), ram, seed)
@@ -130,11 +113,11 @@ def measure(name: str, rounds: int, pr: BenchPrereg, seed: int = 0) -> dict:
     with readahead(p["stock"], tuned) as held:
         drive = sequential_read(p["stock"])
         log(f"  under the limit, readahead {held} KiB (plain tuned): drive {drive['bytes_per_s'] / 1e6:.0f} MB/s")
-        lim = run_ab_config(name, limited_arms(name), w, rounds, ram, seed, aa=False)  # the A/A arms are in the list
+        lim = run_ab_config(name, kernel_limited_arms(name), w, rounds, ram, seed, aa=False)  # the A/A arms are in the list
         ik_raw = ik_runs(name, rounds, ram, seed, warm=False)
     ik = peer_summary(ik_raw)
     k, kw = row(lim, "mbolt-kernel"), row(warm, "kernel-warm")
-    warm_names = [a.name for a in warm_arms(name)]
+    warm_names = [a.name for a in kernel_warm_arms(name)]
     rates = {a: row(warm, a)["decode_tokens_per_s"] for a in warm_names}
     ttfts = {a: row(warm, a)["ttft_s"] for a in warm_names}
     fastest_load = min(ttfts["warm-mapped"], ttfts["warm-repacked"])
@@ -210,8 +193,8 @@ def main() -> None:
         if a.dry_run:
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present")
             for m in models:
-                print(f"  {m}: warm: " + ", ".join(x.name for x in warm_arms(m)) + "; limited: "
-                      + ", ".join(x.name for x in limited_arms(m)) + ", " + ", ".join(x.name for x in IK_ARMS))
+                print(f"  {m}: warm: " + ", ".join(x.name for x in kernel_warm_arms(m)) + "; limited: "
+                      + ", ".join(x.name for x in kernel_limited_arms(m)) + ", " + ", ".join(x.name for x in IK_ARMS))
             return
         for m in models:
             rec = run_record(pr, lock, ROOT, paths(m)["stock"])

@@ -45,24 +45,24 @@ from mbolt.core.errors import MboltError  # noqa: E402
 
 RESULTS = ROOT / "results"
 HZ = 999
-WORKLOAD_PROMPT, WORKLOAD_NEW = 2000, 256  # bench_kernel.py's workload
+KERNEL_ARMS = ("mbolt-kernel", "mbolt-kernel-rows")  # bench_kernel.py's limited arms on the repacked kernels
 READAHEAD_KB = 64  # plain tuned's window on q4km and q512km (results/kernel_*.json)
 CLASSES = ("compute", "OpenMP wait", "idle", "WILLNEED", "drop thread", "page faults", "other")
 
 
 def measure(model: str, arm_name: str) -> dict:
     """The arm's one round inside the cgroup (what bench_kernel.py's limited stage runs)."""
-    from mbolt.bench.arms import Arm
-    from mbolt.bench.memlimit import Workload, limit_of, run_ab_config
+    from mbolt.bench.memlimit import KERNEL_WORKLOAD, kernel_limited_arms, limit_of, run_ab_config
     from mbolt.core.memlimit import readahead
 
     p, _, ram = limit_of(model, 0.4)
-    arms = {"mbolt-kernel": Arm("mbolt-kernel", str(p["kernel"])),  # bench_kernel.py's arms of these names
-            "mbolt-kernel-rows": Arm("mbolt-kernel-rows", str(p["kernel"]), io_threads=4, rows=True)}
-    if arm_name not in arms:
-        raise MboltError(f"--arm {arm_name}: give one of {', '.join(arms)} (arms on llama.cpp's repacked kernels)")
+    arms = [a for a in kernel_limited_arms(model) if a.name in KERNEL_ARMS]
+    arm = next((a for a in arms if a.name == arm_name), None)
+    if arm is None:
+        raise MboltError(f"--arm {arm_name}: give one of {', '.join(a.name for a in arms)} (arms on llama.cpp's "
+                         "repacked kernels)")
     with readahead(p["stock"], READAHEAD_KB):
-        res = run_ab_config(model, [arms[arm_name]], Workload(WORKLOAD_PROMPT, WORKLOAD_NEW, 0), 1, ram, 0, aa=False)
+        res = run_ab_config(model, [arm], KERNEL_WORKLOAD, 1, ram, 0, aa=False)
     s = res["summary"][0]
     return {k: s.get(k) for k in ("arm", "decode_tokens_per_s", "ttft_s", "device_bytes_per_token", "hit_rate",
                                   "kernels")} | {"budget_bytes": ram}
@@ -128,7 +128,9 @@ def profile(model: str, arm: str) -> dict:
                               capture_output=True, text=True).stdout
         measured = json.loads(got.read_text())
     ss = samples(text)
-    tokens = WORKLOAD_NEW
+    from mbolt.bench.memlimit import KERNEL_WORKLOAD
+
+    tokens = KERNEL_WORKLOAD.new
     a, b = decode_window(ss, tokens / measured["decode_tokens_per_s"])
     window = [(c, fr) for t, c, fr in ss if a < t <= b]
     counts = Counter(classify(c, fr) for c, fr in window)

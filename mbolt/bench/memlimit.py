@@ -243,3 +243,26 @@ def prepare_kernel(name: str) -> Path:
         write_kernel(p["reorder"], p["kernel"], this_build(lib()))
         give_to_ordinary_user(p)
     return p["kernel"]
+
+
+# The kernel layout's benchmark (scripts/bench_kernel.py) and its probes measure these: a
+# 2,000-token prompt, then 256 fed tokens
+KERNEL_WORKLOAD = Workload(2000, 256, 0)
+
+
+def kernel_warm_arms(name: str) -> list[Arm]:
+    p = paths(name)
+    return [Arm("warm-mapped", str(p["stock"]), mode="os", warm=True),
+            Arm("warm-repacked", str(p["stock"]), mode="os", warm=True, repacked=True),
+            Arm("kernel-warm", str(p["kernel"]), warm=True),
+            Arm("kernel-warm-rows", str(p["kernel"]), warm=True, io_threads=4, rows=True)]
+
+
+def kernel_limited_arms(name: str) -> list[Arm]:
+    p = paths(name)
+    plain = Arm("plain", str(p["stock"]), mode="os")
+    kernel = Arm("mbolt-kernel", str(p["kernel"]))
+    return [plain, replace(plain, name="plain (A/A)", control_of="plain"), kernel,
+            replace(kernel, name="mbolt-kernel (A/A)", control_of="mbolt-kernel"),
+            Arm("mbolt-kernel-rows", str(p["kernel"]), io_threads=4, rows=True),
+            Arm("mbolt-mapped", str(p["reorder"]), io_threads=4, asynchronous=True)]

@@ -220,12 +220,17 @@ class RoutingLike:
         """The score scale that gives the lag heads KERNEL at their lag (see _units)."""
         return KERNEL * (math.sqrt(2) if self.heads.window else 1.0)
 
+    @staticmethod
+    def zero_attention(layer: int) -> bool:
+        """Every layer's attention but layer 0's is all zeros (every router reads one latent state)."""
+        return layer != 0
+
     def attention(self, layer: int):
         """(q [n_heads d, H], k [n_kv d, H], v [n_kv d, H], o [H, n_heads d]) of a layer: the
         context heads at layer 0, zeros elsewhere (numpy shapes: [out, in])."""
         cfg, H, d = self.cfg, self.H, self.cfg.head_dim
         q_w, kv_w = cfg.n_heads * d, cfg.n_kv_heads * d
-        if layer != 0:
+        if self.zero_attention(layer):
             return np.zeros((q_w, H)), np.zeros((kv_w, H)), np.zeros((kv_w, H)), np.zeros((H, q_w))
         k_unit, q_units = self._units()
         # with q/k RMSNorm the scale is the norm weight's (context_norm); without, q.k = KERNEL sqrt(d)

@@ -147,9 +147,9 @@ class _Model:
 
     def _zeros(self, name: str, ne: tuple[int, ...]) -> None:
         """An all-zero dense matrix in its dense type: zero bytes are zero values in every type."""
-        qt = GGMLQuantizationType[dense_type(self.cfg, name, ne[0])]
-        nbytes = int(np.prod(ne, dtype=np.int64)) // GGML_QUANT_SIZES[qt][0] * GGML_QUANT_SIZES[qt][1]
-        self.tensors.append(_Tensor(name, ne, qt, lambda: iter([np.zeros(nbytes, np.uint8)])))
+        t = _Tensor(name, ne, GGMLQuantizationType[dense_type(self.cfg, name, ne[0])],
+                    lambda: iter([np.zeros(t.nbytes, np.uint8)]))
+        self.tensors.append(t)
 
     def _const(self, name: str, arr, shape: tuple[int, ...] | None = None) -> None:
         """An F32 tensor given as an array, or as a function making it (then `shape` is
@@ -173,8 +173,7 @@ class _Model:
         q_w, kv_w = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
         out_scale = 1.0 / math.sqrt(cfg.n_layers)
         ctx = cfg.context > 0 or cfg.routing_like is not None
-        # routing-like attention past the first layer is all zeros (routing_like.RoutingLike.attention)
-        zeros = ctx and cfg.typed_zero_attention and cfg.routing_like is not None and i != 0
+        zeros = cfg.typed_zero_attention and isinstance(self.plant, RoutingLike) and self.plant.zero_attention(i)
         if zeros:
             for what, w in (("q", q_w), ("k", kv_w), ("v", kv_w)):
                 self._zeros(p + f"attn_{what}.weight", (H, w))
