@@ -209,3 +209,43 @@ def test_tokens_are_compared_within_their_kernels():
     assert tokens_agreement(mixed) == 0.75
     with pytest.raises(MboltError, match="other tokens"):
         check_same_tokens(mixed + [rr("kernel (A/A)", [1, 2, 3, 4], "repacked")])
+
+
+def test_a_prompt_pass_reads_ahead_from_the_selection_or_the_layers_start(files, monkeypatch):
+    """Under a budget a prompt pass that selects nearly every expert reads a layer ahead: at the
+    selection before it where the budget holds two layers' passes, else from the layer's own start
+    (attn_norm-N), once the layer before is done with its experts (the plan a budget one layer short
+    of two gives: planned here with the read-ahead taken out). Either way, paged or in rows, the
+    logits are llama.cpp's own repacked load's, bit for bit. (In rows, the experts read ahead and
+    not selected once gave back a page they share with a selected neighbour: wrong logits.)"""
+    import dataclasses
+
+    import mbolt.runtime.budget as budget
+    from mbolt.runtime.budget import pass_bytes
+    from mbolt.runtime.driver import open_driver
+
+    real_plan = budget.plan_budget
+    stock, kl = files
+    want, _ = _run(stock, prompt=40, reads=False, evict=False, repacked=True)
+    for one_layer in (False, True):
+        def plan(*a, **kw):
+            p = real_plan(*a, **kw)
+            if not one_layer:
+                return p
+            return dataclasses.replace(p, prefetch=False, prefill_reserve=max(pass_bytes(a[1], p.n_ubatch), p.step_reserve))
+
+        monkeypatch.setattr(budget, "plan_budget", plan)
+        for paged in (True, False):
+            with open_driver(kl, n_ubatch=512, n_ctx=256, reads=True, budget=1 << 40, paged=paged) as d:
+                assert d.arm.plan.prefetch != one_layer
+                d.make_cold()
+                d.arm._resize(CFG.n_used)  # k slots: the pass's union is read, not cached
+                out = [d.prompt(IDS[:40])[0]]
+                for t in IDS[40:]:
+                    out += d.step([(0, t)])
+                p = d.arm.prompt
+                # 40 rows x k >= 2E: the first layer from its start (the last computes the last row alone:
+                # never read ahead)
+                assert p.from_start == (1 if one_layer else 0), p
+                assert p.misses >= CFG.n_experts // 2 and p.hits == 0, p
+            assert np.array_equal(np.stack(out), want), (one_layer, paged)

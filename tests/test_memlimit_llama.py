@@ -545,3 +545,69 @@ def test_prompt_passes_laid_over_compute_what_llama_cpp_computes(model, monkeypa
                 for a, b in s.pages.expert_spans_of(layer, range(mm.n_experts)):
                     assert _backing(lo + a - off) == _backing(lo + b - 1 - off) == mine
     assert all(np.array_equal(logits[0], x) for x in logits[1:])
+
+
+def test_a_budget_of_one_layer_reads_each_layer_from_its_start(model, monkeypatch):
+    """Where the budget holds one layer's pass but not two (no read-ahead under the layer before), a
+    prompt pass that selects nearly every expert reads each layer from its start (its attention's
+    norm, attn_norm-N), once the layer before is done with its experts: laid over (huge pages filled
+    by O_DIRECT) where the kernel has them, or asked of the page cache. The plan is what a budget one
+    layer short of two gives (planned here with the read-ahead taken out). The predictions are
+    llama.cpp's own on the file, through two prompt passes, decode steps and a follow-up turn; both
+    ways give the same logits bit for bit; where laid over, the kernel shows each layer anonymous
+    when its matmuls run and the file mapped again afterwards."""
+    import dataclasses
+
+    import mbolt.runtime.budget as budget
+    from mbolt.runtime.budget import BUDGET_MARGIN, expert_bytes_all_layers, layer_bytes, pass_bytes
+    from mbolt.runtime.driver import open_driver
+    from mbolt.runtime.pages import can_move_pages
+    from mbolt.runtime.prefill import huge_pages, open_direct
+    from mbolt.runtime.streamer import own_bytes
+
+    real_plan = budget.plan_budget
+
+    def one_layer(*a, **kw):
+        p = real_plan(*a, **kw)
+        return dataclasses.replace(p, prefetch=False, prefill_reserve=max(pass_bytes(a[1], p.n_ubatch), p.step_reserve))
+
+    monkeypatch.setattr(budget, "plan_budget", one_layer)
+    mm, path = model["mm"], str(model["stock"])
+    ids = [65 + (i * 7) % 180 for i in range(700)]
+    forced, n_new, followup = 600, 6, 40
+    want = _llama_predictions(path, [ids], forced, n_new, n_ctx=1024, followup=followup)
+    layers = len(mm.moe_layers)
+    fds = open_direct([path])
+    for fd in fds or ():
+        os.close(fd)
+    available = huge_pages() and fds is not None and can_move_pages()
+    logits = []
+    for overlay in (True, False):
+        w = _LaidOver()
+        with open_driver(path, budget=1 << 40, qd=2, mm=mm, n_ubatch=512, n_ctx=1024, asynchronous=True,
+                         watchers=[w], overlay=overlay) as s:
+            w.rt = s.arm
+            assert not s.arm.plan.prefetch and s.arm.plan.prefill_reserve == layer_bytes(mm)
+            laying = s.arm.overlay is not None
+            assert laying == (overlay and available)  # one slot laid over: the reserve holds one layer
+            dense = sum(b - a for a, b in s.pages.dense_tensors)
+            s.budget.limit = (own_bytes() + dense + BUDGET_MARGIN + s.arm.memory.compute_bytes + layer_bytes(mm)
+                              + 20 * expert_bytes_all_layers(mm))
+            s.make_cold()
+            assert s.prefill_slots < mm.n_experts // 2
+            run = s.generate([ids], n_new, forced=forced, followup=followup)
+            logits.append(s.runner._logits(-1))
+            assert run.generated == want
+            assert run.prompt_passes == 3
+            # every layer of the two passes of the prompt (their first layers: 512 and 88 rows x k >= 2E)
+            assert s.arm.prompt.from_start >= 2 * layers, s.arm.prompt
+            if laying:
+                assert not w.differ  # what the matmuls read is the file's bytes
+                laid = [layer for layer, first, last in w.seen if first == last == ""]
+                assert s.arm.overlay.layers_laid == len(laid) >= 2 * layers
+            mine = str(model["stock"].resolve())
+            for layer in (l.index for l in mm.moe_layers):  # the file under every expert again
+                lo, _, off = s.pages.files[0].maps[0]
+                for a, b in s.pages.expert_spans_of(layer, range(mm.n_experts)):
+                    assert _backing(lo + a - off) == _backing(lo + b - 1 - off) == mine
+    assert np.array_equal(logits[0], logits[1])

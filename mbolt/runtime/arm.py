@@ -6,8 +6,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import numpy as np
+
 from mbolt.core.errors import MboltError
 from mbolt.core.moe_map import MoeMap
+from mbolt.runtime.budget import PREFETCH_SHARE
+from mbolt.runtime.native import START
+from mbolt.runtime.runner import Phase
 
 
 class Arm:
@@ -57,6 +62,7 @@ class BudgetedArm(Arm):
     `_computed` (a graph ran since the buffer's pages were last given back)."""
 
     budget = tap = memory = None
+    waits = None  # uint8 [n_layers]: bits of runtime.native.WAIT_BITS, shared with the eval callback
     give_back_compute = True
     compute_releases = 0  # prompts after which the compute buffer's pages were given back
     _computed = False
@@ -72,6 +78,58 @@ class BudgetedArm(Arm):
     @property
     def decode_slots(self) -> int | None:
         return self.budget.decode_slots if self.budget else None
+
+    def share_waits(self, tap) -> None:
+        """The eval callback asks about the layers' other nodes (runtime.native.WAIT_NODES) as
+        `waits` says, and hands them to `_on_wait(layer, role)`."""
+        if tap is not None and self.waits is None:
+            self.waits = np.zeros(self.perm.shape[0], np.uint8)
+            tap.share_waits(self.waits, self._on_wait)
+
+    # A prompt pass whose budget holds one layer's reads (not two: no read-ahead under the layer
+    # before) reads a layer from its start, under its attention, once the layer before is done with
+    # its experts: a layer's selection comes after its attention, and at 8,000 tokens of context a
+    # 200-token turn's attention took longer than its reads (q4km: 0.35 s a layer warm).
+    def _start_first(self, n_rows: int) -> bool:
+        """Before a prompt pass of `n_rows` rows: its first MoE layer is read from its start when the
+        pass selects two layers' worth of experts (n_rows x k >= 2E: nearly all of them). Whether it is."""
+        if self.waits is None:
+            return False
+        self.waits &= 0xFF ^ START
+        first = min(self.moe_layers)
+        if self._reads_from_start(first) and n_rows * self.mm.n_used >= 2 * self.mm.n_experts:
+            self.waits[first] |= START
+            return True
+        return False
+
+    def _start_next(self, layer: int, n_selected: int) -> None:
+        """A prompt layer's selection: the next MoE layer is read from its start when this one
+        selected PREFETCH_SHARE of its experts (the rule of the read-ahead)."""
+        nxt = self._next_moe.get(layer)
+        if self._reads_from_start(nxt) and n_selected >= PREFETCH_SHARE * self.mm.n_experts:
+            self.waits[nxt] |= START
+
+    def _reads_from_start(self, layer: int | None) -> bool:
+        """Whether a prompt pass may read `layer` from its start: a budget of one layer, and not the
+        last MoE layer (a pass computes it for the rows whose logits are asked for: its last one)."""
+        return (self.waits is not None and self.budget is not None and not self.plan.prefetch
+                and self.phase is Phase.PROMPT and layer in self._next_moe)
+
+    def _end_starts(self) -> None:
+        if self.waits is not None:
+            self.waits &= 0xFF ^ START
+
+    def _on_wait(self, layer: int, role: str) -> None:
+        if role == "start":
+            self.waits[layer] &= 0xFF ^ START
+            if self.phase is Phase.PROMPT:
+                self.prompt.from_start += 1
+                self._read_from_start(layer)
+
+    def _read_from_start(self, layer: int) -> None:
+        """The layer before is done with its experts: its leftovers go and this layer's uncached
+        experts are read (its selection then drops those it does not use)."""
+        raise NotImplementedError
 
     def release_compute(self) -> bool:
         """The compute buffer's pages given back (runtime.memory.give_back); False when it is not
@@ -125,6 +183,7 @@ class PromptStats:
     reads: int = 0  # merged ranges
     read_s: float = 0.0  # wall time with a read outstanding
     prefetched_unused: int = 0  # experts read ahead for a layer that did not select them
+    from_start: int = 0  # layers read from their start, under their attention (BudgetedArm._start_first)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -13,9 +13,10 @@ are rows of those buffers, not pages of a mapped file:
   that is cached, or in use by the layer computing, stays;
 - a decode layer whose experts are all cached never reaches Python: the C filter (runtime.native)
   stamps the same LRU arrays (core.lru.ArrayLru: the one cache rule);
-- a prompt pass reads each layer's union before its matmuls and, when the budget holds two layers
-  and the pass selects half a layer, the next layer's uncached experts on a thread while this one
-  computes (those it does not select are given back when it starts).
+- a prompt pass reads each layer's union before its matmuls and, when the pass selects half a
+  layer, the next layer's uncached experts on a thread: while this one computes when the budget
+  holds two layers, else from the next one's start, under its attention (runtime.arm.BudgetedArm);
+  those it does not select are given back at its selection.
 The budget (runtime.budget) is planned and fitted as for the mapped runtime: everything here is
 this process's own memory.
 
@@ -42,6 +43,7 @@ from mbolt.runtime.arm import BudgetedArm, PromptStats, own_bytes
 from mbolt.runtime.budget import PREFETCH_SHARE, Budget, budget_inputs
 from mbolt.runtime.kernel_load import load_kernel_model
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
+from mbolt.runtime.native import BEHIND
 from mbolt.runtime.runner import Phase
 from mbolt.runtime.rows import ExpertRows, PagedReader, RowReader
 
@@ -116,7 +118,7 @@ class KernelRuntime(BudgetedArm):
         self.paged = paged
         self.native_misses = native_misses  # paged: decode layers with misses answered in C
         self.behind_layers = 0  # layers whose up and down rows were read behind their gate/up matmuls
-        self.waits: np.ndarray | None = None  # per layer: up and down rows still arriving (shared with the C filter)
+        self.behind = False  # up and down rows read behind the gate/up matmuls (attach: rows of gate, up, down)
         self._behind: dict[int, list[Future]] = {}  # layer -> the reads of its up and down rows, in that order
         try:
             self.km = load_kernel_model(k)
@@ -154,6 +156,7 @@ class KernelRuntime(BudgetedArm):
             self.phase = phase
             self.prompt.passes += 1
             self.prompt.tokens += n_rows
+            self._start_first(n_rows)
         else:
             if self.phase is Phase.PROMPT:
                 self.end_prompt()
@@ -177,7 +180,7 @@ class KernelRuntime(BudgetedArm):
         lru = self._lru[layer]
         spec = self._spec.pop(layer, set())
         if spec.difference(ids):  # read ahead, not selected: given back before anything else is read
-            self._drop(layer, spec.difference(ids))
+            self._drop(layer, spec.difference(ids), ids)  # a page shared with a selected one stays
         missing = [e for e in ids if e not in lru and e not in spec]
         read_ahead = len(spec.intersection(ids))  # misses read before this layer asked
         gone = lru.admit(ids)
@@ -191,26 +194,39 @@ class KernelRuntime(BudgetedArm):
         c.experts += len(ids)
         c.hits += len(ids) - len(missing) - read_ahead
         c.misses += len(missing) + read_ahead
-        if self.phase is Phase.PROMPT:
-            self.prompt.hits += len(ids) - len(missing)
-            self.prompt.misses += len(missing)
+        if self.phase is Phase.PROMPT:  # read ahead: a miss, as in the reader's counters
+            self.prompt.hits += len(ids) - len(missing) - read_ahead
+            self.prompt.misses += len(missing) + read_ahead
         by_tensor = self.rows.runs_by_tensor(layer, missing)
         self.reader.advise([r for t in by_tensor for r in t])  # buffered: every run queued with the drive now
-        if self.waits is not None and missing:
+        if self.behind and missing:
             # the gate rows now; up and down on a thread while the gate, then the up matmul compute
             # (the callbacks at ffn_moe_gate-N and ffn_moe_up-N wait for them: _on_wait)
             self.reader.read(by_tensor[0])
             self._behind[layer] = [self._pool.submit(self.reader.read, r) for r in by_tensor[1:]]
-            self.waits[layer] = 1
+            self.waits[layer] |= BEHIND
             self.behind_layers += 1
         else:
             self.reader.read([r for t in by_tensor for r in t])
         nxt = self._next_moe.get(layer)
-        if (self.phase is Phase.PROMPT and self.budget and self.budget.plan.prefetch and nxt is not None
+        if (self.phase is Phase.PROMPT and self.budget and self.budget.plan.prefetch
+                and nxt in self._next_moe  # not the last MoE layer: a pass computes its last row there
                 and len(ids) >= PREFETCH_SHARE * self.mm.n_experts):
-            ahead = set(np.flatnonzero(self.lru_cached[nxt] == 0).tolist())
-            self._spec[nxt] = ahead
-            self._ahead = self._pool.submit(self.reader.read, self.rows.runs(nxt, ahead))
+            self._read_ahead(nxt)
+        if self.phase is Phase.PROMPT:
+            self._start_next(layer, len(ids))
+
+    def _read_ahead(self, layer: int) -> None:
+        """This layer's uncached experts read on the pool's thread (those it does not select are
+        given back at its selection)."""
+        ahead = set(np.flatnonzero(self.lru_cached[layer] == 0).tolist())
+        self._spec[layer] = ahead
+        self._ahead = self._pool.submit(self.reader.read, self.rows.runs(layer, ahead))
+
+    def _read_from_start(self, layer: int) -> None:
+        self._finish_ahead()
+        self._drop_later()
+        self._read_ahead(layer)
 
     def hold_all(self) -> None:
         """Every expert read into its rows and cached (a warm measurement: no reads while it runs)."""
@@ -224,15 +240,17 @@ class KernelRuntime(BudgetedArm):
 
     def _on_wait(self, layer: int, role: str) -> None:
         """llama.cpp computed layer `layer`'s gate (or up) matmul: the up (or down) rows are waited for."""
+        if role == "start":
+            return super()._on_wait(layer, role)
         futs = self._behind.get(layer)
         if futs is None:
-            self.waits[layer] = 0
+            self.waits[layer] &= 0xFF ^ BEHIND
             return
         i = 0 if role == "gate" else 1
         futs[i].result()
         if i == 1:
             del self._behind[layer]
-            self.waits[layer] = 0
+            self.waits[layer] &= 0xFF ^ BEHIND
 
     def _finish_behind(self) -> list[int]:
         """Every read behind the compute finished; the layers whose matmuls did not wait for them."""
@@ -242,7 +260,7 @@ class KernelRuntime(BudgetedArm):
                 f.result()
         self._behind.clear()
         if self.waits is not None:
-            self.waits[:] = 0
+            self.waits &= 0xFF ^ BEHIND
         return late
 
     def _finish_ahead(self) -> None:
@@ -299,6 +317,7 @@ class KernelRuntime(BudgetedArm):
         if self.phase is not Phase.PROMPT:
             return
         self.phase = Phase.DECODE
+        self._end_starts()
         self._finish_ahead()
         for layer, es in self._spec.items():
             self._drop(layer, es)
@@ -334,10 +353,10 @@ class KernelRuntime(BudgetedArm):
             self.filter = f
         if f is not None and self.paged and self.evict and self.native_misses:
             self._share_reads(f)
-        if (self.read_behind and tap is not None
-                and all(r == ["gate", "up", "down"] for r in self.rows.roles.values())):
-            self.waits = np.zeros(self.perm.shape[0], np.uint8)
-            tap.share_waits(self.waits, self._on_wait)
+        self.behind = (self.read_behind and tap is not None
+                       and all(r == ["gate", "up", "down"] for r in self.rows.roles.values()))
+        if self.behind or self.budget:
+            self.share_waits(tap)
 
     def _share_reads(self, f) -> None:
         """Paged: the C filter answers decode layers with misses too, as for the mapped runtime
@@ -360,12 +379,10 @@ class KernelRuntime(BudgetedArm):
         f.slots = self.cache_slots
 
     def _unshare_waits(self) -> None:
-        if self.tap is not None and self.waits is not None:
-            self.waits[:] = 0
-            self.tap.on_wait = None
-            if self.tap.filter is not None:
-                self.tap.filter.user.waits = None
-        self.waits = None
+        """Reads behind the compute off (a step whose matmuls did not wait for them)."""
+        self.behind = False
+        if self.waits is not None:
+            self.waits &= 0xFF ^ BEHIND
 
     def settle(self) -> None:
         self._finish_behind()
@@ -378,6 +395,7 @@ class KernelRuntime(BudgetedArm):
             self.filter.flush_drops()  # paged: the C filter's drops behind done first
         self.phase = Phase.LOAD
         self._later.clear()
+        self._end_starts()
         self._spec.clear()
         for lru in self._lru.values():
             lru.clear()

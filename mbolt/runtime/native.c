@@ -287,12 +287,18 @@ python:
 /* ggml_backend_sched_eval_callback: the scheduler asks about every node (ask), then hands over
    the ones we asked for once computed; only computed ffn_moe_topk-N nodes with an uncached expert
    reach Python */
-static int wait_node(const char * name) {
+static int wait_node(const char * name, uint8_t * bit) {
     if (strncmp(name, "ffn_moe_gate-", 13) == 0) {
+        *bit = 1;
         return 13;
     }
     if (strncmp(name, "ffn_moe_up-", 11) == 0) {
+        *bit = 1;
         return 11;
+    }
+    if (strncmp(name, "attn_norm-", 10) == 0) {
+        *bit = 2;
+        return 10;
     }
     return 0;
 }
@@ -301,16 +307,19 @@ bool mbolt_topk_filter(void * t, bool ask, void * user) {
     struct mbolt_filter * f = (struct mbolt_filter *) user;
     const char * name = (const char *) t + f->name_offset;
     if (strncmp(name, "PREFIX", PREFIX_LEN) != 0) {
-        const int len = f->waits != NULL ? wait_node(name) : 0;
+        uint8_t bit = 0;
+        const int len = f->waits != NULL ? wait_node(name, &bit) : 0;
         if (len == 0) {
             return !ask;
         }
-        if (ask) {
-            return true;
-        }
-        /* a gate or up matmul computed: Python waits there for the next one's rows, if any are due */
+        /* a node another read waits at (native.WAIT_NODES): the graph is split there only while
+           its layer's bit is set (asked as the scheduler reaches it, after the selection before it) */
         const int layer = atoi(name + len);
-        return (layer >= 0 && layer < f->n_layers && f->waits[layer]) ? f->python(t, ask, NULL) : true;
+        const bool on = layer >= 0 && layer < f->n_layers && (f->waits[layer] & bit);
+        if (ask) {
+            return on;
+        }
+        return on ? f->python(t, ask, NULL) : true;
     }
     if (ask) {
         return true;

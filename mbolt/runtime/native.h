@@ -34,8 +34,9 @@ struct mbolt_filter {
     struct mbolt_misses * misses;  /* NULL: a selection with a miss goes to Python */
     int64_t * keys;          /* scratch [n_experts]: a selection's distinct experts, the LRU's keys */
     uint8_t * marks;         /* scratch [n_experts], all 0 between selections */
-    uint8_t * waits;         /* [n_layers] or NULL: a layer's ffn_moe_gate-N / ffn_moe_up-N nodes go to Python
-                                while its flag is set (reads still arriving for the next matmul) */
+    uint8_t * waits;         /* [n_layers] or NULL: bits per layer (native.WAIT_BITS); a layer's ffn_moe_gate-N /
+                                ffn_moe_up-N nodes go to Python while bit 1 is set (reads still arriving for
+                                the next matmul), its attn_norm-N node while bit 2 is (its reads start there) */
 };
 
 /* a decode layer with misses, under a budget (runtime.streamer with asynchronous reads): the

@@ -49,9 +49,15 @@ from mbolt.core.errors import MboltError
 PAGE = mmap.PAGESIZE
 
 TOPK_PREFIX = b"ffn_moe_topk-"  # the graph nodes whose computed values are the selected experts
-# the expert matmuls before the last, in llama.cpp's order (build_moe_ffn: gate, up, then down):
-# once one is computed, the next one's rows must be there (runtime.kernel_stream reads behind them)
-WAIT_NODES = {b"ffn_moe_gate-": "gate", b"ffn_moe_up-": "up"}
+# nodes besides the selection that reach Python while their layer's bit is set in the shared
+# `waits` array (share_waits; the graph is split there only then):
+# - the expert matmuls before the last, in llama.cpp's order (build_moe_ffn: gate, up, then down):
+#   once one is computed, the next one's rows must be there (runtime.kernel_stream reads behind them);
+# - a layer's first node (its attention's norm): the layer before it is done with its experts, and
+#   a prompt pass's reads of this layer can start under its attention (runtime.arm.BudgetedArm)
+WAIT_NODES = {b"ffn_moe_gate-": "gate", b"ffn_moe_up-": "up", b"attn_norm-": "start"}
+BEHIND, START = 1, 2  # the bits of `waits`
+WAIT_BITS = {"gate": BEHIND, "up": BEHIND, "start": START}
 
 _HERE = Path(__file__).parent
 SOURCES = {"native.h": (_HERE / "native.h").read_text(),  # what the two files share
@@ -127,9 +133,8 @@ class TopkFilter:
         self._arrays = (perm, cached, stamp, clock, self.seen, keys, marks)  # alive as long as C may read them
 
     def share_waits(self, waits: np.ndarray) -> None:
-        """Ask llama.cpp about each layer's ffn_moe_gate-N and ffn_moe_up-N nodes too (WAIT_NODES):
-        computed, they reach Python while `waits[layer]` (uint8 [n_layers], shared) is set, and are
-        answered here otherwise (runtime.kernel_stream: the next matmul's rows still arriving)."""
+        """Ask llama.cpp about the WAIT_NODES too, while their layer's bit (WAIT_BITS) is set in
+        `waits` (uint8 [n_layers], shared): computed, they reach Python."""
         if waits.dtype != np.uint8 or not waits.flags.c_contiguous:
             raise ValueError("waits must be a C-contiguous uint8 array")
         self._waits = waits

@@ -1,7 +1,8 @@
 """Long reads of a layer's experts for a prompt pass, queued to one background thread: the layer
 about to compute (llama.cpp starts at once; its matmuls wait on pages still in flight, and the
 reads run ahead of them in the order they use the bytes) and, when the budget holds two layers,
-the next layer while this one computes.
+the next layer while this one computes; when it holds one, a layer from its start, under its own
+attention, once the layer before is done (runtime.arm.BudgetedArm).
 
 A prompt pass of hundreds of tokens selects most of a layer's experts. Its reads are the missed
 experts' slices merged per tensor (neighbours join into one range), in the order llama.cpp's graph
@@ -17,8 +18,8 @@ waits for it); the descriptors carry POSIX_FADV_RANDOM, so the kernel adds no re
 Counters: bytes read, merged reads, and the time with a read outstanding (jobs run one after
 another), so the read bandwidth of a prompt is bytes / busy seconds.
 
-`PassOverlay` is the faster way when the budget holds two layers and the kernel has transparent
-huge pages: a layer's expert tensors are laid over with anonymous memory (huge pages) and filled
+`PassOverlay` is the faster way when the budget holds a whole layer and the kernel has transparent
+huge pages (two slots with read-ahead, else one, filled from the layer's start): a layer's expert tensors are laid over with anonymous memory (huge pages) and filled
 by O_DIRECT reads, then the file is mapped back once the layer is done. Through the page cache
 (the way above) a follow-up turn of 200 tokens on q72 at a 40% limit took 2.5-2.9 s against 1.4-1.5 s
 warm: per 113 MB layer the reader spent 20 ms of CPU reading and 20 ms dropping (page-cache
@@ -95,7 +96,7 @@ class LayerReader:
                     x += n
         return out
 
-    def _read(self, layer: int, experts) -> int:
+    def _read(self, layer: int, experts, issued: threading.Event) -> int:
         jobs = self.jobs(layer, experts)
         if not jobs:
             return 0
@@ -103,6 +104,7 @@ class LayerReader:
         for off, n in jobs:
             f, o = split_vaddr(off)
             os.posix_fadvise(self.fds[f], o, n, os.POSIX_FADV_WILLNEED)
+        issued.set()
         for off, n in jobs:  # done when each piece's last page is (a read of it waits while it is in flight)
             f, o = split_vaddr(off)
             if len(os.pread(self.fds[f], 1, o + n - 1)) != 1:
@@ -112,25 +114,34 @@ class LayerReader:
         self.counters.bytes += n
         return n
 
-    def submit(self, layer: int, experts) -> None:
+    def submit(self, layer: int, experts) -> threading.Event:
         """Queue these experts' reads and return: one background thread works the queue in order
         (this layer while llama.cpp starts on it: its matmuls wait on pages in flight; the next
-        layer while this one computes)."""
+        layer while this one computes). The event is set once every read is asked for (in flight:
+        a page fault waits for its page), or the job ended without."""
         experts = list(experts)
-        self.call(lambda: self._read(layer, experts))
+        issued = threading.Event()
+        self.call(lambda: self._read(layer, experts, issued), issued)
+        return issued
 
-    def call(self, fn) -> None:
+    def wait_issued(self, issued: threading.Event) -> None:
+        """Until `submit`'s reads are asked for (the first error, if any, raised here)."""
+        issued.wait()
+        if self._error is not None:
+            self.wait()
+
+    def call(self, fn, done: threading.Event | None = None) -> None:
         """Queue any work for the background thread, in order with the reads (dropping the pages
         of experts llama.cpp is done with: freeing hundreds of MB of pages per layer took 35-55 ms
         of the callback, while llama.cpp waited)."""
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="mbolt-reader", daemon=True)
             self._worker.start()
-        self._queue.put(fn)
+        self._queue.put((fn, done))
 
     def _work(self) -> None:
         while True:
-            fn = self._queue.get()
+            fn, done = self._queue.get()
             try:
                 if fn is None:
                     return
@@ -139,6 +150,8 @@ class LayerReader:
             except BaseException as e:  # raised in the caller's thread by wait()
                 self._error = e
             finally:
+                if done is not None:
+                    done.set()
                 self._queue.task_done()
 
     def wait(self) -> None:
@@ -151,7 +164,7 @@ class LayerReader:
 
     def close(self) -> None:
         if self._worker is not None:
-            self._queue.put(None)
+            self._queue.put((None, None))
             self._worker.join()
             self._worker = None
 
@@ -202,14 +215,19 @@ class PassOverlay:
         self._slots: list[tuple[int, int]] = []  # (address, bytes) of each slot's memory
 
     def start(self, layer: int) -> None:
-        """Layer `layer`'s selection is known and its matmuls run when the caller returns: the
-        layers before it go back to the file (their matmuls are done) and it is laid over (read
-        now, waited for) unless it was read ahead."""
+        """Layer `layer`'s selection is known and its matmuls run when the caller returns: it is
+        laid over (`begin`), waited for."""
+        self.begin(layer)
+        self.reader.wait()
+
+    def begin(self, layer: int) -> None:
+        """The layers before `layer` go back to the file (their matmuls are done) and it is laid
+        over, unless it was read ahead (queued: with one slot, at the layer's start, under its
+        attention)."""
         for old in [l for l in self.laid if l != layer]:
             self.laid.remove(old)
             self.reader.call(lambda l=old: self._lift(l))
         self.ahead(layer)
-        self.reader.wait()
 
     def ahead(self, layer: int) -> None:
         """Lay `layer` over on the reader's thread (queued behind what is there), unless it is; with

@@ -23,7 +23,7 @@ from mbolt.core.kernel_file import is_kernel_file
 from mbolt.runtime.binding import (GGML_TYPE_I32, NAME_OFFSET, TENSOR_OFFSETS, GgmlTensor, captured_log,
                                    check_tensor_layout, lib, quiet, set_fields)
 from mbolt.runtime.memory import DEFAULT_CTX, DEFAULT_UBATCH, ContextMemory, context_params, parse_log
-from mbolt.runtime.native import TOPK_PREFIX, WAIT_NODES
+from mbolt.runtime.native import TOPK_PREFIX, WAIT_BITS, WAIT_NODES
 
 _TOPK = re.compile(rb"^" + re.escape(TOPK_PREFIX) + rb"(\d+)$")
 _WAIT_HEADS = tuple(WAIT_NODES)
@@ -72,9 +72,9 @@ class TopkTap:
         set_fields(cp, **self.fields())
 
     def share_waits(self, waits: np.ndarray, on_wait) -> None:
-        """Also ask about each layer's ffn_moe_gate-N and ffn_moe_up-N nodes (native.WAIT_NODES):
-        once computed, `on_wait(layer, role)` is called while `waits[layer]` is set (uint8
-        [n_layers], shared with the C filter), before the next expert matmul runs."""
+        """Also ask about native.WAIT_NODES while their layer's bit (native.WAIT_BITS) is set in
+        `waits` (uint8 [n_layers], shared with the C filter): once such a node is computed,
+        `on_wait(layer, role)` is called before the graph goes on."""
         self.waits, self.on_wait = waits, on_wait
         if self.filter is not None:
             self.filter.share_waits(waits)
@@ -107,12 +107,12 @@ class TopkTap:
     def _wait_node(self, t_ptr: int, ask: bool) -> bool:
         name = GgmlTensor.from_address(t_ptr).name
         head = next(h for h in WAIT_NODES if name.startswith(h))
-        if ask:
-            return True
+        role, digits = WAIT_NODES[head], name[len(head):]
+        on = digits.isdigit() and int(digits) < len(self.waits) and bool(self.waits[int(digits)] & WAIT_BITS[role])
+        if ask or not on:
+            return on or not ask
         try:
-            layer = int(name[len(head):])
-            if 0 <= layer < len(self.waits) and self.waits[layer]:
-                self.on_wait(layer, WAIT_NODES[head])
+            self.on_wait(int(digits), role)
         except BaseException as e:  # raised again by raise_error(); an exception cannot cross C
             self.error = e
             return False

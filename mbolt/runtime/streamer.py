@@ -115,6 +115,7 @@ class StreamRuntime(BudgetedArm):
         self.step_clock = 0  # the LRU's clock when the last decode step began
         self.store = self.reader = self.filter = self.overlay = None
         self._lay = False  # this prompt pass lays every layer over (PassOverlay)
+        self._issued = None  # the layer read from its start: set once its reads are asked for (LayerReader.submit)
         self.memory: ContextMemory | None = None  # what llama.cpp allocated (logged at creation)
         self._computed = False  # no graph ran since the compute buffer's pages were last given back (or ever)
         self.tap = None  # the eval callback (it knows the compute buffer once a graph ran)
@@ -139,8 +140,9 @@ class StreamRuntime(BudgetedArm):
                                      drop_pages=False, on_evict=self._on_evict, asynchronous=asynchronous, use_order=use_order)
             if self.budget:
                 self.reader = LayerReader(self.mm, self.store.fds, [willneed_bytes(f) for f in self.mm.paths])
-                # two whole layers, what a reserve with read-ahead holds (one, read as it starts, lost: q864 TTFT 1.04x)
-                fds = (open_direct(self.mm.paths) if (overlay and self.plan.prefill_reserve >= 2 * layer_bytes(self.mm)
+                # a whole layer: two with read-ahead, else one laid over from its start (at its selection it lost:
+                # q864 TTFT 1.04x)
+                fds = (open_direct(self.mm.paths) if (overlay and self.plan.prefill_reserve >= layer_bytes(self.mm)
                                                       and huge_pages() and can_move_pages()) else None)
                 if fds is not None:
                     self.overlay = PassOverlay(self.pages, self.reader, fds)
@@ -163,9 +165,12 @@ class StreamRuntime(BudgetedArm):
                 self._resize_cache(self.budget.prefill_slots)
             self.prompt.passes += 1
             self.prompt.tokens += n_rows
-            # a pass selecting half of each layer, a cache under half of one (laid over, nothing is cached): all laid over
-            self._lay = self.overlay is not None and n_rows * self.mm.n_used >= self._half > self.store.cache_slots
-            if self._lay:
+            started = self._start_first(n_rows)
+            # a pass selecting half of each layer, a cache under half of one (laid over, nothing is cached): all
+            # laid over, each layer while the one before computes (two in the budget) or under its own attention
+            self._lay = (self.overlay is not None and n_rows * self.mm.n_used >= self._half > self.store.cache_slots
+                         and (self.plan.prefetch or started))
+            if self._lay and self.plan.prefetch:
                 self.overlay.ahead(min(self.moe_layers))  # laid over while llama.cpp computes up to its selection
         else:
             if self.phase is Phase.PROMPT:
@@ -190,7 +195,11 @@ class StreamRuntime(BudgetedArm):
         if self.record and rows.shape[0]:
             self.step_routing[layer] = np.asarray(rows[-1], np.int16)
         if self.phase is Phase.PROMPT and self.budget:
-            self.reader.wait()  # the previous layer's reads and drops (and this one's read-ahead) are done
+            if self._issued is not None:  # read from its start: its reads in flight, in the order the matmuls use them
+                issued, self._issued = self._issued, None
+                self.reader.wait_issued(issued)
+            else:
+                self.reader.wait()  # the previous layer's reads and drops (and this one's read-ahead) are done
             self._prompt_layer(layer, ids)
             return
         if self.budget:
@@ -232,6 +241,8 @@ class StreamRuntime(BudgetedArm):
         if self.phase is not Phase.PROMPT:
             return
         self.phase = Phase.DECODE  # drops from here on are done at once
+        self._end_starts()
+        self._issued = None
         if self.reader is not None:
             self.settle()
             c = self.reader.counters
@@ -255,11 +266,17 @@ class StreamRuntime(BudgetedArm):
         if self._evicted:
             self.drop_experts()  # the previous layer's victims go (its matmuls are done)
         sel = [int(e) for e in ids]
+        if self._lay and len(sel) < self._half and not self.plan.prefetch:
+            # a layer the pass computes for few rows (the last MoE layer: its last row), not read
+            # ahead: not laid over whole; its few experts through the page cache
+            self.overlay.finish()
+            self._lay = False
         if self._lay:
             self.overlay.start(layer)
             self.prompt.misses += len(sel)  # read whole: the cache's copies are not used
-            if (nxt := self._next_moe.get(layer)) is not None:
+            if (nxt := self._next_moe.get(layer)) is not None and self.plan.prefetch:
                 self.overlay.ahead(nxt)
+            self._start_next(layer, len(sel))
             return
         spec = self._spec.pop(layer, set())
         unused = spec.difference(sel)
@@ -276,6 +293,7 @@ class StreamRuntime(BudgetedArm):
         self.prompt.hits += len(sel) - misses
         self.prompt.misses += misses
         self.reader.submit(layer, missing)
+        self._start_next(layer, len(sel))
         prefetch = self.budget.plan.prefetch
         if prefetch and not spec and len(missing) > self.mm.n_used:
             # no read-ahead reached this layer (the first of a pass): llama.cpp would catch up with
@@ -288,6 +306,16 @@ class StreamRuntime(BudgetedArm):
             ahead = set(range(self.mm.n_experts)).difference(self.store.cached(nxt))
             self._spec[nxt] = ahead
             self.reader.submit(nxt, ahead)
+
+    def _read_from_start(self, layer: int) -> None:
+        if self._lay:
+            self.overlay.begin(layer)  # the layer before goes back to the file, this one is laid over
+            return
+        if self._evicted:
+            self.drop_experts()  # the layer before is done with them (queued ahead of the reads)
+        ahead = set(range(self.mm.n_experts)).difference(self.store.cached(layer))
+        self._spec[layer] = ahead
+        self._issued = self.reader.submit(layer, ahead)
 
     def _unused_read_ahead(self, layer: int, experts) -> None:
         """Experts read ahead for a layer that did not select them: dropped, or cached when every
@@ -373,6 +401,8 @@ class StreamRuntime(BudgetedArm):
             f.share_cache(self.perm, self.store.lru_cached, self.store.lru_stamp, self.store.lru_clock)
             self.filter = f
             self._share_reads()
+        if self.budget:
+            self.share_waits(tap)
 
     def _share_reads(self) -> None:
         """Under a budget with asynchronous reads, the C filter answers decode layers with misses
@@ -396,6 +426,9 @@ class StreamRuntime(BudgetedArm):
         self.settle()
         self.store.clear_cache()
         self._evicted.clear()
+        self._spec.clear()
+        self._end_starts()
+        self._issued = None
         self.phase = Phase.LOAD
         self.pages.reset()
         if self._computed and self.give_back_compute:

@@ -39,6 +39,7 @@ def scheduler_stats(sched) -> dict:
                    expert_slots_prompt=rt.prefill_slots, cache_hits=rt.hits - rt.prompt_hits,
                    cache_misses=rt.misses - rt.prompt_misses,  # decode steps (the prompt passes' are apart)
                    decode_read_bytes=rt.bytes, prompt_read_bytes=rt.prompt_bytes, prompt_passes=rt.prompt_passes,
+                   prompt_layers_read_from_start=rt.prompt_from_start,
                    reclaimed=rt.reclaimed, slots_given_back=rt.slots_given_back,
                    expert_union_per_step=(decode_experts / (c.decode_steps * n_moe) if c.decode_steps else None),
                    n_experts=rt.n_experts, n_used=rt.n_used, cache_map=cache_map(rt))
