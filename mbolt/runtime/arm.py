@@ -93,27 +93,32 @@ class BudgetedArm(Arm):
     def _start_first(self, n_rows: int) -> bool:
         """Before a prompt pass of `n_rows` rows: its first MoE layer is read from its start when the
         pass selects two layers' worth of experts (n_rows x k >= 2E: nearly all of them). Whether it is."""
-        if self.waits is None:
-            return False
-        self.waits &= 0xFF ^ START
+        self._end_starts()
         first = min(self.moe_layers)
-        if self._reads_from_start(first) and n_rows * self.mm.n_used >= 2 * self.mm.n_experts:
+        if (self._may_read_ahead(first) and not self.plan.prefetch and self.waits is not None
+                and n_rows * self.mm.n_used >= 2 * self.mm.n_experts):
             self.waits[first] |= START
             return True
         return False
 
-    def _start_next(self, layer: int, n_selected: int) -> None:
-        """A prompt layer's selection: the next MoE layer is read from its start when this one
-        selected PREFETCH_SHARE of its experts (the rule of the read-ahead)."""
+    def _next_to_read(self, layer: int, n_selected: int) -> int | None:
+        """After a prompt layer's selection, the read-ahead's rule: the next MoE layer is read ahead
+        when this one selected PREFETCH_SHARE of its experts. Returned when the budget holds two
+        layers' passes (read it now, under this layer's matmuls); else marked to be read from its
+        start (None)."""
         nxt = self._next_moe.get(layer)
-        if self._reads_from_start(nxt) and n_selected >= PREFETCH_SHARE * self.mm.n_experts:
+        if not self._may_read_ahead(nxt) or n_selected < PREFETCH_SHARE * self.mm.n_experts:
+            return None
+        if self.plan.prefetch:
+            return nxt
+        if self.waits is not None:
             self.waits[nxt] |= START
+        return None
 
-    def _reads_from_start(self, layer: int | None) -> bool:
-        """Whether a prompt pass may read `layer` from its start: a budget of one layer, and not the
-        last MoE layer (a pass computes it for the rows whose logits are asked for: its last one)."""
-        return (self.waits is not None and self.budget is not None and not self.plan.prefetch
-                and self.phase is Phase.PROMPT and layer in self._next_moe)
+    def _may_read_ahead(self, layer: int | None) -> bool:
+        """Whether a prompt pass under a budget may read `layer` ahead: not the last MoE layer (a
+        pass computes it for the rows whose logits are asked for: its last one)."""
+        return self.phase is Phase.PROMPT and self.budget is not None and layer in self._next_moe
 
     def _end_starts(self) -> None:
         if self.waits is not None:

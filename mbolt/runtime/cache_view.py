@@ -50,7 +50,8 @@ def view_of(arm, counters, cached: np.ndarray, used: np.ndarray, read: np.ndarra
     return RuntimeView(
         experts=int(counters.experts), hits=int(counters.hits), misses=int(counters.misses), bytes=int(counters.bytes),
         prompt_hits=int(p.hits), prompt_misses=int(p.misses), prompt_bytes=int(p.bytes), prompt_passes=int(p.passes),
-        prompt_from_start=int(p.from_start), locked_bytes=int(arm.locked_bytes), copied_bytes=int(arm.copied_bytes), decode_slots=arm.decode_slots,
+        prompt_from_start=int(p.from_start), locked_bytes=int(arm.locked_bytes),
+        copied_bytes=int(arm.copied_bytes), decode_slots=arm.decode_slots,
         prefill_slots=arm.prefill_slots, reclaimed=int(arm.reclaimed),
         slots_given_back=int(arm.budget.given_back) if arm.budget else 0, n_experts=int(arm.mm.n_experts),
         n_used=int(arm.mm.n_used), moe_layers=sorted(int(x) for x in arm.moe_layers), perm=arm.perm.copy(),

@@ -40,7 +40,7 @@ from mbolt.core.errors import MboltError
 from mbolt.core.lru import ArrayLru, by_last_use
 from mbolt.core.moe_map import MoeMap
 from mbolt.runtime.arm import BudgetedArm, PromptStats, own_bytes
-from mbolt.runtime.budget import PREFETCH_SHARE, Budget, budget_inputs
+from mbolt.runtime.budget import Budget, budget_inputs
 from mbolt.runtime.kernel_load import load_kernel_model
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
 from mbolt.runtime.native import BEHIND
@@ -208,13 +208,8 @@ class KernelRuntime(BudgetedArm):
             self.behind_layers += 1
         else:
             self.reader.read([r for t in by_tensor for r in t])
-        nxt = self._next_moe.get(layer)
-        if (self.phase is Phase.PROMPT and self.budget and self.budget.plan.prefetch
-                and nxt in self._next_moe  # not the last MoE layer: a pass computes its last row there
-                and len(ids) >= PREFETCH_SHARE * self.mm.n_experts):
+        if (nxt := self._next_to_read(layer, len(ids))) is not None:
             self._read_ahead(nxt)
-        if self.phase is Phase.PROMPT:
-            self._start_next(layer, len(ids))
 
     def _read_ahead(self, layer: int) -> None:
         """This layer's uncached experts read on the pool's thread (those it does not select are
@@ -302,7 +297,7 @@ class KernelRuntime(BudgetedArm):
                 self.native_layers += done["layers"]
         late = self._finish_behind()
         if late:
-            self._unshare_waits()
+            self._stop_behind()
             raise MboltError(f"{self.path}: llama.cpp computed no ffn_moe_gate/ffn_moe_up node for layer(s) "
                              f"{', '.join(map(str, late))}: their up/down rows were not awaited, the step is void "
                              "(reads behind the compute are off from now on)")
@@ -378,7 +373,7 @@ class KernelRuntime(BudgetedArm):
                       visible=[residency_visible(self.path)], drop_behind=True, use_order=True)
         f.slots = self.cache_slots
 
-    def _unshare_waits(self) -> None:
+    def _stop_behind(self) -> None:
         """Reads behind the compute off (a step whose matmuls did not wait for them)."""
         self.behind = False
         if self.waits is not None:

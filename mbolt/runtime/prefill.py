@@ -19,15 +19,16 @@ Counters: bytes read, merged reads, and the time with a read outstanding (jobs r
 another), so the read bandwidth of a prompt is bytes / busy seconds.
 
 `PassOverlay` is the faster way when the budget holds a whole layer and the kernel has transparent
-huge pages (two slots with read-ahead, else one, filled from the layer's start): a layer's expert tensors are laid over with anonymous memory (huge pages) and filled
-by O_DIRECT reads, then the file is mapped back once the layer is done. Through the page cache
-(the way above) a follow-up turn of 200 tokens on q72 at a 40% limit took 2.5-2.9 s against 1.4-1.5 s
-warm: per 113 MB layer the reader spent 20 ms of CPU reading and 20 ms dropping (page-cache
-insertion, charging, freeing: 4 KiB at a time), llama.cpp's threads took 24,000 more minor faults,
-and on two cores every such millisecond is taken from the matmuls. O_DIRECT into huge pages needs
-no page cache, no faults after the read, and about 1 ms of CPU per 113 MB; this VM's drive reads
-3.8 GB/s that way against 2.0 through WILLNEED and 1.1 into small pages (its requests are as large
-as the physically contiguous memory behind them).
+huge pages (two slots with read-ahead, else one, filled from the layer's start): a layer's expert
+tensors are laid over with anonymous memory (huge pages) and filled by O_DIRECT reads, then the
+file is mapped back once the layer is done. Through the page cache (the way above) a follow-up turn
+of 200 tokens on q72 at a 40% limit took 2.5-2.9 s against 1.4-1.5 s warm: per 113 MB layer the
+reader spent 20 ms of CPU reading and 20 ms dropping (page-cache insertion, charging, freeing: 4 KiB
+at a time), llama.cpp's threads took 24,000 more minor faults, and on two cores every such
+millisecond is taken from the matmuls. O_DIRECT into huge pages needs no page cache, no faults after
+the read, and about 1 ms of CPU per 113 MB; this VM's drive reads 3.8 GB/s that way against 2.0
+through WILLNEED and 1.1 into small pages (its requests are as large as the physically contiguous
+memory behind them).
 """
 
 from __future__ import annotations

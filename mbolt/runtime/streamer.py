@@ -274,9 +274,10 @@ class StreamRuntime(BudgetedArm):
         if self._lay:
             self.overlay.start(layer)
             self.prompt.misses += len(sel)  # read whole: the cache's copies are not used
-            if (nxt := self._next_moe.get(layer)) is not None and self.plan.prefetch:
+            if not self.plan.prefetch:
+                self._next_to_read(layer, len(sel))  # one slot: the next layer marked, laid over from its start
+            elif (nxt := self._next_moe.get(layer)) is not None:
                 self.overlay.ahead(nxt)
-            self._start_next(layer, len(sel))
             return
         spec = self._spec.pop(layer, set())
         unused = spec.difference(sel)
@@ -293,19 +294,20 @@ class StreamRuntime(BudgetedArm):
         self.prompt.hits += len(sel) - misses
         self.prompt.misses += misses
         self.reader.submit(layer, missing)
-        self._start_next(layer, len(sel))
-        prefetch = self.budget.plan.prefetch
-        if prefetch and not spec and len(missing) > self.mm.n_used:
+        if self.plan.prefetch and not spec and len(missing) > self.mm.n_used:
             # no read-ahead reached this layer (the first of a pass): llama.cpp would catch up with
             # the reads and fault the rest in 4 KiB at a time (about 1,000 faults in a 200-token
             # turn of q72); the one layer per pass is read before it computes
             self.reader.wait()
-        nxt = self._next_moe.get(layer)
-        if (prefetch and nxt is not None and nxt in self._next_moe  # not the last MoE layer
-                and len(sel) >= self._half):
-            ahead = set(range(self.mm.n_experts)).difference(self.store.cached(nxt))
-            self._spec[nxt] = ahead
-            self.reader.submit(nxt, ahead)
+        if (nxt := self._next_to_read(layer, len(sel))) is not None:
+            self._read_ahead(nxt)
+
+    def _read_ahead(self, layer: int):
+        """This layer's uncached experts queued to the reader (those it does not select are dropped
+        at its selection); the event of their submission (LayerReader.submit)."""
+        ahead = set(range(self.mm.n_experts)).difference(self.store.cached(layer))
+        self._spec[layer] = ahead
+        return self.reader.submit(layer, ahead)
 
     def _read_from_start(self, layer: int) -> None:
         if self._lay:
@@ -313,9 +315,7 @@ class StreamRuntime(BudgetedArm):
             return
         if self._evicted:
             self.drop_experts()  # the layer before is done with them (queued ahead of the reads)
-        ahead = set(range(self.mm.n_experts)).difference(self.store.cached(layer))
-        self._spec[layer] = ahead
-        self._issued = self.reader.submit(layer, ahead)
+        self._issued = self._read_ahead(layer)
 
     def _unused_read_ahead(self, layer: int, experts) -> None:
         """Experts read ahead for a layer that did not select them: dropped, or cached when every
