@@ -595,7 +595,11 @@ def test_a_budget_of_one_layer_reads_each_layer_from_its_start(model, monkeypatc
                               + 20 * expert_bytes_all_layers(mm))
             s.make_cold()
             assert s.prefill_slots < mm.n_experts // 2
+            if laying:  # the first prompt's slot allocated at load, as llama.cpp warms up
+                assert s.arm.overlay.held_bytes >= layer_bytes(mm)
             run = s.generate([ids], n_new, forced=forced, followup=followup)
+            if laying:  # and freed when the prompt ended: decode's cache has the room
+                assert s.arm.overlay.held_bytes == 0
             logits.append(s.runner._logits(-1))
             assert run.generated == want
             assert run.prompt_passes == 3

@@ -9,9 +9,13 @@ model's and the cache's pages were dropped. Per round:
   cold          an empty cache directory: prefix + turn A evaluated (and saved);
   cold (A/A)    again, another empty directory, prefix + turn A;
   restored      a new server on the first directory: prefix + turn B, the prefix read from disk;
-  restored (A/A) another new server on it: prefix + turn C;
+  restored (A/A) another new server on a copy of that directory taken before: prefix + turn B again
+                (the restored turn saves its whole prompt, which a second B would restore);
   four clients  a new server with 4 slots on it: prefix + turns D-G at once; each reply's
                 `cached_tokens` says whether it restored the prefix (none may evaluate it).
+Each A/A's two servers run in alternating order, the A/A's first in odd rounds: a position in the
+sequence counts as noise, not as a difference (run 3 compared turns B and C, two texts, and its
+second cold server was the slower in 4 of 5 rounds).
 Once per run, warm (no limit, the file in memory): prefix + turn A, then prefix + turn B on the
 same slot, whose time to first token is the 200 new tokens' compute. The bound of a restore: the
 cache file's bytes at the drive's sequential rate (bench.probe.sequential_read on the model file)
@@ -116,13 +120,13 @@ def run(model: Path, ids: list[int], rounds: int, ram: int, prefix: int = PREFIX
         shutil.rmtree(warm_dir, ignore_errors=True)
     rows, errors = [], list(warm_err)
     for r in range(rounds):
-        dirs = [Path(tempfile.mkdtemp(prefix="agent-cache-")) for _ in range(2)]
+        dirs = [Path(tempfile.mkdtemp(prefix="agent-cache-")) for _ in range(3)]
+        one = lambda d, turn: _turns(model, ram, d, ctx, [ps[turn]])  # noqa: E731
         try:
-            cold, e1 = _turns(model, ram, dirs[0], ctx, [ps["A"]])
-            cold_aa, e2 = _turns(model, ram, dirs[1], ctx, [ps["A"]])
+            (cold, e1), (cold_aa, e2) = _pair(r, lambda: one(dirs[0], "A"), lambda: one(dirs[1], "A"))
             kv = sum(f.stat().st_size for f in dirs[0].glob("*.kv"))
-            restored, e3 = _turns(model, ram, dirs[0], ctx, [ps["B"]])
-            restored_aa, e4 = _turns(model, ram, dirs[0], ctx, [ps["C"]])
+            shutil.copytree(dirs[0], dirs[2], dirs_exist_ok=True)
+            (restored, e3), (restored_aa, e4) = _pair(r, lambda: one(dirs[0], "B"), lambda: one(dirs[2], "B"))
             four, e5 = _four_clients(model, ram, dirs[0], ctx, [ps[c] for c in "DEFG"])
         finally:
             for d in dirs:
@@ -136,6 +140,14 @@ def run(model: Path, ids: list[int], rounds: int, ram: int, prefix: int = PREFIX
             f"{restored[0]['cached_tokens']}/{prefix}; four clients {[round(x['ttft_s'], 2) for x in four]} s; "
             f"decode {cold[0]['decode_tokens_per_s']:.2f} -> {restored[0]['decode_tokens_per_s']:.2f} tok/s")
     return summarize(rows, warm, drive, prefix, errors)
+
+
+def _pair(r: int, arm, arm_aa) -> tuple:
+    """An A/A's two runs (`arm()`, `arm_aa()`), the A/A's first in odd rounds."""
+    if r % 2:
+        second = arm_aa()
+        return arm(), second
+    return arm(), arm_aa()
 
 
 def summarize(rows: list[dict], warm: list[dict], drive: dict, prefix: int, errors: list[str]) -> dict:

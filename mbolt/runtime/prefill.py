@@ -248,13 +248,30 @@ class PassOverlay:
         self.laid = []
         self.reader.call(self._free_slots)
 
+    def prepare(self) -> None:
+        """The first slot allocated and its pages touched now, before any prompt (queued:
+        `reader.wait()` for it), as llama.cpp warms up at load: a process's first touch of new
+        memory is its slowest, and a prompt's first layer would wait for it (in this VM, whose
+        kernel reports free 8 MB blocks to its host: 0.4-0.9 s for 394 MB of huge pages, against
+        20 ms for pages the process freed itself). The slot is in the budget's room for a pass;
+        the prompt's end frees it (`finish`), so decode's cache has the room again."""
+        self.reader.call(lambda: self._slots or self._add_slot())
+
+    @property
+    def held_bytes(self) -> int:
+        """The slots' memory (each slot and a huge page to align it)."""
+        return sum(size for _, size in self._slots)
+
+    def _add_slot(self) -> None:
+        base = anonymous(self.slot_bytes + HUGE)
+        self._slots.append((base, self.slot_bytes + HUGE))
+        self._free.append(-(-base // HUGE) * HUGE)  # on a huge-page boundary
+
     def _fill(self, layer: int) -> None:
         t0 = time.perf_counter()
         c = self.reader.counters
         if not self._free:  # one slot at a time: the second is allocated while the first layer computes
-            base = anonymous(self.slot_bytes + HUGE)
-            self._slots.append((base, self.slot_bytes + HUGE))
-            self._free.append(-(-base // HUGE) * HUGE)  # on a huge-page boundary
+            self._add_slot()
         slot = self._free.pop()
         pieces = self.pages.mapped_pieces(self.spans[layer])
         at = slot
@@ -300,6 +317,9 @@ class PassOverlay:
             self._slots, self._free = [], []
 
     def close(self) -> None:
+        """The files' descriptors closed and the slots freed (the reader's thread is gone: no
+        layer is laid over after `finish`)."""
+        self._free_slots()
         for fd in self._fds:
             os.close(fd)
         self._fds, self.direct = [], None

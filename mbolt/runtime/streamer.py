@@ -449,6 +449,9 @@ class StreamRuntime(BudgetedArm):
         # the copied dense weights are anonymous: in own_bytes
         self.budget.fit(self.locked_bytes + own_bytes(), pending, decode)
         self.cache_slots = self.store.cache_slots = self.budget.decode_slots
+        if self.overlay is not None:  # after the fit: the slot is in the room it left for a pass
+            self.overlay.prepare()
+            self.reader.wait()
 
     def _resize_cache(self, slots: int | None) -> None:
         """Under a budget: the slot count of the next phase (the victims of a shrink leave memory
