@@ -328,6 +328,8 @@ def test_a_budget_that_holds_every_expert_keeps_them_through_prompts(model):
         s.budget.limit = limit
         s.make_cold()
         assert s.prefill_slots == s.decode_slots == s.cache_slots == mm.n_experts
+        # no pass will be laid over: no slot taken at load (it would not fit beside every expert)
+        assert s.arm.overlay is None or s.arm.overlay.held_bytes == 0
         s.generate([list(range(65, 65 + 24))], 8, forced=16)
         first = {l.index: s.arm.store.cached(l.index) for l in mm.moe_layers}
         assert any(len(v) > mm.n_used for v in first.values())

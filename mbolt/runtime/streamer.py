@@ -449,8 +449,8 @@ class StreamRuntime(BudgetedArm):
         # the copied dense weights are anonymous: in own_bytes
         self.budget.fit(self.locked_bytes + own_bytes(), pending, decode)
         self.cache_slots = self.store.cache_slots = self.budget.decode_slots
-        if self.overlay is not None:  # after the fit: the slot is in the room it left for a pass
-            self.overlay.prepare()
+        if self.overlay is not None and self._half > self.budget.prefill_slots:  # a pass will be laid over:
+            self.overlay.prepare()  # its slot in the room the fit left for it
             self.reader.wait()
 
     def _resize_cache(self, slots: int | None) -> None:
