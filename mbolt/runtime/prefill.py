@@ -249,13 +249,14 @@ class PassOverlay:
         self.reader.call(self._free_slots)
 
     def prepare(self) -> None:
-        """The first slot allocated and its pages touched now, before any prompt (queued:
-        `reader.wait()` for it), as llama.cpp warms up at load: a process's first touch of new
+        """The first slot allocated and its pages touched now, before any prompt (on the reader's
+        thread, waited for), as llama.cpp warms up at load: a process's first touch of new
         memory is its slowest, and a prompt's first layer would wait for it (in this VM, whose
         kernel reports free 8 MB blocks to its host: 0.4-0.9 s for 394 MB of huge pages, against
         20 ms for pages the process freed itself). The slot is in the budget's room for a pass;
         the prompt's end frees it (`finish`), so decode's cache has the room again."""
         self.reader.call(lambda: self._slots or self._add_slot())
+        self.reader.wait()
 
     @property
     def held_bytes(self) -> int:

@@ -11,11 +11,11 @@ is done (`end`, and `end_prompt` after a prompt's last pass): the phases are exp
 `on_topk` is the one place that decides what a layer reads and drops.
 - LOAD: before the first step; `make_cold` drops every expert page, holds the dense weights and
   sizes the cache (the budget: runtime.budget.Budget).
-- PROMPT (a pass of up to n_ubatch tokens of one sequence): when two layers fit the budget, a layer
-  whose selection misses most of it is laid over whole with huge pages that O_DIRECT fills, the next
-  one while it computes, the file mapped back once it is done (runtime.prefill.PassOverlay); else the
-  pass's union is read through the page cache in long merged reads in use order (LayerReader), and
-  the layer's victims go when the next layer starts (its matmuls are done).
+- PROMPT (a pass of up to n_ubatch tokens of one sequence): a layer whose selection misses most of
+  it is laid over whole with huge pages that O_DIRECT fills (runtime.prefill.PassOverlay: the next
+  while this one computes where two fit the budget, else from its start), the file mapped back once
+  it is done; else the pass's union is read through the page cache in long merged reads in use
+  order (LayerReader), and the layer's victims go when the next layer starts.
 - DECODE (one token of each live sequence: one row, or several in a batched step): the union of
   the rows' experts not in the per-layer LRU slot cache is read (`ExpertStore.read`: merged ranges;
   asynchronous by default: posix_fadvise WILLNEED, and llama.cpp's page faults wait for pages in
@@ -69,10 +69,8 @@ class StreamRuntime(BudgetedArm):
     The A/B switches (True by default; False is the other path): native_misses, decode layers with
     misses answered in C (else Python); drop_behind, their victims dropped by the C filter's thread
     while llama.cpp computes (else at once); give_back_compute, the compute buffer given back after
-    each prompt (else kept, budgeted); overlay, prompt passes laid over with huge pages filled by
-    O_DIRECT where two layers fit (prefill.PassOverlay; else the page cache); use_order, decode
-    misses read in llama.cpp's use order (else in file order).
-    """
+    each prompt (else kept, budgeted); overlay, prompt passes laid over (prefill.PassOverlay; else
+    the page cache); use_order, decode misses read in llama.cpp's use order (else in file order)."""
 
     uses_callback = True
 
@@ -445,13 +443,10 @@ class StreamRuntime(BudgetedArm):
             self.locked_bytes, self.copied_bytes = self.pages.hold_dense(lockable_bytes())
             self.pages.advise_experts()
         self.store.reserve(self.mm.n_used)
-        pending, decode = self.compute_pending()
-        # the copied dense weights are anonymous: in own_bytes
-        self.budget.fit(self.locked_bytes + own_bytes(), pending, decode)
+        self.budget.fit(self.locked_bytes + own_bytes(), *self.compute_pending())  # copied dense: in own_bytes
         self.cache_slots = self.store.cache_slots = self.budget.decode_slots
         if self.overlay is not None and self._half > self.budget.prefill_slots:  # a pass will be laid over:
             self.overlay.prepare()  # its slot in the room the fit left for it
-            self.reader.wait()
 
     def _resize_cache(self, slots: int | None) -> None:
         """Under a budget: the slot count of the next phase (the victims of a shrink leave memory
