@@ -93,7 +93,7 @@ class BudgetedArm(Arm):
     def _start_first(self, n_rows: int) -> bool:
         """Before a prompt pass of `n_rows` rows: its first MoE layer is read from its start when the
         pass selects two layers' worth of experts (n_rows x k >= 2E: nearly all of them). Whether it is."""
-        self._end_starts()
+        self._clear_waits(START)
         first = min(self.moe_layers)
         if (self._may_read_ahead(first) and not self.plan.prefetch and self.waits is not None
                 and n_rows * self.mm.n_used >= 2 * self.mm.n_experts):
@@ -120,13 +120,17 @@ class BudgetedArm(Arm):
         pass computes it for the rows whose logits are asked for: its last one)."""
         return self.phase is Phase.PROMPT and self.budget is not None and layer in self._next_moe
 
-    def _end_starts(self) -> None:
+    def _clear_waits(self, bit: int, layer: int | None = None) -> None:
+        """`bit` (runtime.native.WAIT_BITS) cleared in `waits`: one layer's, or every layer's."""
         if self.waits is not None:
-            self.waits &= 0xFF ^ START
+            if layer is None:
+                self.waits &= 0xFF ^ bit
+            else:
+                self.waits[layer] &= 0xFF ^ bit
 
     def _on_wait(self, layer: int, role: str) -> None:
         if role == "start":
-            self.waits[layer] &= 0xFF ^ START
+            self._clear_waits(START, layer)
             if self.phase is Phase.PROMPT:
                 self.prompt.from_start += 1
                 self._read_from_start(layer)

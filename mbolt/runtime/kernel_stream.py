@@ -43,7 +43,7 @@ from mbolt.runtime.arm import BudgetedArm, PromptStats, own_bytes
 from mbolt.runtime.budget import Budget, budget_inputs
 from mbolt.runtime.kernel_load import load_kernel_model
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
-from mbolt.runtime.native import BEHIND
+from mbolt.runtime.native import BEHIND, START
 from mbolt.runtime.runner import Phase
 from mbolt.runtime.rows import ExpertRows, PagedReader, RowReader
 
@@ -239,13 +239,13 @@ class KernelRuntime(BudgetedArm):
             return super()._on_wait(layer, role)
         futs = self._behind.get(layer)
         if futs is None:
-            self.waits[layer] &= 0xFF ^ BEHIND
+            self._clear_waits(BEHIND, layer)
             return
         i = 0 if role == "gate" else 1
         futs[i].result()
         if i == 1:
             del self._behind[layer]
-            self.waits[layer] &= 0xFF ^ BEHIND
+            self._clear_waits(BEHIND, layer)
 
     def _finish_behind(self) -> list[int]:
         """Every read behind the compute finished; the layers whose matmuls did not wait for them."""
@@ -254,8 +254,7 @@ class KernelRuntime(BudgetedArm):
             for f in futs:
                 f.result()
         self._behind.clear()
-        if self.waits is not None:
-            self.waits &= 0xFF ^ BEHIND
+        self._clear_waits(BEHIND)
         return late
 
     def _finish_ahead(self) -> None:
@@ -312,7 +311,7 @@ class KernelRuntime(BudgetedArm):
         if self.phase is not Phase.PROMPT:
             return
         self.phase = Phase.DECODE
-        self._end_starts()
+        self._clear_waits(START)
         self._finish_ahead()
         for layer, es in self._spec.items():
             self._drop(layer, es)
@@ -376,8 +375,7 @@ class KernelRuntime(BudgetedArm):
     def _stop_behind(self) -> None:
         """Reads behind the compute off (a step whose matmuls did not wait for them)."""
         self.behind = False
-        if self.waits is not None:
-            self.waits &= 0xFF ^ BEHIND
+        self._clear_waits(BEHIND)
 
     def settle(self) -> None:
         self._finish_behind()
@@ -390,7 +388,7 @@ class KernelRuntime(BudgetedArm):
             self.filter.flush_drops()  # paged: the C filter's drops behind done first
         self.phase = Phase.LOAD
         self._later.clear()
-        self._end_starts()
+        self._clear_waits(START)
         self._spec.clear()
         for lru in self._lru.values():
             lru.clear()

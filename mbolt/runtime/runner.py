@@ -109,8 +109,10 @@ class TopkTap:
         head = next(h for h in WAIT_NODES if name.startswith(h))
         role, digits = WAIT_NODES[head], name[len(head):]
         on = digits.isdigit() and int(digits) < len(self.waits) and bool(self.waits[int(digits)] & WAIT_BITS[role])
-        if ask or not on:
-            return on or not ask
+        if ask:
+            return on  # the graph is split here only while the bit is set
+        if not on:
+            return True
         try:
             self.on_wait(int(digits), role)
         except BaseException as e:  # raised again by raise_error(); an exception cannot cross C

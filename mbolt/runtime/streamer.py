@@ -46,6 +46,7 @@ from mbolt.core.pagecache import willneed_bytes
 from mbolt.runtime.arm import BudgetedArm, PromptStats, check_llama_streamable, own_bytes  # noqa: F401 (re-exported)
 from mbolt.runtime.budget import PREFETCH_SHARE, Budget, budget_inputs, layer_bytes
 from mbolt.runtime.memory import DEFAULT_UBATCH, ContextMemory
+from mbolt.runtime.native import START
 from mbolt.runtime.pages import ExpertPages, can_move_pages
 from mbolt.runtime.prefill import LayerReader, PassOverlay, huge_pages, open_direct
 from mbolt.runtime.runner import Phase
@@ -239,7 +240,7 @@ class StreamRuntime(BudgetedArm):
         if self.phase is not Phase.PROMPT:
             return
         self.phase = Phase.DECODE  # drops from here on are done at once
-        self._end_starts()
+        self._clear_waits(START)
         self._issued = None
         if self.reader is not None:
             self.settle()
@@ -425,7 +426,7 @@ class StreamRuntime(BudgetedArm):
         self.store.clear_cache()
         self._evicted.clear()
         self._spec.clear()
-        self._end_starts()
+        self._clear_waits(START)
         self._issued = None
         self.phase = Phase.LOAD
         self.pages.reset()
