@@ -57,7 +57,7 @@ import bench_memlimit as ml  # noqa: E402  (the protocol and its helpers)
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.memlimit import SHARED, compact, json_default  # noqa: E402
+from mbolt.bench.memlimit import SHARED, compact, give_to_ordinary_user, json_default  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, tokens_identical  # noqa: E402
 from mbolt.bench.prereg import gate_run, load_bench_prereg, run_record, write_result  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
@@ -96,7 +96,7 @@ def prepare(name: str = NAME, tensor_order: str = "use") -> None:
     ml.log(name, "synth (48 layers, about 19 GB)")
     write_synth(p["stock"], SynthConfig.from_preset(SPEC["preset"], **{k: v for k, v in SPEC.items() if k != "preset"},
                                                       routing_like=routing_target(PROFILE), tensor_order=tensor_order))
-    ml.give_to_ordinary_user(p)
+    give_to_ordinary_user(p)
     ml.log(name, "ready:", p["stock"].stat().st_size, "bytes")
 
 

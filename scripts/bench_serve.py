@@ -230,6 +230,8 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8", help="concurrency: the client counts")
     ap.add_argument("--turns", type=int, default=TURNS, help="concurrency: turns per conversation")
     ap.add_argument("--reply", type=int, default=REPLY, help="concurrency: tokens per reply")
+    ap.add_argument("--four-clients-rounds", type=int, default=None, metavar="N",
+                    help="agent: the four clients in the first N rounds only (default: every round)")
     ap.add_argument("--readahead", type=int, default=128, metavar="KB",
                     help="the drive's read_ahead_kb for every arm, restored after (default 128: as shipped; "
                          "plain's best window from bench_memlimit.py's sweep when the pre-registration says so)")
@@ -299,6 +301,7 @@ def agent(a) -> None:
     dst = ROOT / "results" / f"serve_agent_{a.model}.json"
     run = start_run(a, workload_prereg(a, "serve_agent.toml"), ag.GOAL_KEYS, dst,
                     f"{a.rounds} round(s): warm once, then cold, cold (A/A), restored, restored (A/A), four clients "
+                    f"{'in every round' if a.four_clients_rounds is None else f'in the first {a.four_clients_rounds}'} "
                     f"({ag.PREFIX}-token prefix, {ag.TURN}-token turn, {ag.REPLY}-token reply, readahead "
                     f"{a.readahead} KiB)")
     if run is None:
@@ -306,10 +309,11 @@ def agent(a) -> None:
     pr, rec, model, size, ram = run
     ids = session_text_ids(model, tokens=ag.PREFIX + 7 * ag.TURN)
     with readahead(model, a.readahead) as ra:
-        out = ag.run(model, ids, a.rounds, ram)
+        out = ag.run(model, ids, a.rounds, ram, four_rounds=a.four_clients_rounds)
     out = {**result_head("an agent's prefix restored from the prompt cache under a real memory limit (issue 55)",
                          "scripts/bench_serve.py --workload agent", a, size, ram, ra),
-           "text": "held-out text of prompts.jsonl",
+           "text": "held-out text of prompts.jsonl", "prompt_cache_size": ag.CACHE_SIZE,
+           "four_clients_rounds": a.four_clients_rounds or a.rounds,
            "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, fixed seed, ignore_eos", **out}
     out["goals"] = ag.goals(out, pr)
     finish_run(pr, rec, dst, out)

@@ -39,6 +39,10 @@ from mbolt.core.memlimit import MemoryGroup
 from mbolt.core.pagecache import evict
 
 PREFIX, TURN, REPLY, SEED, CLIENTS = 8000, 200, 256, 1234, 4
+# every server's --prompt-cache-size: more than a round writes (at full depth, 48 layers, a prompt's
+# KV file is about 0.8 GB and a round writes six to one directory), so no file is evicted mid-round;
+# the default (a tenth of the free space) would be under 2 GB beside the 18 GB full-depth file
+CACHE_SIZE = "8G"
 GOAL_KEYS = ("restored_over_cold_max", "restored_over_bound_max", "aa_within", "decode_within_aa")
 
 
@@ -61,7 +65,8 @@ def _server(model: Path, ram: int | None, cache: Path, ctx: int, parallel: int =
     stack = contextlib.ExitStack()
     g = stack.enter_context(MemoryGroup(ram)) if ram is not None else None
     try:
-        srv = Served(model, False, g, ctx=ctx, parallel=parallel, extra=("--prompt-cache", str(cache)))
+        srv = Served(model, False, g, ctx=ctx, parallel=parallel,
+                     extra=("--prompt-cache", str(cache), "--prompt-cache-size", CACHE_SIZE))
     except BaseException:
         stack.close()
         raise
@@ -107,8 +112,10 @@ def _four_clients(model: Path, ram: int, cache: Path, ctx: int, ps: list[list[in
     return [{**r, "server_cached_tokens_total": stats.get("cached_tokens")} for r in rows], log_errors(err)
 
 
-def run(model: Path, ids: list[int], rounds: int, ram: int, prefix: int = PREFIX) -> dict:
-    """The workload (module docstring) for `rounds` rounds; the figures and the raw rows."""
+def run(model: Path, ids: list[int], rounds: int, ram: int, prefix: int = PREFIX,
+        four_rounds: int | None = None) -> dict:
+    """The workload (module docstring) for `rounds` rounds, the four clients in the first
+    `four_rounds` of them (None: every round); the figures and the raw rows."""
     ps = prompts(ids, prefix)
     ctx = prefix + TURN + REPLY + 64
     drive = sequential_read(model)
@@ -127,7 +134,8 @@ def run(model: Path, ids: list[int], rounds: int, ram: int, prefix: int = PREFIX
             kv = sum(f.stat().st_size for f in dirs[0].glob("*.kv"))
             shutil.copytree(dirs[0], dirs[2], dirs_exist_ok=True)
             (restored, e3), (restored_aa, e4) = _pair(r, lambda: one(dirs[0], "B"), lambda: one(dirs[2], "B"))
-            four, e5 = _four_clients(model, ram, dirs[0], ctx, [ps[c] for c in "DEFG"])
+            four, e5 = ([], []) if four_rounds is not None and r >= four_rounds else \
+                _four_clients(model, ram, dirs[0], ctx, [ps[c] for c in "DEFG"])
         finally:
             for d in dirs:
                 shutil.rmtree(d, ignore_errors=True)
@@ -157,7 +165,8 @@ def summarize(rows: list[dict], warm: list[dict], drive: dict, prefix: int, erro
     warm_200 = warm[1]["ttft_s"]
     bound = kv / drive["bytes_per_s"] + warm_200 if kv else None
     restored = med([r["restored"]["ttft_s"] for r in rows])
-    four_restored = all((c.get("cached_tokens") or 0) >= prefix for r in rows for c in r["four_clients"])
+    fours = [c for r in rows for c in r["four_clients"]]
+    four_restored = bool(fours) and all((c.get("cached_tokens") or 0) >= prefix for c in fours)
     return {"prefix_tokens": prefix, "turn_tokens": TURN, "reply_tokens": REPLY, "clients": CLIENTS,
             "drive": drive, "warm": warm, "warm_200_ttft_s": warm_200, "kv_bytes": kv, "bound_s": bound,
             "cold_ttft_s": med([r["cold"]["ttft_s"] for r in rows]), "restored_ttft_s": restored,
