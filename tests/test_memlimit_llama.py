@@ -602,6 +602,12 @@ def test_a_budget_of_one_layer_reads_each_layer_from_its_start(model, monkeypatc
             run = s.generate([ids], n_new, forced=forced, followup=followup)
             if laying:  # and freed when the prompt ended: decode's cache has the room
                 assert s.arm.overlay.held_bytes == 0
+            # the prompt's counts are a part of the totals (serve's decode counts are the difference:
+            # they went negative where the laid-over layers were left out of the totals)
+            v = s.runtime_view()
+            assert v.prompt_misses >= len(mm.moe_layers)
+            assert v.misses - v.prompt_misses >= 0 and v.hits - v.prompt_hits >= 0
+            assert v.experts - (v.prompt_hits + v.prompt_misses) > 0  # the decode steps'
             logits.append(s.runner._logits(-1))
             assert run.generated == want
             assert run.prompt_passes == 3

@@ -74,6 +74,14 @@ class StoreCounters:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def add_read_whole(self, n: int) -> None:
+        """A layer that a prompt pass read whole into memory of its own (runtime.prefill's overlay):
+        its `n` selected experts are all misses, as the prompt's counters count them, so that the
+        prompt's share stays a part of these totals (serve's decode counts are the difference)."""
+        self.calls += 1
+        self.experts += n
+        self.misses += n
+
     def add_native(self, done: dict[str, int]) -> None:
         """Count what the runtime's C filter read itself (runtime.native's miss counts: decode
         layers with misses, under the same rule as a store's `read`)."""

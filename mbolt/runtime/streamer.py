@@ -273,6 +273,7 @@ class StreamRuntime(BudgetedArm):
         if self._lay:
             self.overlay.start(layer)
             self.prompt.misses += len(sel)  # read whole: the cache's copies are not used
+            self.store.counters.add_read_whole(len(sel))
             if not self.plan.prefetch:
                 self._next_to_read(layer, len(sel))  # one slot: the next layer marked, laid over from its start
             elif (nxt := self._next_moe.get(layer)) is not None:
