@@ -238,6 +238,8 @@ def main() -> None:
     a = ap.parse_args()
     if not 4 <= a.readahead <= 65536:
         ap.error(f"--readahead {a.readahead}: give a window in KiB from 4 to 65536")
+    if a.four_clients_rounds is not None and a.four_clients_rounds < 1:
+        ap.error(f"--four-clients-rounds {a.four_clients_rounds}: give 1 or more (the goal needs the four clients)")
     if a.workload == "concurrency":
         return concurrency(a)
     if a.workload == "agent":
@@ -313,7 +315,7 @@ def agent(a) -> None:
     out = {**result_head("an agent's prefix restored from the prompt cache under a real memory limit (issue 55)",
                          "scripts/bench_serve.py --workload agent", a, size, ram, ra),
            "text": "held-out text of prompts.jsonl", "prompt_cache_size": ag.CACHE_SIZE,
-           "four_clients_rounds": a.four_clients_rounds or a.rounds,
+           "four_clients_rounds": min(a.four_clients_rounds or a.rounds, a.rounds),
            "sampling": "temperature 1, top_k 0, top_p 1, min_p 0, fixed seed, ignore_eos", **out}
     out["goals"] = ag.goals(out, pr)
     finish_run(pr, rec, dst, out)

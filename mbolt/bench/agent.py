@@ -41,7 +41,7 @@ from mbolt.core.pagecache import evict
 PREFIX, TURN, REPLY, SEED, CLIENTS = 8000, 200, 256, 1234, 4
 # every server's --prompt-cache-size: more than a round writes (at full depth, 48 layers, a prompt's
 # KV file is about 0.8 GB and a round writes six to one directory), so no file is evicted mid-round;
-# the default (a tenth of the free space) would be under 2 GB beside the 18 GB full-depth file
+# the default (a tenth of the free space) was about 1.5 GB beside the 19.4 GB full-depth file
 CACHE_SIZE = "8G"
 GOAL_KEYS = ("restored_over_cold_max", "restored_over_bound_max", "aa_within", "decode_within_aa")
 
