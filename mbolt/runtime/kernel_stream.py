@@ -39,6 +39,7 @@ import numpy as np
 from mbolt.core.errors import MboltError
 from mbolt.core.lru import ArrayLru, by_last_use
 from mbolt.core.moe_map import MoeMap
+from mbolt.core.pagecache import residency_visible
 from mbolt.runtime.arm import BudgetedArm, PromptStats, own_bytes
 from mbolt.runtime.budget import Budget, budget_inputs
 from mbolt.runtime.kernel_load import load_kernel_model
@@ -69,6 +70,7 @@ class KernelRuntime(BudgetedArm):
 
         self.km = self.reader = None
         self._ahead: Future | None = None
+        self._visible = False
         self._pool = None
         k = read_kernel(path)  # its header read once: the map, the budget's stand-in and the load use it
         self._open(path, mm or moe_map(stock_view(k)), n_ctx, n_ubatch, f32_kv, flash_attn)
@@ -109,6 +111,7 @@ class KernelRuntime(BudgetedArm):
         self._seen: set[int] = set()
         self._later: list[tuple[int, list[int]]] = []  # victims the computing layer still uses
         self._spec: dict[int, set[int]] = {}  # layer -> experts read ahead for it (not in its cache)
+        self._again: list[tuple[int, set[int], int]] = []  # read ahead, dropped while their reads may be in flight
         self._computed = False
         # paged unless rows are asked for (buffered, or inline: ways to read rows in)
         paged = (not buffered and read_behind) if paged is None else paged
@@ -128,6 +131,7 @@ class KernelRuntime(BudgetedArm):
                 self.km.map_weights(sorted(experts))
             self.rows = ExpertRows(self.mm, self.km)
             self.reader = PagedReader(self.path) if paged else RowReader(self.path, qd, buffered=buffered)
+            self._visible = residency_visible(self.path)  # mincore tells this process what the page cache holds
             for name in self.km.places:  # the dense weights, once: they stay
                 if name not in experts:
                     self.km.fill(name)
@@ -177,10 +181,11 @@ class KernelRuntime(BudgetedArm):
             self.step_routing[layer] = np.asarray(rows[-1], np.int16)
         self._finish_ahead()
         self._drop_later()
+        self._drop_again()
         lru = self._lru[layer]
         spec = self._spec.pop(layer, set())
         if spec.difference(ids):  # read ahead, not selected: given back before anything else is read
-            self._drop(layer, spec.difference(ids), ids)  # a page shared with a selected one stays
+            self._drop_unused(layer, spec.difference(ids), ids)  # a page shared with a selected one stays
         missing = [e for e in ids if e not in lru and e not in spec]
         read_ahead = len(spec.intersection(ids))  # misses read before this layer asked
         gone = lru.admit(ids)
@@ -273,6 +278,29 @@ class KernelRuntime(BudgetedArm):
         if self.evict:
             self.rows.drop(layer, experts, self._keep_mask(layer, using))
 
+    def _drop_unused(self, layer: int, experts: set[int], using=()) -> None:
+        """Experts read ahead and not selected, given back. Their reads (WILLNEED) may still be in
+        flight, and the page cache keeps a page under I/O (it is locked: fadvise DONTNEED skips it),
+        charged to the group and mapped by no one: 1.4 GB after a 64-token pass at 48 layers, which
+        the kernel then reclaimed from the cache. So they are given back again after the next
+        layer's selection and at each step's end (`_drop_again`): until mincore finds them gone,
+        or twice where it cannot see the file's page cache (core.pagecache.residency_visible)."""
+        self._drop(layer, experts, using)
+        if self.paged and self.evict:
+            self._again.append((layer, set(experts), 0))
+
+    def _drop_again(self) -> None:
+        again, self._again = self._again, []
+        for layer, es, tries in again:
+            es = [e for e in es if not self.lru_cached[layer][e] and e not in self._spec.get(layer, ())]
+            keep = self._keep_mask(layer)
+            if self._visible:
+                es = self.rows.held(layer, es, keep)
+            if es:
+                self.rows.drop(layer, es, keep)
+                if self._visible or tries < 1:
+                    self._again.append((layer, set(es), tries + 1))
+
     def _drop_later(self) -> None:
         later, self._later = self._later, []
         for layer, es in later:
@@ -294,6 +322,7 @@ class KernelRuntime(BudgetedArm):
                 c.add_native(done)
                 self.reclaimed += done["reclaimed"]
                 self.native_layers += done["layers"]
+        self._drop_again()
         late = self._finish_behind()
         if late:
             self._stop_behind()
@@ -313,10 +342,10 @@ class KernelRuntime(BudgetedArm):
         self.phase = Phase.DECODE
         self._clear_waits(START)
         self._finish_ahead()
-        for layer, es in self._spec.items():
-            self._drop(layer, es)
+        spec, self._spec = self._spec, {}
+        for layer, es in spec.items():
+            self._drop_unused(layer, es)
             self.prompt.prefetched_unused += len(es)
-        self._spec.clear()
         self._drop_later()
         c = self.reader.counters
         self.prompt.bytes, self.prompt.reads, self.prompt.read_s = c.bytes, c.reads, c.io_time
@@ -356,8 +385,6 @@ class KernelRuntime(BudgetedArm):
         """Paged: the C filter answers decode layers with misses too, as for the mapped runtime
         (runtime.native's `with_misses`: the same LRU arrays, WILLNEED in use order, the victims
         unmapped and dropped from the page cache by its thread while llama.cpp computes)."""
-        from mbolt.core.pagecache import residency_visible
-
         L, E = self.perm.shape
         R = max(len(r) for r in self.rows.tensors.values())
         ranges = np.zeros((L, E, R, 3), np.int64)
@@ -369,7 +396,7 @@ class KernelRuntime(BudgetedArm):
         base, size = self.km.mapped
         f.share_reads(ranges=ranges, fds=[self.reader.fd], maps=[(base, 0, size)], ra_steps=[self.reader.step],
                       merge_gap=0, count=self.lru_count, read_mark=np.zeros((L, E), np.uint8),
-                      visible=[residency_visible(self.path)], drop_behind=True, use_order=True)
+                      visible=[self._visible], drop_behind=True, use_order=True)
         f.slots = self.cache_slots
 
     def _stop_behind(self) -> None:
@@ -390,6 +417,7 @@ class KernelRuntime(BudgetedArm):
         self._later.clear()
         self._clear_waits(START)
         self._spec.clear()
+        self._again.clear()  # every expert given back below
         for lru in self._lru.values():
             lru.clear()
         for layer in self.mm.moe_layers:

@@ -184,23 +184,36 @@ class ExpertRows:
     def runs(self, layer: int, experts) -> list[tuple[int, int, int]]:
         return [r for t in self.runs_by_tensor(layer, experts) for r in t]
 
+    def _pages(self, layer: int, e: int, keep: np.ndarray):
+        """The whole pages [lo, hi) of expert `e` (original id) in each tensor of the layer that it
+        does not share with a position `keep` marks (by position) or with another tensor."""
+        E = self.mm.n_experts
+        p = int(self.pos[layer][e])
+        for _, addr, _, s in self.tensors[layer]:
+            a, b = addr + p * s, addr + (p + 1) * s
+            lo, hi = a - a % PAGE, -(-b // PAGE) * PAGE
+            if lo < a and (p == 0 or keep[p - 1]):
+                lo += PAGE
+            if hi > b and (p == E - 1 or keep[p + 1]):
+                hi -= PAGE
+            if hi > lo:
+                yield lo, hi
+
     def drop(self, layer: int, experts, keep: np.ndarray) -> int:
         """Give back the pages of these experts (original ids) in every tensor of the layer; a page
         they share with a position `keep` marks (by position) or with another tensor stays."""
         n = 0
-        E = self.mm.n_experts
-        for p in (int(self.pos[layer][e]) for e in experts):
-            for _, addr, _, s in self.tensors[layer]:
-                a, b = addr + p * s, addr + (p + 1) * s
-                lo, hi = a - a % PAGE, -(-b // PAGE) * PAGE
-                if lo < a and (p == 0 or keep[p - 1]):
-                    lo += PAGE
-                if hi > b and (p == E - 1 or keep[p + 1]):
-                    hi -= PAGE
-                if hi > lo:
-                    self.release(lo, hi)
-                    n += hi - lo
+        for e in experts:
+            for lo, hi in self._pages(layer, e, keep):
+                self.release(lo, hi)
+                n += hi - lo
         return n
+
+    def held(self, layer: int, experts, keep: np.ndarray) -> list[int]:
+        """Of these experts, those with a page `drop` gives back still resident (mincore: in the
+        page cache, for pages of the file's map)."""
+        return [e for e in experts
+                if any((r := memory_resident(lo, hi)) is not None and r.any() for lo, hi in self._pages(layer, e, keep))]
 
     def all_spans(self) -> list[tuple[int, int]]:
         return [(addr, addr + nbytes) for rows in self.tensors.values() for _, addr, nbytes, _ in rows]
