@@ -1,0 +1,147 @@
+"""The kernel layout at full depth (issue 54) -> results/deep_q48_kernel.json.
+
+bench_deep.py's full-depth model (q48: Qwen3-30B-A3B's shape at 48 layers, Q4_K_M-like, 19.4 GB,
+routing like the real model's) and its workload (a 64-token prompt, then 32 fed tokens), under a
+memory cgroup of 40% of the file, with the kernel layout: the stock file in this llama.cpp build's
+kernel layout (`mbolt repack`; no reorder file at this size), streamed paged (the default).
+
+  plain's readahead swept (4 KiB-1 MiB, 2 rounds each, plain only, as bench_deep.py's tuned stage), then at plain's best window
+  ("plain tuned"), side by side in every round: plain + A/A, mbolt-kernel + A/A, mbolt-stock (the
+  mapped runtime as shipped); ik_llama.cpp mapped + A/A after them, at the same window and limit.
+  No warm stage: the bound and the warm goals are bench_kernel.py's, on the 8-layer files.
+
+    python scripts/bench_deep.py prepare && python scripts/bench_deep_kernel.py prepare
+    python scripts/bench_deep_kernel.py run --prereg PREREG [--rounds 5] [--dry-run]
+
+The pre-registration binds as bench_deep.py's do (committed, locked, a clean tree, its goals read
+from the file: over_best_peer_min, aa_within).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_deep as deep  # noqa: E402  (the model, its workload and helpers)
+
+from mbolt.bench import peers  # noqa: E402
+from mbolt.bench.arms import Arm  # noqa: E402
+from mbolt.bench.memlimit import compact, give_to_ordinary_user, json_default, log, paths, sweep_plain, sweep_summary  # noqa: E402
+from mbolt.bench.memlimit import run_ab_config  # noqa: E402
+from mbolt.bench.memlimit_decode import peer_arms  # noqa: E402
+from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row  # noqa: E402
+from mbolt.bench.prereg import gate_run, run_record, write_result  # noqa: E402
+from mbolt.bench.probe import sequential_read  # noqa: E402
+from mbolt.core.errors import MboltError  # noqa: E402
+from mbolt.core.memlimit import readahead  # noqa: E402
+
+NAME = deep.NAME
+GOALS = ("over_best_peer_min", "aa_within")
+RESULT = deep.ml.RESULTS / f"deep_{NAME}_kernel.json"
+
+
+def kernel_path(name: str = NAME) -> Path:
+    return paths(name)["dir"] / "stock.kl.gguf"
+
+
+def prepare_kernel(name: str = NAME) -> None:
+    """The stock file in this llama.cpp build's kernel layout (`mbolt repack`), beside it; made once."""
+    from mbolt.rewrite.kernel import write_kernel
+    from mbolt.runtime.binding import lib
+    from mbolt.runtime.kernel_load import this_build
+
+    p, k = paths(name), kernel_path(name)
+    if not p["stock"].exists():
+        raise MboltError(f"{p['stock']}: run `python scripts/bench_deep.py prepare` first")
+    if not k.exists():
+        log(name, "kernel layout (mbolt repack) of the stock file")
+        write_kernel(p["stock"], k, this_build(lib()))
+    give_to_ordinary_user({**p, "kernel": k})
+
+
+def measure(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
+    p = paths(name)
+    size = p["stock"].stat().st_size
+    ram = int(size * deep.budget_frac(name))
+    w = deep.WORKLOAD
+    plain, mapped = deep.deep_arms(str(p["stock"]), "-stock")
+    kernel = Arm("mbolt-kernel", str(kernel_path(name)))
+    log(f"{name}: plain's readahead swept under the limit ({ram / 2**30:.2f} GiB)")
+    swept = sweep_plain(name, [plain], w, ram, seed, tokens=w.new)
+    with readahead(p["stock"], best_window(swept)) as held:
+        drive0 = sequential_read(p["stock"])
+        log(f"{name}: readahead {held} KiB (plain tuned): drive {drive0['bytes_per_s'] / 1e6:.0f} MB/s sequential")
+        lim = run_ab_config(name, [plain, kernel, replace(kernel, name="mbolt-kernel (A/A)", control_of="mbolt-kernel"),
+                                   mapped], w, rounds, ram, seed, aa=True)  # aa: plain's twin too
+        peer = peer_arms(name, w, rounds, ram, seed)
+        drive1 = sequential_read(p["stock"])
+    k = row(lim, "mbolt-kernel")["decode_tokens_per_s"]
+    ik = {s["arm"]: s["decode_tokens_per_s"] for s in peer["summary"]} if peer else {}
+    best = max([row(lim, "plain-stock")["decode_tokens_per_s"]] + [v for a, v in ik.items() if "(A/A)" not in a and v])
+    aa = {a: pair_ratio(lim, f"{a} (A/A)", a) for a in ("plain-stock", "mbolt-kernel")}
+    if ik.get("ik-mapped") and ik.get("ik-mapped (A/A)"):
+        aa["ik-mapped"] = ik["ik-mapped (A/A)"] / ik["ik-mapped"]  # a ratio of medians: ik's rounds are its own
+    rs = [r for r in lim["rounds"] if r["arm"] == "mbolt-kernel" and not r["rejected"]]
+    out = {"model": name, "synth": deep.SPEC, "routing_like": str(deep.PROFILE.name), "workload": vars(w),
+           "file_bytes": size, "kernel_file_bytes": kernel_path(name).stat().st_size, "budget_bytes": ram,
+           "rounds": rounds, "plain_tuned_readahead_kb": held, "sweep": sweep_summary(swept, w.new),
+           "drive": {"before": drive0, "after": drive1},
+           "ratio_definition": "per round: an arm / its baseline of the same round, the median of those; ik: "
+                               "ratios of medians (its arms run after the mbolt arms)",
+           "decode_tokens_per_s": {r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]},
+           "ttft_s": {r["arm"]: r.get("ttft_s") for r in lim["summary"]}, "ik_decode_tokens_per_s": ik,
+           "kernel_over_plain_tuned": pair_stats(lim, "mbolt-kernel", "plain-stock"),
+           "kernel_over_mapped_runtime": pair_stats(lim, "mbolt-kernel", "mbolt-stock"),
+           "best_peer_tokens_per_s": best, "kernel_over_best_peer": k / best if k else None,
+           "kernel_peak_bytes": [r.get("peak_bytes") for r in rs], "kernel_reclaimed": [r.get("reclaimed") for r in rs],
+           "aa": aa, "tokens_agreement_across_kernels": row(lim, "plain-stock").get("tokens_agreement_across_kernels"), "limited": compact(lim), "peer_limited": peer,
+           "sweep_runs": {str(ra): v["ab"] for ra, v in swept.items()},
+           "not_run": ["a warm stage: the bound and the warm goals are bench_kernel.py's, on the 8-layer files"]}
+    g, over = pr.goal, out["kernel_over_best_peer"]
+    out["goals"] = [{"goal": f"mbolt-kernel >= {g('over_best_peer_min')}x the best peer arm (plain tuned at {held} KiB, "
+                             "ik mapped)", "value": over, "met": over is not None and over >= g("over_best_peer_min")},
+                    deep.aa_goal(g, aa, "three")]  # tokens: the same within each kind of kernels, or no result (check_same_tokens)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("stage", choices=["prepare", "run"])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--prereg", type=Path, default=None, help="the run's pre-registration, committed and locked")
+    ap.add_argument("--dry-run", action="store_true", help="check the gate, print the plan, measure nothing")
+    a = ap.parse_args()
+    try:
+        if a.stage == "prepare":
+            prepare_kernel()
+            return
+        if a.prereg is None:
+            raise MboltError("run needs --prereg (a committed, locked pre-registration)")
+        judged = list(GOALS)
+        pr, lock = gate_run(a.prereg, deep.ml.ROOT, judged, RESULT, count_run=not a.dry_run)
+        if not kernel_path().exists():
+            raise MboltError(f"{kernel_path()}: run `prepare` first")
+        if a.dry_run:
+            print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
+                  "plain's readahead swept, then {a.rounds} rounds of plain-stock, mbolt-kernel (+ A/A twins), "
+                  "mbolt-stock; " + ("ik_llama.cpp mapped (+ A/A)" if peers.find_ik() else "ik_llama.cpp not installed"))
+            return
+        rec = run_record(pr, lock, deep.ml.ROOT, paths(NAME)["stock"])
+        res = measure(a.rounds, pr)
+        res.update({"benchmark": "the kernel layout at full depth under a real memory limit (issue 54)",
+                    "script": "scripts/bench_deep_kernel.py",
+                    "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
+        write_result(pr, rec, RESULT, res, default=json_default)
+        log("wrote", RESULT)
+        for goal in res["goals"]:
+            v = goal["value"]
+            log(f"  {goal['goal']}: {round(v, 3) if isinstance(v, float) else v}: {'met' if goal['met'] else 'MISSED'}")
+    except MboltError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()
