@@ -308,3 +308,25 @@ def test_quantized_experts_are_read_from_the_mapping(tmp_path):
         s.make_cold()
         run = s.generate([PROMPTS[0]], 3)
         assert run.major_faults > 0 and s.pages.resident() == 0.0
+
+
+def test_another_map_of_the_model_file_is_not_the_engines(files):
+    """gguf-py's reader maps the model file too. The runtime advises, locks and drops llama.cpp's
+    maps only: with a reader's map open, a second model in the same process loads, prompts and
+    decodes (it failed with madvise EINVAL: the first had locked the dense pages of the reader's
+    map as well), and the reader's bytes are still the file's."""
+    from gguf import GGUFReader
+
+    from mbolt.runtime.driver import open_driver
+
+    stock = files["stock"]
+    r = GGUFReader(stock)
+    t = next(t for t in r.tensors if t.name == "blk.0.attn_q.weight")
+    want = open(stock, "rb").read()[t.data_offset:t.data_offset + int(t.n_bytes)]
+    outs = []
+    for _ in range(2):
+        with open_driver(stock, n_ctx=256, reads=True, budget=1 << 40) as d:
+            d.make_cold()
+            outs.append([d.prompt(PROMPTS[0])[0]] + d.step([(0, 7)]))
+            assert np.asarray(t.data).tobytes() == want
+    assert np.array_equal(np.stack(outs[0]), np.stack(outs[1]))

@@ -86,6 +86,10 @@ class FilePages:
         self.dense_spans = inward(self.dense_tensors)
         # every page holding a dense byte (a gap under a page between two tensors holds no whole page)
         self.dense_pages = [(a // PAGE * PAGE, -(-b // PAGE) * PAGE) for a, b in joined(self.dense_tensors)]
+        # maps of the file this process holds before the engine loads it (gguf-py's reader, say):
+        # not the engine's, never advised, locked or dropped (a lock left on one made the next
+        # model's reset fail: madvise EINVAL)
+        self.foreign = {(lo, hi) for lo, hi, _ in file_mappings(self.path)}
         self.fd = os.open(self.path, os.O_RDONLY)
         self.residency_visible = residency_visible(self.path)
         self._probe: tuple[int, int] | None = None  # (address, size) of the mincore mapping
@@ -96,7 +100,7 @@ class FilePages:
 
     def attach(self) -> None:
         """Find the engine's mappings of the file (call after the engine mapped it)."""
-        self.maps = file_mappings(self.path)
+        self.maps = [m for m in file_mappings(self.path) if m[:2] not in self.foreign]
         if not self.maps:
             raise MboltError(f"{self.path}: the engine did not map the file (llama.cpp: load mode mmap expected)")
 
