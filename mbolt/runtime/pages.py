@@ -78,7 +78,7 @@ class FilePages:
     """The expert tensors' own pages of one file of a model (a shard of a split set, or the one
     file), in this process's mappings and the page cache. Offsets are the file's own."""
 
-    def __init__(self, mm: MoeMap, file: int = 0):
+    def __init__(self, mm: MoeMap, file: int = 0, before_load: bool = False):
         self.path = mm.paths[file]
         spans = expert_spans(mm, file)
         self.spans = inward(joined(spans))
@@ -86,10 +86,10 @@ class FilePages:
         self.dense_spans = inward(self.dense_tensors)
         # every page holding a dense byte (a gap under a page between two tensors holds no whole page)
         self.dense_pages = [(a // PAGE * PAGE, -(-b // PAGE) * PAGE) for a, b in joined(self.dense_tensors)]
-        # maps of the file this process holds before the engine loads it (gguf-py's reader, say):
-        # not the engine's, never advised, locked or dropped (a lock left on one made the next
-        # model's reset fail: madvise EINVAL)
-        self.foreign = {(lo, hi) for lo, hi, _ in file_mappings(self.path)}
+        # made before the engine loads the file: the maps of it this process holds already (gguf-py's
+        # reader, say) are not the engine's, never advised, locked or dropped (a lock left on one
+        # made the next model's reset fail: madvise EINVAL)
+        self.foreign = {(lo, hi) for lo, hi, _ in file_mappings(self.path)} if before_load else set()
         self.fd = os.open(self.path, os.O_RDONLY)
         self.residency_visible = residency_visible(self.path)
         self._probe: tuple[int, int] | None = None  # (address, size) of the mincore mapping
@@ -280,13 +280,14 @@ class ExpertPages:
     in this process's mappings and the page cache. Spans are the model's virtual offsets
     (`core.gguf_set`: file << 48 | offset; a one-file model's are its file offsets)."""
 
-    def __init__(self, path: str, mm: MoeMap):
+    def __init__(self, path: str, mm: MoeMap, before_load: bool = False):
+        """`before_load`: made before the engine maps the files (see FilePages)."""
         self.path = str(path)
         self.mm = mm
         self.files: list[FilePages] = []
         try:
             for f in range(len(mm.paths)):
-                self.files.append(FilePages(mm, f))
+                self.files.append(FilePages(mm, f, before_load))
         except BaseException:
             self.close()
             raise

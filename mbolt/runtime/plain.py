@@ -46,7 +46,7 @@ class PlainLlama(Arm):
         self.prompt = PromptStats()
         self.step_routing: dict[int, np.ndarray] = {}
         self.after_step_s = 0.0  # dropping the expert pages after a decode step (not the step's time)
-        self.pages = ExpertPages(self.path, self.mm)
+        self.pages = ExpertPages(self.path, self.mm, before_load=True)
 
     def begin(self, phase: Phase, n_rows: int) -> None:
         self.phase = phase

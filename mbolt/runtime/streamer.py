@@ -123,7 +123,7 @@ class StreamRuntime(BudgetedArm):
         self.moe_layers = set(moe)
         self._next_moe = dict(zip(moe, moe[1:]))
         self._half = PREFETCH_SHARE * self.mm.n_experts  # a pass this big reads ahead (or lays every layer over)
-        self.pages = ExpertPages(self.path, self.mm)
+        self.pages = ExpertPages(self.path, self.mm, before_load=True)
         for hidden in self.pages.residency_hidden:  # a split set's shard at fault, by its own name
             warnings.warn(f"{hidden}: not this user's file and not writable by it: the kernel hides its page-cache "
                           "residency, so an expert the kernel reclaims from the cache comes back through 4 KiB faults "
