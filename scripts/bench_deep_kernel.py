@@ -126,7 +126,7 @@ def main() -> None:
             raise MboltError(f"{kernel_path()}: run `prepare` first")
         if a.dry_run:
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
-                  "plain's readahead swept, then {a.rounds} rounds of plain-stock, mbolt-kernel (+ A/A twins), "
+                  f"plain's readahead swept, then {a.rounds} rounds of plain-stock, mbolt-kernel (+ A/A twins), "
                   "mbolt-stock; " + ("ik_llama.cpp mapped (+ A/A)" if peers.find_ik() else "ik_llama.cpp not installed"))
             return
         rec = run_record(pr, lock, deep.ml.ROOT, paths(NAME)["stock"])
