@@ -29,7 +29,7 @@ import bench_deep as deep  # noqa: E402  (the model, its workload and helpers)
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.memlimit import compact, give_to_ordinary_user, json_default, log, paths, sweep_plain, sweep_summary  # noqa: E402
+from mbolt.bench.memlimit import compact, json_default, log, paths, prepare_kernel, sweep_plain, sweep_summary  # noqa: E402
 from mbolt.bench.memlimit import run_ab_config  # noqa: E402
 from mbolt.bench.memlimit_decode import peer_arms  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row  # noqa: E402
@@ -44,22 +44,7 @@ RESULT = deep.ml.RESULTS / f"deep_{NAME}_kernel.json"
 
 
 def kernel_path(name: str = NAME) -> Path:
-    return paths(name)["dir"] / "stock.kl.gguf"
-
-
-def prepare_kernel(name: str = NAME) -> None:
-    """The stock file in this llama.cpp build's kernel layout (`mbolt repack`), beside it; made once."""
-    from mbolt.rewrite.kernel import write_kernel
-    from mbolt.runtime.binding import lib
-    from mbolt.runtime.kernel_load import this_build
-
-    p, k = paths(name), kernel_path(name)
-    if not p["stock"].exists():
-        raise MboltError(f"{p['stock']}: run `python scripts/bench_deep.py prepare` first")
-    if not k.exists():
-        log(name, "kernel layout (mbolt repack) of the stock file")
-        write_kernel(p["stock"], k, this_build(lib()))
-    give_to_ordinary_user({**p, "kernel": k})
+    return paths(name)["dir"] / "stock.kl.gguf"  # what prepare_kernel(name, "stock") writes
 
 
 def measure(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
@@ -116,7 +101,9 @@ def main() -> None:
     a = ap.parse_args()
     try:
         if a.stage == "prepare":
-            prepare_kernel()
+            if not paths(NAME)["stock"].exists():
+                raise MboltError(f"{paths(NAME)['stock']}: run `python scripts/bench_deep.py prepare` first")
+            prepare_kernel(NAME, "stock")
             return
         if a.prereg is None:
             raise MboltError("run needs --prereg (a committed, locked pre-registration)")

@@ -231,18 +231,20 @@ def bound_of(name: str, w: Workload, slots: int, compute_s: float, bandwidth: fl
 
 
 
-def prepare_kernel(name: str) -> Path:
-    """The reorder file in this llama.cpp build's kernel layout (`mbolt repack`), beside it; made once."""
+def prepare_kernel(name: str, source: str = "reorder") -> Path:
+    """The `source` file ("reorder", or "stock" where a model has no reorder file) in this llama.cpp
+    build's kernel layout (`mbolt repack`), beside it as SOURCE.kl.gguf; made once."""
     from mbolt.rewrite.kernel import write_kernel
     from mbolt.runtime.binding import lib
     from mbolt.runtime.kernel_load import this_build
 
     p = paths(name)
-    if not p["kernel"].exists():
-        log(name, "kernel layout (mbolt repack) of the reorder file")
-        write_kernel(p["reorder"], p["kernel"], this_build(lib()))
-        give_to_ordinary_user(p)
-    return p["kernel"]
+    k = p[source].with_name(p[source].stem + ".kl.gguf")  # the reorder file's: paths()["kernel"]
+    if not k.exists():
+        log(name, f"kernel layout (mbolt repack) of the {source} file")
+        write_kernel(p[source], k, this_build(lib()))
+        give_to_ordinary_user({**p, "kernel": k})
+    return k
 
 
 # The kernel layout's benchmark (scripts/bench_kernel.py) and its probes measure these: a

@@ -56,6 +56,7 @@ class KernelRuntime(BudgetedArm):
     threads), n_ctx, n_ubatch, record, evict, n_seq."""
 
     uses_callback = True
+    AGAIN_TRIES = 8  # drops again of read-ahead experts: their reads land within a layer or two
     repacking = "stored (a kernel-layout file: read into llama.cpp's repacked buffers, never repacked here)"
     pins = False
     pinned_per_layer = locked_bytes = copied_bytes = 0
@@ -283,8 +284,9 @@ class KernelRuntime(BudgetedArm):
         flight, and the page cache keeps a page under I/O (it is locked: fadvise DONTNEED skips it),
         charged to the group and mapped by no one: 1.4 GB after a 64-token pass at 48 layers, which
         the kernel then reclaimed from the cache. So they are given back again after the next
-        layer's selection and at each step's end (`_drop_again`): until mincore finds them gone,
-        or twice where it cannot see the file's page cache (core.pagecache.residency_visible)."""
+        layer's selection and at each step's end (`_drop_again`): until mincore finds them gone
+        (at most AGAIN_TRIES times: a page another process keeps is not retried for ever), or twice
+        where it cannot see the file's page cache (core.pagecache.residency_visible)."""
         self._drop(layer, experts, using)
         if self.paged and self.evict:
             self._again.append((layer, set(experts), 0))
@@ -298,7 +300,7 @@ class KernelRuntime(BudgetedArm):
                 es = self.rows.held(layer, es, keep)
             if es:
                 self.rows.drop(layer, es, keep)
-                if self._visible or tries < 1:
+                if tries < (self.AGAIN_TRIES if self._visible else 1):
                     self._again.append((layer, set(es), tries + 1))
 
     def _drop_later(self) -> None:
