@@ -13,6 +13,15 @@ kernel layout (`mbolt repack`; no reorder file at this size), streamed paged (th
     python scripts/bench_deep.py prepare && python scripts/bench_deep_kernel.py prepare
     python scripts/bench_deep_kernel.py run --prereg PREREG [--rounds 5] [--dry-run]
 
+`ttft`: the time to first token of a 2,000-token prompt at this depth (issue 54: "<= ik_llama.cpp's"),
+then 8 fed tokens, under the same limit -> results/deep_q48_kernel_ttft.json. At one readahead
+(--readahead, the `run` stage's plain tuned window): mbolt-kernel + A/A, mbolt-stock (the mapped
+runtime: its prompt passes on llama.cpp's kernels for the stock layout), ik_llama.cpp mapped at
+-ub 2048 + A/A; then ik at -ub 2048 once more at --peer-readahead (the device's own window, as
+users run it untuned: a large window reads a prompt's layers faster and its decode slower).
+
+    python scripts/bench_deep_kernel.py ttft --prereg PREREG [--rounds 5] [--readahead 64] [--peer-readahead 8192]
+
 The pre-registration binds as bench_deep.py's do (committed, locked, a clean tree, its goals read
 from the file: over_best_peer_min, aa_within).
 """
@@ -24,6 +33,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_deep as deep  # noqa: E402  (the model, its workload and helpers)
 
@@ -32,7 +43,7 @@ from mbolt.bench.arms import Arm  # noqa: E402
 from mbolt.bench.memlimit import compact, json_default, log, paths, prepare_kernel, sweep_plain, sweep_summary  # noqa: E402
 from mbolt.bench.memlimit import run_ab_config  # noqa: E402
 from mbolt.bench.memlimit_decode import peer_arms  # noqa: E402
-from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row  # noqa: E402
+from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, ttft_of  # noqa: E402
 from mbolt.bench.prereg import gate_run, run_record, write_result  # noqa: E402
 from mbolt.bench.probe import sequential_read  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
@@ -41,6 +52,9 @@ from mbolt.core.memlimit import readahead  # noqa: E402
 NAME = deep.NAME
 GOALS = ("over_best_peer_min", "aa_within")
 RESULT = deep.ml.RESULTS / f"deep_{NAME}_kernel.json"
+TTFT_GOALS = ("ttft_over_ik_max", "aa_within")
+TTFT_RESULT = deep.ml.RESULTS / f"deep_{NAME}_kernel_ttft.json"
+TTFT_WORKLOAD = deep.ml.Workload(2000, 8, 0)
 
 
 def kernel_path(name: str = NAME) -> Path:
@@ -92,12 +106,70 @@ def measure(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
     return out
 
 
+def ttft(rounds: int, pr, window: int, peer_window: int, name: str = NAME, seed: int = 0) -> dict:
+    p = paths(name)
+    size = p["stock"].stat().st_size
+    ram = int(size * deep.budget_frac(name))
+    w = TTFT_WORKLOAD
+    _, mapped = deep.deep_arms(str(p["stock"]), "-stock")
+    kernel = Arm("mbolt-kernel", str(kernel_path(name)))
+    ids = peers.arm_ids(p["stock"], w.prompt, w.new)
+    ik = peers.find_ik()
+    if ik is None:
+        raise MboltError(f"no ik_llama.cpp in {peers.default_venv()}: this stage measures against it")
+
+    def ik_rounds(arms):
+        return peers.run_peers(ik, arms, p["stock"], ids[:w.prompt], ids[w.prompt:], rounds=rounds, ram=ram,
+                               n_ctx=w.n_ctx, seed=seed, progress=lambda d, t, r: log(
+                                   f"  {d}/{t} {r['arm']} r{r['round']}: ttft {r['ttft_s']:.2f} s"))
+
+    with readahead(p["stock"], window) as held:
+        log(f"{name}: a {w.prompt}-token prompt under the limit ({ram / 2**30:.2f} GiB), readahead {held} KiB")
+        lim = run_ab_config(name, [kernel, replace(kernel, name="mbolt-kernel (A/A)", control_of="mbolt-kernel"),
+                                   mapped], w, rounds, ram, seed, aa=False)
+        at = ik_rounds([peers.PeerArm("ik-2048", n_ubatch=2048),
+                        peers.PeerArm("ik-2048 (A/A)", n_ubatch=2048, control_of="ik-2048")])
+    with readahead(p["stock"], peer_window) as peer_held:
+        log(f"  ik_llama.cpp at readahead {peer_held} KiB")
+        wide = ik_rounds([peers.PeerArm(f"ik-2048@{peer_window}", n_ubatch=2048)])
+
+    def ik_ttft(d, arm):
+        xs = [r["ttft_s"] for r in d["rounds"] if r["arm"] == arm and not r["rejected"]]
+        return float(np.median(xs)) if xs else None
+
+    ttfts = {r["arm"]: r.get("ttft_s") for r in lim["summary"]}
+    ttfts.update({a: ik_ttft(at, a) for a in ("ik-2048", "ik-2048 (A/A)")})
+    ttfts[f"ik-2048@{peer_window}"] = ik_ttft(wide, f"ik-2048@{peer_window}")
+    best_ik = min(v for a, v in ttfts.items() if a.startswith("ik-") and "(A/A)" not in a and v)
+    aa = {"mbolt-kernel": pair_ratio(lim, "mbolt-kernel (A/A)", "mbolt-kernel", key=ttft_of),
+          "ik-2048": ttfts["ik-2048 (A/A)"] / ttfts["ik-2048"] if ttfts["ik-2048"] else None}
+    over = ttfts["mbolt-kernel"] / best_ik
+    g = pr.goal
+    out = {"model": name, "workload": vars(w), "file_bytes": size, "budget_bytes": ram, "rounds": rounds,
+           "readahead_kb": held, "peer_readahead_kb": peer_held, "ttft_s": ttfts, "best_ik_ttft_s": best_ik,
+           "kernel_over_best_ik": over, "kernel_over_ik_same_window": ttfts["mbolt-kernel"] / ttfts["ik-2048"],
+           "kernel_over_mapped_runtime": pair_ratio(lim, "mbolt-kernel", "mbolt-stock", key=ttft_of),
+           "decode_tokens_per_s": {**{r["arm"]: r.get("decode_tokens_per_s") for r in lim["summary"]},
+                                   **{s["arm"]: s["decode_tokens_per_s"] for d in (at, wide) for s in d["summary"]}},
+           "aa": aa, "limited": compact(lim), "peer": at, "peer_wide": wide,
+           "ratio_definition": "medians over rounds; the kernel arm's A/A and its ratio to the mapped runtime "
+                               "per round (same round), the rest ratios of medians (ik's rounds are its own)"}
+    out["goals"] = [{"goal": f"mbolt-kernel TTFT <= {g('ttft_over_ik_max')}x ik_llama.cpp's best (-ub 2048 at "
+                             f"{held} and {peer_held} KiB)", "value": over, "met": over <= g("ttft_over_ik_max")},
+                    deep.aa_goal(g, aa, "two")]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("stage", choices=["prepare", "run"])
+    ap.add_argument("stage", choices=["prepare", "run", "ttft"])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--prereg", type=Path, default=None, help="the run's pre-registration, committed and locked")
     ap.add_argument("--dry-run", action="store_true", help="check the gate, print the plan, measure nothing")
+    ap.add_argument("--readahead", type=int, default=64, help="ttft: the window (KiB) of every arm but the last "
+                    "(default 64: plain tuned in results/deep_q48_kernel.json)")
+    ap.add_argument("--peer-readahead", type=int, default=8192, help="ttft: the window (KiB) of ik's last arm "
+                    "(default 8192: this machine's own)")
     a = ap.parse_args()
     try:
         if a.stage == "prepare":
@@ -107,10 +179,24 @@ def main() -> None:
             return
         if a.prereg is None:
             raise MboltError("run needs --prereg (a committed, locked pre-registration)")
-        judged = list(GOALS)
-        pr, lock = gate_run(a.prereg, deep.ml.ROOT, judged, RESULT, count_run=not a.dry_run)
         if not kernel_path().exists():
             raise MboltError(f"{kernel_path()}: run `prepare` first")
+        if a.stage == "ttft":
+            pr, lock = gate_run(a.prereg, deep.ml.ROOT, TTFT_GOALS, TTFT_RESULT, count_run=not a.dry_run)
+            if a.dry_run:
+                print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present")
+                return
+            rec = run_record(pr, lock, deep.ml.ROOT, paths(NAME)["stock"])
+            res = ttft(a.rounds, pr, a.readahead, a.peer_readahead)
+            res.update({"benchmark": "a 2,000-token prompt on the kernel layout at full depth (issue 54)",
+                        "script": "scripts/bench_deep_kernel.py ttft"})
+            write_result(pr, rec, TTFT_RESULT, res, default=json_default)
+            log("wrote", TTFT_RESULT)
+            for goal in res["goals"]:
+                log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
+            return
+        judged = list(GOALS)
+        pr, lock = gate_run(a.prereg, deep.ml.ROOT, judged, RESULT, count_run=not a.dry_run)
         if a.dry_run:
             print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
                   f"plain's readahead swept, then {a.rounds} rounds of plain-stock, mbolt-kernel (+ A/A twins), "

@@ -172,6 +172,7 @@ def evict(path: str | os.PathLike, threshold: float = 0.01, tries: int = 3) -> E
 
 MADV_RANDOM = 1
 MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
 MADV_NOHUGEPAGE = 15
 
 

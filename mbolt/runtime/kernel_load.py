@@ -32,7 +32,7 @@ import numpy as np
 
 from mbolt.core.errors import MboltError
 from mbolt.core.kernel_file import KernelFile, check_build, llama_header, read_kernel
-from mbolt.core.pagecache import MADV_DONTNEED, PAGE, libc, memory_resident
+from mbolt.core.pagecache import MADV_DONTNEED, MADV_HUGEPAGE, MADV_NOHUGEPAGE, PAGE, libc, memory_resident
 from mbolt.core.repack import Build, build_of
 from mbolt.runtime.binding import GgmlTensor, captured_log, lib, set_fields
 
@@ -85,19 +85,34 @@ def _untouched_runs(spans: list[tuple[int, int]], least: int) -> list[tuple[int,
 
 class _LoadDrops:
     """The progress callback of a kernel-layout load: at its first call (every buffer allocated,
-    none written) it finds the model's buffers; at every call it gives their pages back."""
+    none written) it finds the model's buffers; at every call it gives their pages back.
 
-    def __init__(self, least: int):
+    While llama.cpp loads, the buffers take huge pages: it writes every weight once (the stand-in's
+    zeros, repacked) and each page is given back at the next call, so most of the load's time was
+    the kernel's 4 KiB faults (25.6 s at full depth, 18.5 s with huge pages). `done` turns them off
+    again before any weight is read: a huge page would bring a dropped expert's neighbours back."""
+
+    def __init__(self, least: int, huge_pages: bool = True):
         self.before = _writable_anonymous()
-        self.least = least
+        self.least, self.huge_pages = least, huge_pages
         self.runs: list[tuple[int, int]] | None = None
 
     def __call__(self, progress, user) -> bool:
         if self.runs is None:
             self.runs = _untouched_runs(_minus(_writable_anonymous(), self.before), self.least)
+            if self.huge_pages:
+                self._advise(MADV_HUGEPAGE)  # refused where the kernel has none: the load is the same, slower
         for a, b in self.runs:
             libc().madvise(a, b - a, MADV_DONTNEED)
         return True
+
+    def _advise(self, advice: int) -> None:
+        for a, b in self.runs or []:
+            libc().madvise(a, b - a, advice)
+
+    def done(self) -> None:
+        if self.huge_pages:
+            self._advise(MADV_NOHUGEPAGE)
 
 
 @dataclass
@@ -243,19 +258,21 @@ def this_build(L) -> Build:
     return build_of(info.decode() if isinstance(info, bytes) else str(info))
 
 
-def load_kernel_model(path: str | os.PathLike | KernelFile, *, build: Build | None = None) -> KernelModel:
+def load_kernel_model(path: str | os.PathLike | KernelFile, *, build: Build | None = None,
+                      huge_pages: bool = True) -> KernelModel:
     """Load a kernel-layout file (its path, or its records already read) into llama.cpp (nothing
-    filled yet: see `fill`/`fill_all`)."""
+    filled yet: see `fill`/`fill_all`). `huge_pages`: the buffers take huge pages while llama.cpp
+    writes its stand-in's zeros (_LoadDrops; off only to measure what they save)."""
     L = lib()
     L.llama_backend_init()
     k = path if isinstance(path, KernelFile) else read_kernel(path)
     check_build(k, build or this_build(L))
     t0, c0 = time.perf_counter(), time.process_time()
+    # a run this long is a model buffer (the smallest weight's size would do; 1 MiB leaves out the
+    # loader's 1 MiB staging buffers)
+    drops = _LoadDrops(least=2 << 20, huge_pages=huge_pages)
     try:
         with stand_in(k) as shadow_path:
-            # a run this long is a model buffer (the smallest weight's size would do; 1 MiB leaves out
-            # the loader's 1 MiB staging buffers)
-            drops = _LoadDrops(least=2 << 20)
             # every buffer a fresh map while llama.cpp loads: glibc would otherwise serve one below its
             # dynamic threshold (up to 32 MiB) from heap pages already touched, which the drops miss
             libc().mallopt(M_MMAP_THRESHOLD, 1 << 20)
@@ -273,6 +290,7 @@ def load_kernel_model(path: str | os.PathLike | KernelFile, *, build: Build | No
                 tensors = find_weights(L, model, names)
                 addr = {n: int(GgmlTensor.from_address(t).data) for n, t in tensors.items()}
     finally:
+        drops.done()
         libc().mallopt(M_MMAP_THRESHOLD, 128 << 10)  # glibc's initial threshold (now fixed)
     missing = sorted(names - set(addr))
     if missing:
