@@ -89,8 +89,9 @@ class _LoadDrops:
 
     While llama.cpp loads, the buffers take huge pages: it writes every weight once (the stand-in's
     zeros, repacked) and each page is given back at the next call, so most of the load's time was
-    the kernel's 4 KiB faults (25.6 s at full depth, 18.5 s with huge pages). `done` turns them off
-    again before any weight is read: a huge page would bring a dropped expert's neighbours back."""
+    the kernel's 4 KiB faults (full depth: 33.5 s, 25.3 s with huge pages; results/kernel_load_q48.json).
+    `done` turns them off before any weight is read: a huge page would bring a dropped expert's
+    neighbours back."""
 
     def __init__(self, least: int, huge_pages: bool = True):
         self.before = _writable_anonymous()
