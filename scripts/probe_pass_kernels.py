@@ -34,20 +34,14 @@ sys.path.insert(0, str(ROOT))
 IDS = [3 + (7 * i) % 200 for i in range(24)]
 
 
-def logits(L, model) -> np.ndarray:
-    """A 16-token pass, then 8 one-token steps: the last row's logits of each."""
-    cp = L.llama_context_default_params()
-    cp.n_ctx, cp.n_batch, cp.n_ubatch = 64, 16, 16
-    ctx = L.llama_init_from_model(model, cp)
-    nv = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    out = []
-    for chunk in (IDS[:16], *([t] for t in IDS[16:])):
-        a = (ctypes.c_int32 * len(chunk))(*chunk)
-        if L.llama_decode(ctx, L.llama_batch_get_one(a, len(chunk))) != 0:
-            raise RuntimeError("llama_decode failed")
-        out.append(np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, -1), shape=(nv,)).copy())
-    L.llama_free(ctx)
-    return np.stack(out)
+def logits(stock: Path, model) -> np.ndarray:
+    """A 16-token pass, then 8 one-token steps, on the runtime's driver (plain llama.cpp over
+    `model`, the stock file's map describing it): the logits of each."""
+    from mbolt.runtime.driver import open_driver
+
+    with open_driver(str(stock), reads=False, evict=False, repacked=True, llama_model=model, n_ctx=64,
+                     n_ubatch=16, n_threads=2) as d:
+        return np.stack([lg for _, lg in d.decode(IDS[:16], len(IDS) - 16, fed=IDS[16:])])
 
 
 def main(argv=None) -> int:
@@ -76,16 +70,16 @@ def main(argv=None) -> int:
         mp = L.llama_model_default_params()
         mp.use_extra_bufts = False
         m = L.llama_model_load_from_file(str(stock).encode(), mp)
-        mapped = logits(L, m)
+        mapped = logits(stock, m)
         L.llama_model_free(m)
         m = L.llama_model_load_from_file(str(stock).encode(), L.llama_model_default_params())
-        repacked = logits(L, m)
+        repacked = logits(stock, m)
         L.llama_model_free(m)
 
         km = load_kernel_model(kl)
         try:
             km.fill_all()
-            as_loaded = logits(L, km.model)
+            as_loaded = logits(stock, km.model)
             plain_buffer = TensorExtra.from_address(km.places["token_embd.weight"].tensor).buffer
             build, held, saved = this_build(), [], []
             for t in km.kernel.header.tensors:
@@ -100,10 +94,10 @@ def main(argv=None) -> int:
                 held.append(buf)
                 saved.append((x, x.data, x.buffer, x.extra))
                 x.data, x.buffer, x.extra = buf.ctypes.data + off, plain_buffer, None
-            swapped = logits(L, km.model)
+            swapped = logits(stock, km.model)
             for x, data, buffer, extra in saved:
                 x.data, x.buffer, x.extra = data, buffer, extra
-            back = logits(L, km.model)
+            back = logits(stock, km.model)
         finally:
             km.close()
     print(f"llama.cpp's two loads of the stock file differ by up to {np.abs(mapped - repacked).max():.4g} in a logit")
