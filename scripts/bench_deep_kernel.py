@@ -33,8 +33,6 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_deep as deep  # noqa: E402  (the model, its workload and helpers)
 
@@ -133,16 +131,10 @@ def ttft(rounds: int, pr, window: int, peer_window: int, name: str = NAME, seed:
         log(f"  ik_llama.cpp at readahead {peer_held} KiB")
         wide = ik_rounds([peers.PeerArm(f"ik-2048@{peer_window}", n_ubatch=2048)])
 
-    def ik_ttft(d, arm):
-        xs = [r["ttft_s"] for r in d["rounds"] if r["arm"] == arm and not r["rejected"]]
-        return float(np.median(xs)) if xs else None
-
-    ttfts = {r["arm"]: r.get("ttft_s") for r in lim["summary"]}
-    ttfts.update({a: ik_ttft(at, a) for a in ("ik-2048", "ik-2048 (A/A)")})
-    ttfts[f"ik-2048@{peer_window}"] = ik_ttft(wide, f"ik-2048@{peer_window}")
+    ttfts = {s["arm"]: s.get("ttft_s") for d in (lim, at, wide) for s in d["summary"]}
     best_ik = min(v for a, v in ttfts.items() if a.startswith("ik-") and "(A/A)" not in a and v)
     aa = {"mbolt-kernel": pair_ratio(lim, "mbolt-kernel (A/A)", "mbolt-kernel", key=ttft_of),
-          "ik-2048": ttfts["ik-2048 (A/A)"] / ttfts["ik-2048"] if ttfts["ik-2048"] else None}
+          "ik-2048": peers.aa_of(at["summary"], "ttft_s")["ik-2048 (A/A)"]}
     over = ttfts["mbolt-kernel"] / best_ik
     g = pr.goal
     out = {"model": name, "workload": vars(w), "file_bytes": size, "budget_bytes": ram, "rounds": rounds,

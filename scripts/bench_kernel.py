@@ -82,22 +82,10 @@ def ik_runs(name: str, rounds: int, ram: int, seed: int, warm: bool) -> dict | N
                                                         f"{r['decode_tokens_per_s']:.2f} tok/s"))
 
 
-def _median(xs):
-    import numpy as np
-
-    xs = [x for x in xs if x is not None]
-    return float(np.median(xs)) if xs else None
-
-
 def peer_summary(d: dict | None) -> dict:
-    """Each ik arm's median decode tok/s and TTFT over its rounds that were cold."""
-    if not d:
-        return {}
-    out = {}
-    for s in d["summary"]:
-        rs = [r for r in d["rounds"] if r["arm"] == s["arm"] and not r["rejected"]]
-        out[s["arm"]] = {"decode_tokens_per_s": s["decode_tokens_per_s"], "ttft_s": _median([r["ttft_s"] for r in rs])}
-    return out
+    """Each ik arm's median decode tok/s and TTFT over its rounds that were cold (bench.peers.run_peers)."""
+    return {s["arm"]: {"decode_tokens_per_s": s["decode_tokens_per_s"], "ttft_s": s["ttft_s"]}
+            for s in (d or {}).get("summary", [])}
 
 
 def measure(name: str, rounds: int, pr: BenchPrereg, seed: int = 0) -> dict:

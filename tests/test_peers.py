@@ -145,6 +145,32 @@ def test_beside_tells_kernels_from_io():
     assert peers.peers_beside(None, None, limited, None)["mbolt_over_best_peer"] is None
 
 
+def test_each_arms_medians_are_over_its_cold_rounds(monkeypatch):
+    """run_peers' summary: per arm the median decode rate and time to first token of the rounds
+    that were cold (a rejected round counts in neither), and the A/A twin's ratio of either."""
+    ttft = {"ik": [10.0, 30.0, 12.0], "ik (A/A)": [11.0, 13.0, 99.0]}
+    rejected = {"ik": [False, True, False], "ik (A/A)": [False, False, True]}
+    seen = {a: 0 for a in ttft}
+
+    def one_round(peer, arm, *a, **kw):
+        i = seen[arm.name]
+        seen[arm.name] += 1
+        return {"arm": arm.name, "ttft_s": ttft[arm.name][i], "decode_tokens_per_s": 2 * ttft[arm.name][i],
+                "rejected": rejected[arm.name][i]}
+
+    class Peer:
+        def record(self):
+            return {}
+
+    monkeypatch.setattr(peers, "run_round", one_round)
+    d = peers.run_peers(Peer(), [peers.PeerArm("ik"), peers.PeerArm("ik (A/A)", control_of="ik")], Path("m.gguf"),
+                        [1], [2], rounds=3, ram=0, n_ctx=64)
+    by = {s["arm"]: s for s in d["summary"]}
+    assert (by["ik"]["ttft_s"], by["ik"]["decode_tokens_per_s"]) == (11.0, 22.0)  # rounds 0 and 2
+    assert (by["ik (A/A)"]["ttft_s"], by["ik (A/A)"]["decode_tokens_per_s"]) == (12.0, 24.0)  # rounds 0 and 1
+    assert peers.aa_of(d["summary"], "ttft_s") == {"ik (A/A)": 12.0 / 11.0}
+
+
 def test_the_fed_ids_must_fit(tmp_path):
     with pytest.raises(MboltError, match="100 token ids; the peer's arms need a prompt of 64 .* and 256 fed"):
         peers.peer_decode(None, tmp_path / "m.gguf", list(range(100)), prompt_tokens=64, new_tokens=256, rounds=1,

@@ -287,7 +287,8 @@ def run_round(peer: IkPeer, arm: PeerArm, model: Path, prompt: list[int], fed: l
 def run_peers(peer: IkPeer, arms: list[PeerArm], model: Path, prompt: list[int], fed: list[int], *, rounds: int,
               ram: int, n_ctx: int, threads: int = 2, seed: int = 0, progress=None) -> dict:
     """Every arm once per round, in the balanced orders of bench.design.arm_orders (as run_ab
-    orders the mbolt arms); per arm the median decode tok/s over its rounds that were cold."""
+    orders the mbolt arms); per arm the median decode tok/s and time to first token over its
+    rounds that were cold."""
     import numpy as np
 
     from mbolt.bench.design import run_rounds
@@ -296,9 +297,11 @@ def run_peers(peer: IkPeer, arms: list[PeerArm], model: Path, prompt: list[int],
         peer, a, model, prompt, fed, ram=0 if a.warm else ram, n_ctx=n_ctx, threads=threads))
     summary = []
     for a in arms:
-        xs = [r["decode_tokens_per_s"] for r in rows if r["arm"] == a.name and not r["rejected"]]
+        cold = [r for r in rows if r["arm"] == a.name and not r["rejected"]]
+        xs = [r["decode_tokens_per_s"] for r in cold]
         summary.append({"arm": a.name, "warm": a.warm, "control_of": a.control_of,
-                        "decode_tokens_per_s": float(np.median(xs)) if xs else None, "decode_tokens_per_s_rounds": xs})
+                        "decode_tokens_per_s": float(np.median(xs)) if xs else None, "decode_tokens_per_s_rounds": xs,
+                        "ttft_s": float(np.median([r["ttft_s"] for r in cold])) if cold else None})
     measured = [s for s in summary if s["decode_tokens_per_s"] is not None and not s["control_of"] and not s["warm"]]
     best = max(measured, key=lambda s: s["decode_tokens_per_s"], default=None)
     return {**peer.record(), "fed": FED.format(prompt=len(prompt), new=len(fed), n_ctx=n_ctx),
