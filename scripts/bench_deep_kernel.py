@@ -38,7 +38,7 @@ import bench_deep as deep  # noqa: E402  (the model, its workload and helpers)
 
 from mbolt.bench import peers  # noqa: E402
 from mbolt.bench.arms import Arm  # noqa: E402
-from mbolt.bench.memlimit import compact, json_default, log, paths, prepare_kernel, sweep_plain, sweep_summary  # noqa: E402
+from mbolt.bench.memlimit import compact, json_default, kernel_of, log, paths, prepare_kernel, sweep_plain, sweep_summary  # noqa: E402
 from mbolt.bench.memlimit import run_ab_config  # noqa: E402
 from mbolt.bench.memlimit_decode import peer_arms  # noqa: E402
 from mbolt.bench.paired import best_window, pair_ratio, pair_stats, row, ttft_of  # noqa: E402
@@ -56,7 +56,7 @@ TTFT_WORKLOAD = deep.ml.Workload(2000, 8, 0)
 
 
 def kernel_path(name: str = NAME) -> Path:
-    return paths(name)["dir"] / "stock.kl.gguf"  # what prepare_kernel(name, "stock") writes
+    return kernel_of(name, "stock")  # no reorder file at this size
 
 
 def measure(rounds: int, pr, name: str = NAME, seed: int = 0) -> dict:
@@ -174,33 +174,25 @@ def main() -> None:
         if not kernel_path().exists():
             raise MboltError(f"{kernel_path()}: run `prepare` first")
         if a.stage == "ttft":
-            pr, lock = gate_run(a.prereg, deep.ml.ROOT, TTFT_GOALS, TTFT_RESULT, count_run=not a.dry_run)
-            if a.dry_run:
-                print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present")
-                return
-            rec = run_record(pr, lock, deep.ml.ROOT, paths(NAME)["stock"])
-            res = ttft(a.rounds, pr, a.readahead, a.peer_readahead)
-            res.update({"benchmark": "a 2,000-token prompt on the kernel layout at full depth (issue 54)",
-                        "script": "scripts/bench_deep_kernel.py ttft"})
-            write_result(pr, rec, TTFT_RESULT, res, default=json_default)
-            log("wrote", TTFT_RESULT)
-            for goal in res["goals"]:
-                log(f"  {goal['goal']}: {goal['value']}: {'met' if goal['met'] else 'MISSED'}")
-            return
-        judged = list(GOALS)
-        pr, lock = gate_run(a.prereg, deep.ml.ROOT, judged, RESULT, count_run=not a.dry_run)
+            goals, result, plan = TTFT_GOALS, TTFT_RESULT, ""
+            about = {"benchmark": "a 2,000-token prompt on the kernel layout at full depth (issue 54)",
+                     "script": "scripts/bench_deep_kernel.py ttft"}
+        else:
+            goals, result = GOALS, RESULT
+            plan = (f"; plain's readahead swept, then {a.rounds} rounds of plain-stock, mbolt-kernel (+ A/A twins), "
+                    "mbolt-stock; " + ("ik_llama.cpp mapped (+ A/A)" if peers.find_ik() else "ik_llama.cpp not installed"))
+            about = {"benchmark": "the kernel layout at full depth under a real memory limit (issue 54)",
+                     "script": "scripts/bench_deep_kernel.py",
+                     "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"}
+        pr, lock = gate_run(a.prereg, deep.ml.ROOT, list(goals), result, count_run=not a.dry_run)
         if a.dry_run:
-            print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present; "
-                  f"plain's readahead swept, then {a.rounds} rounds of plain-stock, mbolt-kernel (+ A/A twins), "
-                  "mbolt-stock; " + ("ik_llama.cpp mapped (+ A/A)" if peers.find_ik() else "ik_llama.cpp not installed"))
+            print(f"pre-registration {pr.path}: committed, locked ({pr.sha256[:16]}), tree clean, goals present{plan}")
             return
         rec = run_record(pr, lock, deep.ml.ROOT, paths(NAME)["stock"])
-        res = measure(a.rounds, pr)
-        res.update({"benchmark": "the kernel layout at full depth under a real memory limit (issue 54)",
-                    "script": "scripts/bench_deep_kernel.py",
-                    "text": "teacher-forced, mbolt/data/prompts.jsonl from prompt 100 on"})
-        write_result(pr, rec, RESULT, res, default=json_default)
-        log("wrote", RESULT)
+        res = ttft(a.rounds, pr, a.readahead, a.peer_readahead) if a.stage == "ttft" else measure(a.rounds, pr)
+        res.update(about)
+        write_result(pr, rec, result, res, default=json_default)
+        log("wrote", result)
         for goal in res["goals"]:
             v = goal["value"]
             log(f"  {goal['goal']}: {round(v, 3) if isinstance(v, float) else v}: {'met' if goal['met'] else 'MISSED'}")

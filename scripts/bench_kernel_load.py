@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mbolt.bench.design import run_rounds  # noqa: E402
-from mbolt.bench.memlimit import log, paths  # noqa: E402
+from mbolt.bench.memlimit import kernel_of, log, paths  # noqa: E402
 from mbolt.bench.prereg import gate_run, run_record, write_result  # noqa: E402
 from mbolt.core.errors import MboltError  # noqa: E402
 
@@ -58,11 +58,10 @@ ARMS = [LoadArm("4k", False), LoadArm("huge", True), LoadArm("huge (A/A)", True,
 
 
 def kernel_file(model: str) -> Path:
-    d = paths(model)["dir"]
-    for name in ("stock.kl.gguf", "reorder.kl.gguf"):
-        if (d / name).exists():
-            return d / name
-    raise MboltError(f"{d}: no kernel-layout file (run bench_deep_kernel.py or bench_kernel.py prepare)")
+    for source in ("stock", "reorder"):
+        if kernel_of(model, source).exists():
+            return kernel_of(model, source)
+    raise MboltError(f"{paths(model)['dir']}: no kernel-layout file (run bench_deep_kernel.py or bench_kernel.py prepare)")
 
 
 def one_load(path: Path, arm: LoadArm) -> dict:

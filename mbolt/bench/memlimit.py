@@ -231,6 +231,13 @@ def bound_of(name: str, w: Workload, slots: int, compute_s: float, bandwidth: fl
 
 
 
+def kernel_of(name: str, source: str = "reorder") -> Path:
+    """Where `prepare_kernel(name, source)` writes the kernel layout: SOURCE.kl.gguf beside the
+    source (the reorder file's is paths()["kernel"])."""
+    src = paths(name)[source]
+    return src.with_name(src.stem + ".kl.gguf")
+
+
 def prepare_kernel(name: str, source: str = "reorder") -> Path:
     """The `source` file ("reorder", or "stock" where a model has no reorder file) in this llama.cpp
     build's kernel layout (`mbolt repack`), beside it as SOURCE.kl.gguf; made once."""
@@ -238,8 +245,7 @@ def prepare_kernel(name: str, source: str = "reorder") -> Path:
     from mbolt.runtime.binding import lib
     from mbolt.runtime.kernel_load import this_build
 
-    p = paths(name)
-    k = p[source].with_name(p[source].stem + ".kl.gguf")  # the reorder file's: paths()["kernel"]
+    p, k = paths(name), kernel_of(name, source)
     if not k.exists():
         log(name, f"kernel layout (mbolt repack) of the {source} file")
         write_kernel(p[source], k, this_build(lib()))
