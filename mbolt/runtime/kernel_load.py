@@ -103,8 +103,7 @@ class _LoadDrops:
             self.runs = _untouched_runs(_minus(_writable_anonymous(), self.before), self.least)
             if self.huge_pages:
                 self._advise(MADV_HUGEPAGE)  # refused where the kernel has none: the load is the same, slower
-        for a, b in self.runs:
-            libc().madvise(a, b - a, MADV_DONTNEED)
+        self._advise(MADV_DONTNEED)
         return True
 
     def _advise(self, advice: int) -> None:
